@@ -1,0 +1,120 @@
+"""Shared-KV multi-query attention over a sliding window plus compressed entries, with per-head sinks.
+
+Every query attends to a list of key indices into one pool [window ring | this chunk | compressed entries]:
+the sliding window (ring slots and in-chunk tokens), then the CSA top-k picks or every visible HCA entry.
+Keys are gathered, never masked out of a dense score matrix. K = V (one 512-d latent per token).
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from model.compressor import Compressor, Indexer
+from model.config import CSA, HCA, ModelConfig
+from model.linear import GroupedLinear, Linear
+from model.norms import RMSNorm, rms_normalize
+from model.rope import apply_rope, layer_frequencies
+
+
+def sink_attention(
+    q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
+    valid: Bool[Array, "b c k"], sink: Float[Array, " h"],
+) -> Float[Array, "b c h d"]:
+    """softmax over the gathered keys plus a per-head sink logit (denominator only), weighted sum of values."""
+    keys = jax.vmap(lambda p, i: p[i])(pool, jnp.where(valid, ids, 0))  # [b, c, k, d]
+    scores = jnp.einsum("bchd,bckd->bchk", q, keys).astype(jnp.float32) * q.shape[-1] ** -0.5
+    scores = jnp.where(valid[:, :, None, :], scores, -jnp.inf)
+    sink_logit = jnp.broadcast_to(sink[:, None], (*scores.shape[:-1], 1))
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink_logit], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bchk,bckd->bchd", probs.astype(keys.dtype), keys)
+
+
+def window_ids(
+    ring_pos: Int[Array, " w"], positions: Int[Array, " c"], window: int
+) -> tuple[Int[Array, "c k"], Bool[Array, "c k"]]:
+    """Pool indices and validity of each query's sliding window: W ring slots, then W in-chunk tokens."""
+    w, c = ring_pos.shape[0], positions.shape[0]
+    ring_ok = (ring_pos[None, :] >= 0) & (ring_pos[None, :] > positions[:, None] - window)
+    back = jnp.arange(c)[:, None] - jnp.arange(window)[None, :]  # chunk offsets i, i-1, ..., i-W+1
+    ids = jnp.concatenate([jnp.broadcast_to(jnp.arange(w), (c, w)), w + back], axis=1)
+    return ids, jnp.concatenate([jnp.broadcast_to(ring_ok, (c, w)), back >= 0], axis=1)
+
+
+class Attention(nnx.Module):
+    """One layer's attention: low-rank queries, one shared KV head, optional compressor (+ indexer)."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+        d, h, hd, g = config.hidden_size, config.num_attention_heads, config.head_dim, config.o_groups
+        self.wq_a = Linear(d, config.q_lora_rank, dtype, rngs)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = Linear(config.q_lora_rank, h * hd, dtype, rngs)
+        self.wkv = Linear(d, hd, dtype, rngs)
+        self.kv_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.wo_a = GroupedLinear(h * hd // g, config.o_lora_rank, g, dtype, rngs)
+        self.wo_b = Linear(g * config.o_lora_rank, d, dtype, rngs)
+        self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32))
+        self.kind = config.layer_kind(layer)
+        if self.kind in (CSA, HCA):
+            self.compressor = Compressor(config, config.compress_ratios[layer], hd, self.kind == CSA, dtype, rngs)
+        if self.kind == CSA:
+            self.indexer = Indexer(config, dtype, rngs)
+        self.freqs = tuple(layer_frequencies(config, layer).tolist())  # static python floats
+        self.config = config
+
+    def init_state(self, batch: int, max_len: int) -> dict:
+        """Empty per-sequence state: the window ring and, where present, compressor and indexer states."""
+        w, hd = self.config.sliding_window, self.config.head_dim
+        state = {"ring_kv": jnp.zeros((batch, w, hd), jnp.float32), "ring_pos": jnp.full((w,), -1, jnp.int32)}
+        if self.kind in (CSA, HCA):
+            state["compressor"] = self.compressor.init_state(batch, max_len)
+        if self.kind == CSA:
+            state["indexer"] = self.indexer.compressor.init_state(batch, max_len)
+        return state
+
+    def __call__(
+        self, x: Float[Array, "b c d"], start: Int[Array, ""], state: dict
+    ) -> tuple[Float[Array, "b c d"], dict]:
+        """Attend for tokens at positions start..start+c-1 (x already normed); returns output and new state."""
+        cfg, freqs = self.config, jnp.asarray(self.freqs, jnp.float32)
+        b, c, _ = x.shape
+        positions = start + jnp.arange(c, dtype=jnp.int32)
+        q_lat = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_lat).reshape(b, c, cfg.num_attention_heads, cfg.head_dim)
+        q = apply_rope(rms_normalize(q, cfg.rms_norm_eps), positions, freqs)
+        kv = apply_rope(self.kv_norm(self.wkv(x))[:, :, None], positions, freqs)[:, :, 0]
+
+        ids, valid = window_ids(state["ring_pos"], positions, cfg.sliding_window)
+        ids, valid = jnp.broadcast_to(ids, (b, *ids.shape)), jnp.broadcast_to(valid, (b, *valid.shape))
+        pools = [state["ring_kv"].astype(kv.dtype), kv]
+        new_state = dict(state)
+        if self.kind in (CSA, HCA):
+            comp = self.compressor(x, start, state["compressor"], freqs)
+            new_state["compressor"] = comp
+            entries = comp["entries"].astype(kv.dtype)
+            base = cfg.sliding_window + c
+            if self.kind == CSA:
+                idx_state = self.indexer.compressor(x, start, state["indexer"], freqs)
+                new_state["indexer"] = idx_state
+                picks = self.indexer.select(x, q_lat, positions, idx_state["entries"], freqs)
+                comp_ids, comp_ok = base + picks, picks >= 0
+            else:
+                n = entries.shape[1]
+                comp_ok = jnp.arange(n)[None, :] < ((positions + 1) // self.compressor.ratio)[:, None]
+                comp_ok = jnp.broadcast_to(comp_ok, (b, c, n))
+                comp_ids = jnp.broadcast_to(base + jnp.arange(n), (b, c, n))
+            ids, valid = jnp.concatenate([ids, comp_ids], -1), jnp.concatenate([valid, comp_ok], -1)
+            pools.append(entries)
+        out = sink_attention(q, jnp.concatenate(pools, axis=1), ids, valid, self.attn_sink[...])
+        out = apply_rope(out, positions, freqs, inverse=True)
+        out = self.wo_a(out.reshape(b, c, cfg.o_groups, -1)).reshape(b, c, -1)
+        new_state["ring_kv"], new_state["ring_pos"] = self._push_window(state, kv, positions)
+        return self.wo_b(out), new_state
+
+    def _push_window(self, state: dict, kv: jax.Array, positions: jax.Array):
+        """Ring update: the last min(c, W) tokens overwrite their slots (position mod W)."""
+        w = self.config.sliding_window
+        keep = min(kv.shape[1], w)
+        slots = positions[-keep:] % w
+        ring_kv = state["ring_kv"].at[:, slots].set(kv[:, -keep:].astype(jnp.float32))
+        return ring_kv, state["ring_pos"].at[slots].set(positions[-keep:])

@@ -1,0 +1,163 @@
+"""Checkpoint I/O: DeepSeek-V4 safetensors (native or HF `model.`-prefixed names; fp32 / bf16 / FP8 / FP4).
+
+Our parameter paths are the native tensor names (`layers.3.attn.wq_a.weight`), except two spellings:
+mHC sites are modules (`hc_attn.fn` is stored as `hc_attn_fn`) and routed experts are stacked
+(`ffn.experts.w1` [E, I, D] is stored per expert as `ffn.experts.{e}.w1.weight`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from model.api import Model, abstract_model
+from model.config import ModelConfig
+from model.quant import dequant_fp4_packed, dequant_fp8_blocks
+from model.safetensors_io import read_tensors, write_sharded
+
+_HC_SITE = re.compile(r"(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
+_EXPERTS = re.compile(r"^(.*\.experts)\.(w[123])$")
+_EXPERT_FILE = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model its config.json describes."""
+
+
+def native_name(path: tuple) -> str:
+    """The checkpoint name of a parameter path (stacked experts keep the `experts.w1` form)."""
+    return _HC_SITE.sub(r"\1_\2", ".".join(str(p) for p in path))
+
+
+def _expected(model: Model) -> dict[str, tuple[tuple, tuple[int, ...], np.dtype]]:
+    """name -> (param path, shape, dtype) for every parameter of an (abstract) model."""
+    return {native_name(path): (path, tuple(v.shape), v.dtype) for path, v in nnx.to_flat_state(model.params)}
+
+
+def to_native(model: Model) -> dict[str, np.ndarray]:
+    """The model's parameters as a dict of native tensor names to host arrays (experts split per expert)."""
+    out = {}
+    for path, var in nnx.to_flat_state(model.params):
+        name, value = native_name(path), np.asarray(var.get_value())
+        if m := _EXPERTS.match(name):
+            for e in range(value.shape[0]):
+                out[f"{m[1]}.{e}.{m[2]}.weight"] = value[e]
+        else:
+            out[name] = value
+    return out
+
+
+def _canonical_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Strip the HF `model.` prefix and map HF's embedding / head names onto the native ones."""
+    out = {}
+    for name, value in tensors.items():
+        name = name.removeprefix("model.")
+        name = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight"}.get(name, name)
+        if name in out:
+            raise CheckpointError(f"tensor {name} appears twice (with and without the `model.` prefix)")
+        out[name] = value
+    return out
+
+
+def _dequantize(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Replace every `X.weight` + `X.scale` pair (FP8 blocks or packed FP4) by a float32 `X.weight`."""
+    out = dict(tensors)
+    for scale_name in [n for n in tensors if n.endswith(".scale") and not _HC_SITE.search(n)]:
+        weight_name = scale_name.removesuffix(".scale") + ".weight"
+        if weight_name not in tensors:
+            raise CheckpointError(f"{scale_name} has no matching {weight_name}")
+        w, scale = tensors[weight_name], out.pop(scale_name)
+        try:
+            if w.dtype == ml_dtypes.float8_e4m3fn:
+                block = (-(-w.shape[0] // scale.shape[0]), -(-w.shape[1] // scale.shape[1]))
+                out[weight_name] = dequant_fp8_blocks(w, scale, block)
+            elif w.dtype in (np.int8, np.uint8):
+                out[weight_name] = dequant_fp4_packed(w, scale, block=2 * w.shape[1] // scale.shape[1])
+            else:
+                raise CheckpointError(f"{weight_name} has a scale but dtype {w.dtype} (expected FP8 or packed FP4)")
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise CheckpointError(f"cannot dequantize {weight_name} {w.dtype}{list(w.shape)} with scale "
+                                  f"{list(scale.shape)}: {e}") from None
+    return out
+
+
+def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Gather per-expert `experts.{e}.wN.weight` tensors into stacked `experts.wN` arrays."""
+    groups: dict[str, dict[int, np.ndarray]] = {}
+    out = {}
+    for name, value in tensors.items():
+        if m := _EXPERT_FILE.match(name):
+            groups.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = value
+        else:
+            out[name] = value
+    for name, per_expert in groups.items():
+        ids = sorted(per_expert)
+        if ids != list(range(len(ids))):
+            missing = sorted(set(range(max(ids) + 1)) - set(ids))
+            raise CheckpointError(f"{name}: expert tensors {missing} are missing")
+        shapes = {per_expert[e].shape for e in ids}
+        if len(shapes) > 1:
+            raise CheckpointError(f"{name}: experts have different shapes {sorted(shapes)}")
+        out[name] = np.stack([np.asarray(per_expert[e]) for e in ids])
+    return out
+
+
+def _drop_missing_mtp(config: ModelConfig, tensors: dict) -> ModelConfig:
+    """HF-saved checkpoints carry no `mtp.*` tensors: load them without MTP blocks (with a warning)."""
+    if config.num_nextn_predict_layers and not any(n.startswith("mtp.") for n in tensors):
+        warnings.warn("checkpoint has no mtp.* tensors; loading without MTP blocks", stacklevel=3)
+        n = config.num_hidden_layers
+        return dataclasses.replace(config, num_nextn_predict_layers=0, compress_ratios=config.compress_ratios[:n])
+    return config
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> Model:
+    """Load a DeepSeek-V4 checkpoint directory (config.json + safetensors) into a Model."""
+    path = Path(path)
+    config = ModelConfig.from_json(path)
+    tensors = _stack_experts(_dequantize(_canonical_names(read_tensors(path))))
+    config = _drop_missing_mtp(config, tensors)
+    model = abstract_model(config, dtype)
+    expected = _expected(model)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        name = missing[0]
+        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s), e.g. {_show(name, expected)}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"checkpoint {path} has {len(unexpected)} unexpected tensor(s): {unexpected[:5]}")
+    pure = nnx.to_pure_dict(model.params)
+    for name, (param_path, shape, dtype_) in expected.items():
+        value = tensors[name]
+        if tuple(value.shape) != shape:
+            raise CheckpointError(f"tensor {name} has shape {list(value.shape)}; expected {list(shape)}")
+        node = pure
+        for key in param_path[:-1]:
+            node = node[key]
+        node[param_path[-1]] = jnp.asarray(np.asarray(value).astype(np.float32)
+                                           if np.issubdtype(dtype_, np.floating) else np.asarray(value), dtype_)
+    nnx.replace_by_pure_dict(model.params, pure)
+    return Model(nnx.merge(model.graphdef, model.params))
+
+
+def _show(name: str, expected: dict) -> str:
+    _, shape, dtype = expected[name]
+    if m := _EXPERTS.match(name):
+        name = f"{m[1]}.0.{m[2]}.weight"
+        shape = shape[1:]
+    return f"{name} with shape {list(shape)} ({np.dtype(dtype).name})"
+
+
+def save_checkpoint(model: Model, path: str | Path, max_shard_bytes: int = 4 << 30) -> None:
+    """Write config.json and the native-layout safetensors (sharded above `max_shard_bytes`)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_json(path)
+    write_sharded(path, to_native(model), max_shard_bytes)

@@ -1,0 +1,73 @@
+"""mHC: manifold-constrained hyper-connections mixing `hc_mult` residual streams around each block."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from model.norms import rms_normalize
+
+
+def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float) -> Float[Array, "... n n"]:
+    """Near doubly-stochastic matrix: row softmax + eps, then alternate column / row normalisation.
+
+    The first and last steps are column normalisations (`iters` column steps in all).
+    """
+    m = jax.nn.softmax(logits, axis=-1) + eps
+    m = m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (jnp.sum(m, axis=-1, keepdims=True) + eps)
+        m = m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
+    return m
+
+
+class HyperConnection(nnx.Module):
+    """Per-token pre / post / comb weights of one mHC site, computed from the normalised flattened streams."""
+
+    def __init__(self, n: int, dim: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float, rngs: nnx.Rngs):
+        width = (2 + n) * n
+        self.fn = nnx.Param(0.02 * jax.random.normal(rngs.params(), (width, n * dim), jnp.float32))
+        self.base = nnx.Param(jnp.zeros((width,), jnp.float32))
+        self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
+        self.n, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+
+    def weights(self, streams: Float[Array, "b s n d"]):
+        """(pre [b,s,n], post [b,s,n], comb [b,s,n,n]) for these streams."""
+        n = self.n
+        flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32), self.norm_eps)
+        mix = flat @ self.fn[...].T
+        base, scale = self.base[...], self.scale[...]
+        pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + self.hc_eps
+        post = 2 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+        comb_logits = mix[..., 2 * n:] * scale[2] + base[2 * n:]
+        comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), self.iters, self.hc_eps)
+        return pre, post, comb
+
+
+def collapse(streams: Float[Array, "b s n d"], pre: Float[Array, "b s n"]) -> Float[Array, "b s d"]:
+    """Weighted sum of the streams (the block input)."""
+    return jnp.einsum("bsn,bsnd->bsd", pre, streams.astype(jnp.float32)).astype(streams.dtype)
+
+
+def expand(
+    streams: Float[Array, "b s n d"], y: Float[Array, "b s d"], post: Float[Array, "b s n"],
+    comb: Float[Array, "b s n n"],
+) -> Float[Array, "b s n d"]:
+    """New streams X'_j = post_j * y + sum_i comb[i, j] * X_i (the transposed comb)."""
+    mixed = jnp.einsum("bsij,bsid->bsjd", comb, streams.astype(jnp.float32))
+    return (post[..., None] * y[..., None, :].astype(jnp.float32) + mixed).astype(streams.dtype)
+
+
+class HyperHead(nnx.Module):
+    """Final collapse of the streams before the output norm and head (sigmoid weights, no Sinkhorn)."""
+
+    def __init__(self, n: int, dim: int, hc_eps: float, norm_eps: float, rngs: nnx.Rngs):
+        self.fn = nnx.Param(0.02 * jax.random.normal(rngs.params(), (n, n * dim), jnp.float32))
+        self.base = nnx.Param(jnp.zeros((n,), jnp.float32))
+        self.scale = nnx.Param(jnp.ones((1,), jnp.float32))
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+
+    def __call__(self, streams: Float[Array, "b s n d"]) -> Float[Array, "b s d"]:
+        flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32), self.norm_eps)
+        pre = jax.nn.sigmoid(flat @ self.fn[...].T * self.scale[0] + self.base[...]) + self.hc_eps
+        return collapse(streams, pre)

@@ -1,0 +1,37 @@
+"""Bias-free linear maps stored as checkpoints store them: weight [out, in]."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+
+def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
+    """The initialisation of every random matrix of a fresh model (truncation-free normal, std 0.02)."""
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x W^T with W [out, in]; computed in the weight's dtype unless `compute_dtype` is given."""
+
+    def __init__(self, in_dim: int, out_dim: int, dtype, rngs: nnx.Rngs, compute_dtype=None):
+        self.weight = nnx.Param(normal_init(rngs, (out_dim, in_dim), dtype))
+        self.compute_dtype = compute_dtype
+
+    def __call__(self, x: Float[Array, "... i"]) -> Float[Array, "... o"]:
+        w = self.weight[...]
+        dtype = self.compute_dtype or w.dtype
+        return jnp.einsum("...i,oi->...o", x.astype(dtype), w.astype(dtype))
+
+
+class GroupedLinear(nnx.Module):
+    """Block-diagonal projection: group g of the input maps through its own [out, in/groups] slice."""
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(normal_init(rngs, (groups * out_per_group, in_per_group), dtype))
+        self.groups = groups
+
+    def __call__(self, x: Float[Array, "... g i"]) -> Float[Array, "... g o"]:
+        w = self.weight[...]
+        w = w.reshape(self.groups, -1, w.shape[-1])
+        return jnp.einsum("...gi,goi->...go", x.astype(w.dtype), w)

@@ -1,0 +1,105 @@
+"""Mixture of experts: sqrt-softplus routing (bias for selection only), hash routing, clamped SwiGLU experts."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from model.config import ModelConfig
+from model.linear import Linear, normal_init
+
+
+def clamped_swiglu(gate: Float[Array, "..."], up: Float[Array, "..."], limit: float) -> Float[Array, "..."]:
+    """silu(min(gate, limit)) * clip(up, -limit, limit)."""
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def route_scores(logits: Float[Array, "t e"], scoring_func: str) -> Float[Array, "t e"]:
+    """Router affinities from gate logits."""
+    if scoring_func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if scoring_func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+class SharedExpert(nnx.Module):
+    """The always-on expert (w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, dim: int, inter: int, limit: float, dtype, rngs: nnx.Rngs):
+        self.w1 = Linear(dim, inter, dtype, rngs)
+        self.w2 = Linear(inter, dim, dtype, rngs)
+        self.w3 = Linear(dim, inter, dtype, rngs)
+        self.limit = limit
+
+    def __call__(self, x: Float[Array, "t d"]) -> Float[Array, "t d"]:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class Gate(nnx.Module):
+    """Router: scores from `weight`; experts chosen by top-k on scores + `bias`, or by the fixed `tid2eid`."""
+
+    def __init__(self, config: ModelConfig, hash_routed: bool, dtype, rngs: nnx.Rngs):
+        e, k = config.n_routed_experts, config.num_experts_per_tok
+        self.weight = nnx.Param(normal_init(rngs, (e, config.hidden_size), dtype))
+        if hash_routed:
+            self.tid2eid = nnx.Param(jnp.arange(config.vocab_size * k, dtype=jnp.int32).reshape(-1, k) % e)
+        else:
+            self.bias = nnx.Param(jnp.zeros((e,), jnp.float32))
+        self.hash_routed = hash_routed
+        self.k, self.scale, self.norm = k, config.routed_scaling_factor, config.norm_topk_prob
+        self.scoring_func = config.scoring_func
+
+    def __call__(self, x: Float[Array, "t d"], token_ids: Int[Array, " t"]):
+        """(expert ids [t, k], combine weights [t, k]) per token."""
+        logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        scores = route_scores(logits, self.scoring_func)
+        if self.hash_routed:
+            ids = self.tid2eid[...][token_ids]
+        else:
+            _, ids = jax.lax.top_k(scores + self.bias[...], self.k)
+        weights = jnp.take_along_axis(scores, ids, axis=-1)
+        if self.norm:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return ids, weights * self.scale
+
+
+class Experts(nnx.Module):
+    """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I]."""
+
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.w1 = nnx.Param(normal_init(rngs, (e, i, d), dtype))
+        self.w2 = nnx.Param(normal_init(rngs, (e, d, i), dtype))
+        self.w3 = nnx.Param(normal_init(rngs, (e, i, d), dtype))
+        self.limit = config.swiglu_limit
+
+    def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"]):
+        """Sum over each token's chosen experts of weight * expert(x), via a dense per-expert combine."""
+        e = self.w1.shape[0]
+        combine = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32) * weights[..., None], axis=1)  # [t, e]
+        w1, w2, w3 = self.w1[...], self.w2[...], self.w3[...]
+        xc = x.astype(w1.dtype)
+        h = clamped_swiglu(jnp.einsum("td,eid->tei", xc, w1), jnp.einsum("td,eid->tei", xc, w3), self.limit)
+        y = jnp.einsum("tei,edi->ted", h, w2).astype(jnp.float32)
+        return jnp.einsum("te,ted->td", combine, y)
+
+
+class MoE(nnx.Module):
+    """Routed experts plus the shared expert."""
+
+    def __init__(self, config: ModelConfig, hash_routed: bool, dtype, rngs: nnx.Rngs):
+        self.gate = Gate(config, hash_routed, dtype, rngs)
+        self.experts = Experts(config, dtype, rngs)
+        if config.n_shared_experts:
+            self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size,
+                                               config.swiglu_limit, dtype, rngs)
+        self.has_shared = bool(config.n_shared_experts)
+
+    def __call__(self, x: Float[Array, "b s d"], token_ids: Int[Array, "b s"]) -> Float[Array, "b s d"]:
+        flat = x.reshape(-1, x.shape[-1])
+        ids, weights = self.gate(flat, token_ids.reshape(-1))
+        out = self.experts(flat, ids, weights)
+        if self.has_shared:
+            out = out + self.shared_experts(flat).astype(jnp.float32)
+        return out.reshape(x.shape).astype(x.dtype)

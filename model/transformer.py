@@ -1,0 +1,133 @@
+"""The DeepSeek-V4 stack: embedding, mHC blocks (attention + MoE), final stream collapse, head, MTP blocks."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from model.attention import Attention
+from model.config import ModelConfig
+from model.hyper import HyperConnection, HyperHead, collapse, expand
+from model.linear import Linear, normal_init
+from model.moe import MoE
+from model.norms import RMSNorm
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [vocab, hidden]."""
+
+    def __init__(self, vocab: int, dim: int, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(normal_init(rngs, (vocab, dim), dtype))
+
+    def __call__(self, tokens: Int[Array, "b s"]) -> Float[Array, "b s d"]:
+        return self.weight[...][tokens]
+
+
+class Block(nnx.Module):
+    """One layer: mHC around attention, then mHC around the MoE."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+        d, n = config.hidden_size, config.hc_mult
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.attn = Attention(config, layer, dtype, rngs)
+        self.ffn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.ffn = MoE(config, config.is_hash_layer(layer), dtype, rngs)
+        hc = (n, d, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+        self.hc_attn = HyperConnection(*hc, rngs=rngs)
+        self.hc_ffn = HyperConnection(*hc, rngs=rngs)
+
+    def __call__(
+        self, streams: Float[Array, "b c n d"], tokens: Int[Array, "b c"], start: Int[Array, ""], state: dict
+    ) -> tuple[Float[Array, "b c n d"], dict]:
+        pre, post, comb = self.hc_attn.weights(streams)
+        y, state = self.attn(self.attn_norm(collapse(streams, pre)), start, state)
+        streams = expand(streams, y, post, comb)
+        pre, post, comb = self.hc_ffn.weights(streams)
+        y = self.ffn(self.ffn_norm(collapse(streams, pre)), tokens)
+        return expand(streams, y, post, comb), state
+
+
+class MTPBlock(Block):
+    """Next-token-prediction block: mixes the next token's embedding into the main streams, then one Block.
+
+    It shares the embedding and head with the main model and has its own final collapse and norm.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+        super().__init__(config, layer, dtype, rngs)
+        d = config.hidden_size
+        self.enorm = RMSNorm(d, config.rms_norm_eps)
+        self.hnorm = RMSNorm(d, config.rms_norm_eps)
+        self.e_proj = Linear(d, d, dtype, rngs)
+        self.h_proj = Linear(d, d, dtype, rngs)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.hc_head = HyperHead(config.hc_mult, d, config.hc_eps, config.rms_norm_eps, rngs)
+
+    def mix_inputs(
+        self, streams: Float[Array, "b c n d"], next_embeds: Float[Array, "b c d"]
+    ) -> Float[Array, "b c n d"]:
+        """Block input: e_proj(enorm(embedding)) broadcast to every stream + h_proj(hnorm(stream))."""
+        return self.e_proj(self.enorm(next_embeds))[:, :, None] + self.h_proj(self.hnorm(streams))
+
+
+class DeepseekV4(nnx.Module):
+    """The whole model; `__call__` runs a chunk of tokens against a per-sequence cache."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        d = config.hidden_size
+        self.embed = Embedding(config.vocab_size, d, dtype, rngs)
+        self.layers = nnx.List([Block(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
+        self.hc_head = HyperHead(config.hc_mult, d, config.hc_eps, config.rms_norm_eps, rngs)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.head = Linear(d, config.vocab_size, dtype, rngs, compute_dtype=jnp.float32)
+        n_main = config.num_hidden_layers
+        self.mtp = nnx.List([MTPBlock(config, n_main + i, dtype, rngs)
+                             for i in range(config.num_nextn_predict_layers)])
+        self.config = config
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty cache for `batch` sequences of up to `max_len` tokens (MTP layers included)."""
+        if max_len > self.config.max_position_embeddings:
+            raise ValueError(f"max_len={max_len} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+        return {"pos": jnp.zeros((), jnp.int32),
+                "layers": [blk.attn.init_state(batch, max_len) for blk in self.layers],
+                "mtp": [blk.attn.init_state(batch, max_len) for blk in self.mtp]}
+
+    def streams(
+        self, tokens: Int[Array, "b c"], cache: dict
+    ) -> tuple[Float[Array, "b c n d"], dict]:
+        """Residual streams after the last layer for the next chunk of tokens; advances the cache."""
+        start = cache["pos"]
+        x = self.embed(tokens)
+        streams = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
+        states = []
+        for blk, state in zip(self.layers, cache["layers"]):
+            streams, state = blk(streams, tokens, start, state)
+            states.append(state)
+        return streams, {**cache, "pos": start + tokens.shape[1], "layers": states}
+
+    def head_logits(self, streams: Float[Array, "b c n d"], hc_head=None, norm=None) -> Float[Array, "b c v"]:
+        """fp32 logits from the streams (the main collapse and norm unless an MTP block's are given)."""
+        hc_head, norm = hc_head or self.hc_head, norm or self.norm
+        return self.head(norm(hc_head(streams)).astype(jnp.float32))
+
+    def __call__(self, tokens: Int[Array, "b c"], cache: dict) -> tuple[Float[Array, "b c v"], dict]:
+        streams, cache = self.streams(tokens, cache)
+        return self.head_logits(streams), cache
+
+    def mtp_logits(
+        self, streams: Float[Array, "b c n d"], next_tokens: Int[Array, "b c"], cache: dict, depth: int = 0
+    ) -> tuple[Float[Array, "b c v"], dict]:
+        """Logits of MTP block `depth` for position t+2, from the main streams at t and the token at t+1.
+
+        `cache["pos"]` must be the position of the first row of `streams` (the MTP cache advances by its own
+        chunks, so call it with the same chunking as the main model).
+        """
+        blk = self.mtp[depth]
+        start = cache["pos"] - streams.shape[1]
+        x = blk.mix_inputs(streams, self.embed(next_tokens))
+        out, state = blk(x, next_tokens, start, cache["mtp"][depth])
+        mtp_states = list(cache["mtp"])
+        mtp_states[depth] = state
+        return self.head_logits(out, blk.hc_head, blk.norm), {**cache, "mtp": mtp_states}
