@@ -8,6 +8,7 @@ mHC sites are modules (`hc_attn.fn` is stored as `hc_attn_fn`) and routed expert
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import warnings
 from pathlib import Path
@@ -25,6 +26,10 @@ from model.safetensors_io import read_tensors, write_sharded
 _HC_SITE = re.compile(r"(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
 _EXPERTS = re.compile(r"^(.*\.experts)\.(w[123])$")
 _EXPERT_FILE = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
+# transformers' save_pretrained keeps a few of its own spellings (checked with transformers 5.24)
+_HF_RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+               "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+_HF_KV_NORM = re.compile(r"^((?:mtp|layers)\.\d+)\.attn\.norm\.weight$")
 
 
 class CheckpointError(ValueError):
@@ -55,18 +60,28 @@ def to_native(model: Model) -> dict[str, np.ndarray]:
 
 
 def _canonical_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Strip the HF `model.` prefix and map HF's embedding / head names onto the native ones."""
+    """Strip the HF `model.` prefix and map the names transformers writes differently onto native ones."""
     out = {}
     for name, value in tensors.items():
         name = name.removeprefix("model.")
-        name = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight"}.get(name, name)
+        name = _HF_RENAMES.get(name, name)
+        name = _HF_KV_NORM.sub(r"\1.attn.kv_norm.weight", name)
         if name in out:
             raise CheckpointError(f"tensor {name} appears twice (with and without the `model.` prefix)")
         out[name] = value
     return out
 
 
-def _dequantize(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def fp8_block_size(path: Path) -> tuple[int, int]:
+    """`quantization_config.weight_block_size` of a checkpoint's config.json (V4: 128x128, V4.1: 32x32)."""
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    block = quant.get("weight_block_size", (128, 128))
+    if len(block) != 2 or min(block) <= 0:
+        raise CheckpointError(f"quantization_config.weight_block_size must be two positive ints, got {block}")
+    return int(block[0]), int(block[1])
+
+
+def _dequantize(tensors: dict[str, np.ndarray], block: tuple[int, int]) -> dict[str, np.ndarray]:
     """Replace every `X.weight` + `X.scale` pair (FP8 blocks or packed FP4) by a float32 `X.weight`."""
     out = dict(tensors)
     for scale_name in [n for n in tensors if n.endswith(".scale") and not _HC_SITE.search(n)]:
@@ -76,7 +91,6 @@ def _dequantize(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         w, scale = tensors[weight_name], out.pop(scale_name)
         try:
             if w.dtype == ml_dtypes.float8_e4m3fn:
-                block = (-(-w.shape[0] // scale.shape[0]), -(-w.shape[1] // scale.shape[1]))
                 out[weight_name] = dequant_fp8_blocks(w, scale, block)
             elif w.dtype in (np.int8, np.uint8):
                 out[weight_name] = dequant_fp4_packed(w, scale, block=2 * w.shape[1] // scale.shape[1])
@@ -122,7 +136,7 @@ def load_model(path: str | Path, dtype: str = "float32") -> Model:
     """Load a DeepSeek-V4 checkpoint directory (config.json + safetensors) into a Model."""
     path = Path(path)
     config = ModelConfig.from_json(path)
-    tensors = _stack_experts(_dequantize(_canonical_names(read_tensors(path))))
+    tensors = _stack_experts(_dequantize(_canonical_names(read_tensors(path)), fp8_block_size(path)))
     config = _drop_missing_mtp(config, tensors)
     model = abstract_model(config, dtype)
     expected = _expected(model)

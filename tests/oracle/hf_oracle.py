@@ -25,6 +25,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -68,21 +69,13 @@ NATIVE_RENAMES: list[tuple[str, str]] = [
 ]
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     """Print `message` on stderr and exit with status 1."""
     print(f"hf_oracle: error: {message}", file=sys.stderr)
     sys.exit(1)
 
 
 # ---------------------------------------------------------------------------- init
-
-
-def load_config(path: Path) -> DeepseekV4Config:
-    """Build a DeepseekV4Config from an HF-style config.json (legacy keys allowed)."""
-    config_dict = json.loads(path.read_text())
-    config_dict.pop("model_type", None)
-    config_dict.pop("architectures", None)
-    return DeepseekV4Config(**config_dict)
 
 
 def randomise_defaults(model: DeepseekV4ForCausalLM, config: DeepseekV4Config) -> None:
@@ -134,7 +127,7 @@ def check_no_constant_tensors(model: DeepseekV4ForCausalLM) -> None:
 
 def cmd_init(args: argparse.Namespace) -> None:
     """`init`: random fp32 model from --config, saved with save_pretrained to --out."""
-    config = load_config(args.config)
+    config = DeepseekV4Config.from_json_file(args.config)
     torch.manual_seed(args.seed)
     model = DeepseekV4ForCausalLM(config).to(torch.float32).eval()
     randomise_defaults(model, config)
@@ -147,6 +140,8 @@ def cmd_init(args: argparse.Namespace) -> None:
 
 def load_model(model_dir: Path) -> DeepseekV4ForCausalLM:
     """from_pretrained in fp32; fail on any missing/unexpected/mismatched tensor."""
+    if not (model_dir / "config.json").is_file():
+        fail(f"{model_dir} is not a model directory (no config.json)")
     model, info = DeepseekV4ForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, output_loading_info=True
     )
@@ -256,15 +251,15 @@ def native_state_dict(model: DeepseekV4ForCausalLM) -> dict[str, torch.Tensor]:
     return native
 
 
-def check_same_logits(dir_a: Path, dir_b: Path, vocab_size: int) -> None:
-    """Fail unless both directories give bit-identical full-forward logits."""
+def check_same_logits(model: DeepseekV4ForCausalLM, model_dir: Path) -> None:
+    """Fail unless `model_dir` loads to bit-identical full-forward logits as `model`."""
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab_size, (2, 40), generator=generator)
-    logits_a = full_logits(load_model(dir_a), tokens)
-    logits_b = full_logits(load_model(dir_b), tokens)
-    if not torch.equal(logits_a, logits_b):
-        diff = (logits_a - logits_b).abs().max().item()
-        fail(f"{dir_b} loads differently from {dir_a}: max |logit diff| = {diff}")
+    tokens = torch.randint(0, model.config.vocab_size, (2, 40), generator=generator)
+    expected = full_logits(model, tokens)
+    reloaded = full_logits(load_model(model_dir), tokens)
+    if not torch.equal(expected, reloaded):
+        diff = (expected - reloaded).abs().max().item()
+        fail(f"{model_dir} loads differently from the source model: max |logit diff| = {diff}")
 
 
 def cmd_dump_native(args: argparse.Namespace) -> None:
@@ -273,7 +268,7 @@ def cmd_dump_native(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     save_file(native_state_dict(model), str(args.out / "model.safetensors"), metadata={"format": "pt"})
     shutil.copyfile(args.model / "config.json", args.out / "config.json")
-    check_same_logits(args.model, args.out, model.config.vocab_size)
+    check_same_logits(model, args.out)
 
 
 # ---------------------------------------------------------------------------- main
@@ -313,7 +308,6 @@ def main() -> None:
     """Entry point."""
     args = build_parser().parse_args()
     hf_logging.disable_progress_bar()
-    torch.set_grad_enabled(False)
     args.func(args)
 
 
