@@ -15,10 +15,12 @@ def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float) -> Float[A
     """
     m = jax.nn.softmax(logits, axis=-1) + eps
     m = m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
+
+    def row_then_column(_, m):
         m = m / (jnp.sum(m, axis=-1, keepdims=True) + eps)
-        m = m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
-    return m
+        return m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
+
+    return jax.lax.fori_loop(0, iters - 1, row_then_column, m)
 
 
 class HyperConnection(nnx.Module):
