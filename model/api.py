@@ -32,10 +32,11 @@ class Model:
     (`self.params`), so a call costs tens of microseconds of host time.
     """
 
-    def __init__(self, module: DeepseekV4, tokenizer=None):
+    def __init__(self, module: DeepseekV4, tokenizer=None, engram=None):
         self.graphdef, self.params = nnx.split(module)
         self.config: ModelConfig = module.config
         self.tokenizer = tokenizer
+        self.engram = engram  # model.engram.EngramMemory for V4.1 models with Engram layers
 
     def module(self) -> DeepseekV4:
         """A stateful view of the model (for research code that wants to call layers directly)."""
@@ -45,8 +46,8 @@ class Model:
     def _forward(self):
         graphdef = self.graphdef
 
-        def forward(params, tokens, cache):
-            return nnx.merge(graphdef, params)(tokens, cache)
+        def forward(params, tokens, cache, *engram_rows):
+            return nnx.merge(graphdef, params)(tokens, cache, *engram_rows)
 
         return jax.jit(forward, donate_argnums=2)
 
@@ -64,13 +65,22 @@ class Model:
     def logits(self, tokens: Int[Array, "b s"]) -> Float[Array, "b s v"]:
         """fp32 next-token logits for every position of each sequence (one full-sequence forward)."""
         tokens = self._check_tokens(tokens)
-        cache = self.init_cache(tokens.shape[0], tokens.shape[1])
-        return self._forward(self.params, tokens, cache)[0]
+        return self._run(tokens, self.init_cache(tokens.shape[0], tokens.shape[1]))[0]
+
+    def _run(self, tokens: jax.Array, cache: dict):
+        """One jitted forward; Engram rows are looked up first (on the host or device, by table placement)."""
+        if self.engram is None:
+            return self._forward(self.params, tokens, cache)
+        rows, history = self.engram.lookup(np.asarray(tokens), np.asarray(cache["engram_history"]))
+        logits, cache = self._forward(self.params, tokens, cache, rows)
+        return logits, {**cache, "engram_history": jnp.asarray(history, jnp.int32)}
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         """An empty reference cache (window rings, compressor states, compressed entries) for `max_len` tokens."""
         cache = self.module().init_cache(batch, max_len)
         cache["capacity"] = jnp.asarray(max_len, jnp.int32)
+        if self.engram is not None:
+            cache["engram_history"] = jnp.asarray(self.engram.empty_history(batch), jnp.int32)
         return cache
 
     def step(self, tokens: Int[Array, "b c"], cache: dict) -> tuple[Float[Array, "b c v"], dict]:
@@ -82,15 +92,44 @@ class Model:
         if tokens.shape[0] != cache["layers"][0]["ring_kv"].shape[0]:
             raise ValueError(f"batch {tokens.shape[0]} does not match the cache's batch "
                              f"{cache['layers'][0]['ring_kv'].shape[0]}")
-        return self._forward(self.params, tokens, cache)
+        return self._run(tokens, cache)
 
 
-def init_model(config: ModelConfig, seed: int = 0, dtype: str = "float32") -> Model:
-    """A randomly initialised model of this config (std 0.02 matrices, unit norms, zero sinks and biases)."""
-    return Model(DeepseekV4(config, nnx.Rngs(seed), resolve_dtype(dtype)))
+def build_module(config, rngs: nnx.Rngs, dtype):
+    """The model module of a config: DeepseekV4 for a ModelConfig, DeepseekV41 for a V41Config."""
+    from model.config_v41 import V41Config
+    from model.v41 import DeepseekV41
+
+    return (DeepseekV41 if isinstance(config, V41Config) else DeepseekV4)(config, rngs, dtype)
 
 
-def abstract_model(config: ModelConfig, dtype: str = "float32") -> Model:
+def init_model(config, seed: int = 0, dtype: str = "float32", engram_placement: str = "device") -> Model:
+    """A randomly initialised model of this config (std 0.02 matrices, unit norms, zero sinks and biases).
+
+    V4.1 Engram tables get random float32 rows, placed in host memory or on the device.
+    """
+    module = build_module(config, nnx.Rngs(seed), resolve_dtype(dtype))
+    engram = None
+    if getattr(config, "engram_layer_ids", ()):
+        from model.engram import EngramMemory
+
+        memory_rows = np.random.default_rng(seed).normal(
+            0, 0.02, (sum(config.engram_num_embeddings), config.engram_head_dim)).astype(np.float32)
+        bounds = np.cumsum((0,) + config.engram_num_embeddings)
+        tables = [engram_table(memory_rows[a:b], None, engram_placement) for a, b in zip(bounds[:-1], bounds[1:])]
+        engram = EngramMemory(config, EngramMemory.identity_map(config), tables)
+    return Model(module, engram=engram)
+
+
+def engram_table(weight, scale, placement: str):
+    """An Engram table in host memory (`host`) or on the device (`device`)."""
+    from model.engram import DeviceEngramTable, HostEngramTable
+
+    if placement not in ("host", "device"):
+        raise ValueError(f"engram placement must be 'host' or 'device', got {placement!r}")
+    return (HostEngramTable if placement == "host" else DeviceEngramTable)(weight, scale)
+
+
+def abstract_model(config, dtype: str = "float32") -> Model:
     """The model's graph with `ShapeDtypeStruct` parameters: shapes and sizes without allocating."""
-    module = nnx.eval_shape(lambda: DeepseekV4(config, nnx.Rngs(0), resolve_dtype(dtype)))
-    return Model(module)
+    return Model(nnx.eval_shape(lambda: build_module(config, nnx.Rngs(0), resolve_dtype(dtype))))

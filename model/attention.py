@@ -41,10 +41,19 @@ def window_ids(
     return ids, jnp.concatenate([jnp.broadcast_to(ring_ok, (c, w)), back >= 0], axis=1)
 
 
-class Attention(nnx.Module):
-    """One layer's attention: low-rank queries, one shared KV head, optional compressor (+ indexer)."""
+def push_window(state: dict, kv: Float[Array, "b c d"], positions: Int[Array, " c"], window: int):
+    """Ring update: the last min(c, W) tokens overwrite their slots (position mod W); returns (kv, pos)."""
+    keep = min(kv.shape[1], window)
+    slots = positions[-keep:] % window
+    ring_kv = state["ring_kv"].at[:, slots].set(kv[:, -keep:].astype(jnp.float32))
+    return ring_kv, state["ring_pos"].at[slots].set(positions[-keep:])
 
-    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+
+class LatentAttention(nnx.Module):
+    """The projections every V4 / V4.1 attention layer owns: low-rank queries (`wq_a`, `q_norm`, `wq_b`),
+    one shared K=V latent (`wkv`, `kv_norm`), the grouped output (`wo_a`, `wo_b`) and per-head sinks."""
+
+    def __init__(self, config, dtype, rngs: nnx.Rngs):
         d, h, hd, g = config.hidden_size, config.num_attention_heads, config.head_dim, config.o_groups
         self.wq_a = Linear(d, config.q_lora_rank, dtype, rngs)
         self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
@@ -54,6 +63,20 @@ class Attention(nnx.Module):
         self.wo_a = GroupedLinear(h * hd // g, config.o_lora_rank, g, dtype, rngs)
         self.wo_b = Linear(g * config.o_lora_rank, d, dtype, rngs)
         self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32))
+
+    def output(self, out: Float[Array, "b c h d"], positions: Int[Array, " c"], freqs) -> Float[Array, "b c D"]:
+        """Inverse RoPE at the query positions, then the grouped low-rank output projection."""
+        b, c = out.shape[:2]
+        out = apply_rope(out, positions, freqs, inverse=True)
+        return self.wo_b(self.wo_a(out.reshape(b, c, self.wo_a.groups, -1)).reshape(b, c, -1))
+
+
+class Attention(LatentAttention):
+    """One V4 layer's attention: the shared projections plus an optional compressor (+ indexer)."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+        super().__init__(config, dtype, rngs)
+        hd = config.head_dim
         self.kind = config.layer_kind(layer)
         if self.kind in (CSA, HCA):
             self.compressor = Compressor(config, config.compress_ratios[layer], hd, self.kind == CSA, dtype, rngs)
@@ -106,15 +129,5 @@ class Attention(nnx.Module):
             ids, valid = jnp.concatenate([ids, comp_ids], -1), jnp.concatenate([valid, comp_ok], -1)
             pools.append(entries)
         out = sink_attention(q, jnp.concatenate(pools, axis=1), ids, valid, self.attn_sink[...])
-        out = apply_rope(out, positions, freqs, inverse=True)
-        out = self.wo_a(out.reshape(b, c, cfg.o_groups, -1)).reshape(b, c, -1)
-        new_state["ring_kv"], new_state["ring_pos"] = self._push_window(state, kv, positions)
-        return self.wo_b(out), new_state
-
-    def _push_window(self, state: dict, kv: jax.Array, positions: jax.Array):
-        """Ring update: the last min(c, W) tokens overwrite their slots (position mod W)."""
-        w = self.config.sliding_window
-        keep = min(kv.shape[1], w)
-        slots = positions[-keep:] % w
-        ring_kv = state["ring_kv"].at[:, slots].set(kv[:, -keep:].astype(jnp.float32))
-        return ring_kv, state["ring_pos"].at[slots].set(positions[-keep:])
+        new_state["ring_kv"], new_state["ring_pos"] = push_window(state, kv, positions, cfg.sliding_window)
+        return self.output(out, positions, freqs), new_state

@@ -18,8 +18,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from model.api import Model, abstract_model
-from model.config import ModelConfig
+from model.api import Model, abstract_model, engram_table
+from model.config import ModelConfig, load_config
+from model.config_v41 import V41Config
+from model.engram import EngramMemory, canonical_vocab, table_names
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks
 from model.safetensors_io import read_tensors, write_sharded
 
@@ -132,12 +134,28 @@ def _drop_missing_mtp(config: ModelConfig, tensors: dict) -> ModelConfig:
     return config
 
 
-def load_model(path: str | Path, dtype: str = "float32") -> Model:
-    """Load a DeepSeek-V4 checkpoint directory (config.json + safetensors) into a Model."""
+def load_model(path: str | Path, dtype: str = "float32", engram_placement: str = "host") -> Model:
+    """Load a DeepSeek-V4 or V4.1 checkpoint directory (config.json + safetensors) into a Model.
+
+    V4.1 Engram tables stay in their stored format (FP8 rows + scales) in host memory or on the device;
+    their canonical token ids come from the directory's tokenizer.json.
+    """
     path = Path(path)
-    config = ModelConfig.from_json(path)
-    tensors = _stack_experts(_dequantize(_canonical_names(read_tensors(path)), fp8_block_size(path)))
-    config = _drop_missing_mtp(config, tensors)
+    config = load_config(path)
+    tensors = _canonical_names(read_tensors(path))
+    tables = {}
+    if isinstance(config, V41Config):
+        tensors = _drop_unsupported_v41(tensors)
+        for layer in config.engram_layer_ids:
+            names = table_names(layer)
+            if names[0] not in tensors:
+                raise CheckpointError(f"checkpoint {path} lacks the Engram table {names[0]} with shape "
+                                      f"[{config.engram_num_embeddings[config.engram_layer_ids.index(layer)]}, "
+                                      f"{config.engram_head_dim}]")
+            tables[layer] = (tensors.pop(names[0]), tensors.pop(names[1], None))
+    tensors = _stack_experts(_dequantize(tensors, fp8_block_size(path)))
+    if isinstance(config, ModelConfig):
+        config = _drop_missing_mtp(config, tensors)
     model = abstract_model(config, dtype)
     expected = _expected(model)
     missing = sorted(set(expected) - set(tensors))
@@ -158,7 +176,31 @@ def load_model(path: str | Path, dtype: str = "float32") -> Model:
         node[param_path[-1]] = jnp.asarray(np.asarray(value).astype(np.float32)
                                            if np.issubdtype(dtype_, np.floating) else np.asarray(value), dtype_)
     nnx.replace_by_pure_dict(model.params, pure)
-    return Model(nnx.merge(model.graphdef, model.params))
+    engram = _engram_memory(config, path, tables, engram_placement) if tables else None
+    return Model(nnx.merge(model.graphdef, model.params), engram=engram)
+
+
+def _drop_unsupported_v41(tensors: dict) -> dict:
+    """V4.1 checkpoints also carry DSpark (`mtp.*`) and vision weights, which this text model does not run."""
+    skipped = [n for n in tensors if n.split(".")[0] in ("mtp", "vision", "aligner") or n.startswith("image_")]
+    if skipped:
+        warnings.warn(f"skipping {len(skipped)} DSpark / vision tensors (e.g. {skipped[0]})", stacklevel=3)
+    return {n: v for n, v in tensors.items() if n not in set(skipped)}
+
+
+def _engram_memory(config, path: Path, tables: dict, placement: str):
+    """The Engram lookup of a loaded V4.1 model: canonical ids from tokenizer.json, the loaded tables."""
+    if (path / "tokenizer.json").exists():
+        token_map = canonical_vocab(path / "tokenizer.json")
+    else:
+        token_map = EngramMemory.identity_map(config)
+    for layer, (weight, scale) in tables.items():
+        rows = config.engram_num_embeddings[config.engram_layer_ids.index(layer)]
+        if tuple(weight.shape) != (rows, config.engram_head_dim):
+            raise CheckpointError(f"Engram table {table_names(layer)[0]} has shape {list(weight.shape)}; "
+                                  f"expected {[rows, config.engram_head_dim]}")
+    return EngramMemory(config, token_map, [engram_table(weight, scale, placement)
+                                            for weight, scale in tables.values()])
 
 
 def _show(name: str, expected: dict) -> str:
@@ -174,4 +216,11 @@ def save_checkpoint(model: Model, path: str | Path, max_shard_bytes: int = 4 << 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.config.save_json(path)
-    write_sharded(path, to_native(model), max_shard_bytes)
+    tensors = to_native(model)
+    if model.engram is not None:
+        for layer, table in zip(model.config.engram_layer_ids, model.engram.tables):
+            weight_name, scale_name = table_names(layer)
+            tensors[weight_name] = np.asarray(table.weight)
+            if table.scale is not None:
+                tensors[scale_name] = np.asarray(table.scale)
+    write_sharded(path, tensors, max_shard_bytes)

@@ -20,11 +20,20 @@ def _load(args):
 
 def cmd_info(args) -> int:
     """Print parameter and KV-cache figures of a preset or a checkpoint's config."""
-    from model.config import ModelConfig, preset
-    from model.stats import model_stats
+    from model.config import load_config, preset
+    from model.config_v41 import V41Config
+    from model.stats import model_stats, v41_stats
 
-    config = ModelConfig.from_json(args.model) if args.model else preset(args.config)
-    stats = {"config": args.model or args.config, **model_stats(config, args.dtype)}
+    if args.engram_vocab:
+        from model.engram import canonical_vocab
+
+        token_map = canonical_vocab(args.engram_vocab)
+        stats = {"tokenizer": args.engram_vocab, "vocab_size": len(token_map),
+                 "canonical_vocab_size": int(token_map.max()) + 1}
+    else:
+        config = load_config(args.model) if args.model else preset(args.config)
+        figures = v41_stats(config) if isinstance(config, V41Config) else model_stats(config, args.dtype)
+        stats = {"config": args.model or args.config, **figures}
     if args.json:
         print(json.dumps(stats))
     else:
@@ -51,11 +60,14 @@ def main(argv=None) -> int:
     for name, fn in (("info", cmd_info), ("forward", cmd_forward)):
         p = sub.add_parser(name, help=fn.__doc__)
         p.set_defaults(fn=fn)
-        p.add_argument("--config", default="tiny", help="preset name (tiny, small, v4-flash, v4-pro)")
+        p.add_argument("--config", default="tiny",
+                       help="preset name (tiny, small, v4-flash, v4-pro, tiny-v41, v41-flash)")
         p.add_argument("--model", help="checkpoint directory (overrides --config)")
         p.add_argument("--dtype", default="bfloat16" if name == "info" else "float32",
                        choices=["float32", "bfloat16"])
     sub.choices["info"].add_argument("--json", action="store_true", help="one JSON object on stdout")
+    sub.choices["info"].add_argument("--engram-vocab", metavar="TOKENIZER_JSON",
+                                     help="print the Engram canonical vocabulary size of a tokenizer.json")
     sub.choices["forward"].add_argument("--tokens", default="0,5,17,42,7,99,3,12", help="comma-separated ids")
     sub.choices["forward"].add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

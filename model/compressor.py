@@ -45,42 +45,49 @@ class Compressor(nnx.Module):
     ) -> dict[str, jax.Array]:
         """Feed tokens at positions start..start+c-1; every window they complete is written to `entries`."""
         r, d = self.ratio, self.dim
-        b, c, _ = x.shape
-        positions = start + jnp.arange(c)
-        kv = self.wkv(x)
-        gate = self.wgate(x) + self.ape[...][positions % r]
-        n_win = c // r + 2  # windows this chunk can touch, plus the one left open after it
-        w0, offset = start // r, start % r
-
-        def stage(buffer, new):
-            staged = jnp.zeros((b, n_win * r, new.shape[-1]), jnp.float32).at[:, :r].set(buffer)
-            staged = jax.lax.dynamic_update_slice(staged, new, (0, offset, 0))
-            return staged.reshape(b, n_win, r, -1)
-
-        kv_w, gate_w = stage(state["buf_kv"], kv), stage(state["buf_gate"], gate)
-        new_state = {}
+        positions = start + jnp.arange(x.shape[1])
+        kv_w = stage_windows(state["buf_kv"], self.wkv(x), start, r)
+        gate_w = stage_windows(state["buf_gate"], self.wgate(x) + self.ape[...][positions % r], start, r)
+        new_state = {"buf_kv": open_slot(kv_w, start, x.shape[1], r),
+                     "buf_gate": open_slot(gate_w, start, x.shape[1], r)}
         if self.overlap:
             # a-halves of windows w0-1 .. w0+n_win-1; slot i+1 belongs to staged window i
             a_kv = jnp.concatenate([state["prev_kv"][:, None], kv_w[..., :d]], axis=1)
             a_gate = jnp.concatenate([state["prev_gate"][:, None], gate_w[..., :d]], axis=1)
-            slots_kv = jnp.concatenate([a_kv[:, :n_win], kv_w[..., d:]], axis=2)
-            slots_gate = jnp.concatenate([a_gate[:, :n_win], gate_w[..., d:]], axis=2)
-        else:
-            slots_kv, slots_gate = kv_w, gate_w
-        pooled = jnp.sum(jax.nn.softmax(slots_gate, axis=2) * slots_kv, axis=2)  # [b, n_win, d]
-        window_ids = w0 + jnp.arange(n_win)
+            n_win = kv_w.shape[1]
+            kv_w = jnp.concatenate([a_kv[:, :n_win], kv_w[..., d:]], axis=2)
+            gate_w = jnp.concatenate([a_gate[:, :n_win], gate_w[..., d:]], axis=2)
+            new_state["prev_kv"] = open_slot(a_kv, start, x.shape[1], r)
+            new_state["prev_gate"] = open_slot(a_gate, start, x.shape[1], r)
+        pooled = jnp.sum(jax.nn.softmax(gate_w, axis=2) * kv_w, axis=2)  # [b, n_win, d]
+        window_ids = start // r + jnp.arange(pooled.shape[1])
         pooled = apply_rope(self.norm(pooled)[:, :, None], window_ids * r, freqs)[:, :, 0]
-        entries = state["entries"]
-        complete = (window_ids + 1) * r <= start + c
-        rows = jnp.where(complete, window_ids, entries.shape[1])  # incomplete windows are dropped
-        new_state["entries"] = entries.at[:, rows].set(pooled, mode="drop")
-        open_window = (start + c) // r - w0
-        new_state["buf_kv"] = jax.lax.dynamic_index_in_dim(kv_w, open_window, axis=1, keepdims=False)
-        new_state["buf_gate"] = jax.lax.dynamic_index_in_dim(gate_w, open_window, axis=1, keepdims=False)
-        if self.overlap:
-            new_state["prev_kv"] = jax.lax.dynamic_index_in_dim(a_kv, open_window, axis=1, keepdims=False)
-            new_state["prev_gate"] = jax.lax.dynamic_index_in_dim(a_gate, open_window, axis=1, keepdims=False)
+        new_state["entries"] = store_complete(state["entries"], pooled, start, x.shape[1], r)
         return new_state
+
+
+def stage_windows(buffer: Float[Array, "b r w"], new: Float[Array, "b c w"], start, ratio: int):
+    """[b, c//ratio + 2, ratio, w]: the open window's buffered slots followed by the new tokens, by window."""
+    b, c, w = new.shape
+    n_win = c // ratio + 2  # windows a chunk can touch, plus the one left open after it
+    staged = jnp.zeros((b, n_win * ratio, w), new.dtype).at[:, :ratio].set(buffer.astype(new.dtype))
+    staged = jax.lax.dynamic_update_slice(staged, new, (0, start % ratio, 0))
+    return staged.reshape(b, n_win, ratio, w)
+
+
+def open_slot(staged: Float[Array, "b n ..."], start, count: int, ratio: int) -> Float[Array, "b ..."]:
+    """The staged window left open after `count` tokens from `start` (the next call's buffer)."""
+    return jax.lax.dynamic_index_in_dim(staged, (start + count) // ratio - start // ratio, axis=1, keepdims=False)
+
+
+def store_complete(
+    entries: Float[Array, "b t d"], values: Float[Array, "b n d"], start, count: int, ratio: int
+) -> Float[Array, "b t d"]:
+    """Write values of windows start//ratio + i that the chunk completed; incomplete ones are dropped."""
+    window_ids = start // ratio + jnp.arange(values.shape[1])
+    complete = (window_ids + 1) * ratio <= start + count
+    rows = jnp.where(complete, window_ids, entries.shape[1])
+    return entries.at[:, rows].set(values.astype(entries.dtype), mode="drop")
 
 
 class Indexer(nnx.Module):
@@ -97,17 +104,26 @@ class Indexer(nnx.Module):
         self, x: Float[Array, "b c d"], q_lat: Float[Array, "b c r"], positions: Int[Array, " c"],
         keys: Float[Array, "b t k"], freqs,
     ) -> Int[Array, "b c topk"]:
-        """Indices of the selected entries (ascending score order not guaranteed); -1 where none is visible.
-
-        Ties are broken towards the lower entry index (`lax.top_k` is stable), so selection is deterministic.
-        """
+        """Indices of the selected entries; -1 where fewer than k are visible."""
         b, c, _ = x.shape
-        q = self.wq_b(q_lat).reshape(b, c, self.n_heads, self.head_dim)
-        q = apply_rope(q, positions, freqs)
-        per_head = jax.nn.relu(jnp.einsum("bchd,btd->bcht", q, keys)) * self.head_dim ** -0.5
-        weights = self.weights_proj(x) * self.n_heads ** -0.5
-        scores = jnp.einsum("bcht,bch->bct", per_head, weights)
+        q = apply_rope(self.wq_b(q_lat).reshape(b, c, self.n_heads, self.head_dim), positions, freqs)
+        scores = index_scores(q, keys, self.weights_proj(x))
         visible = jnp.arange(keys.shape[1]) < ((positions + 1) // self.compressor.ratio)[:, None]
-        scores = jnp.where(visible, scores, -jnp.inf)
-        _, ids = jax.lax.top_k(scores, min(self.topk, keys.shape[1]))
-        return jnp.where(jnp.take_along_axis(jnp.broadcast_to(visible, scores.shape), ids, axis=-1), ids, -1)
+        return top_visible(jnp.where(visible, scores, -jnp.inf), self.topk)
+
+
+def index_scores(
+    q: Float[Array, "b c h d"], keys: Float[Array, "b t d"], head_weights: Float[Array, "b c h"]
+) -> Float[Array, "b c t"]:
+    """Lightning-indexer score: sum over heads of w_h * h^-1/2 * d^-1/2 * ReLU(q_h . k)."""
+    per_head = jax.nn.relu(jnp.einsum("bchd,btd->bcht", q, keys)) * q.shape[-1] ** -0.5
+    return jnp.einsum("bcht,bch->bct", per_head, head_weights * q.shape[-2] ** -0.5)
+
+
+def top_visible(scores: Float[Array, "b c t"], k: int) -> Int[Array, "b c k"]:
+    """Top-k entry indices of scores where invisible entries hold -inf; -1 for picks that are not visible.
+
+    Ties break towards the lower entry index (`lax.top_k` is stable), so selection is deterministic.
+    """
+    values, ids = jax.lax.top_k(scores, min(k, scores.shape[-1]))
+    return jnp.where(values > -jnp.inf, ids, -1)

@@ -221,16 +221,7 @@ class ModelConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
         """Read `config.json` (a file or the checkpoint directory holding it)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(raw)
+        return cls.from_hf_dict(read_config_json(path))
 
     def save_json(self, path: str | Path) -> None:
         """Write `config.json` (into a directory, or to the given file path)."""
@@ -344,11 +335,38 @@ def _small() -> ModelConfig:
 
 
 PRESETS = {"tiny": _tiny, "small": _small, "v4-flash": _v4_flash, "v4-pro": _v4_pro}
+V41_PRESETS = ("tiny-v41", "v41-flash")
 
 
-def preset(name: str) -> ModelConfig:
-    """A named configuration: `tiny`, `small`, `v4-flash` or `v4-pro`."""
+def preset(name: str):
+    """A named configuration: `tiny`, `small`, `v4-flash`, `v4-pro` (ModelConfig) or `tiny-v41`, `v41-flash`."""
+    if name in V41_PRESETS:
+        from model.config_v41 import tiny_v41, v41_flash
+
+        return {"tiny-v41": tiny_v41, "v41-flash": v41_flash}[name]()
     try:
         return PRESETS[name]()
     except KeyError:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS) + list(V41_PRESETS)}") from None
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The dict in `config.json` (a file, or the checkpoint directory holding it), with clear errors."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json at {file}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not valid JSON: {e}") from None
+
+
+def load_config(path: str | Path):
+    """The config of a checkpoint directory (or config.json): ModelConfig for V4, V41Config for V4.1."""
+    raw = read_config_json(path)
+    if raw.get("model_type", "").startswith("deepseek_v41") or "text_config" in raw:
+        from model.config_v41 import V41Config
+
+        return V41Config.from_hf_dict(raw)
+    return ModelConfig.from_hf_dict(raw)

@@ -37,22 +37,30 @@ class SharedExpert(nnx.Module):
 
 
 class Gate(nnx.Module):
-    """Router: scores from `weight`; experts chosen by top-k on scores + `bias`, or by the fixed `tid2eid`."""
+    """Router: scores from `weight`; experts chosen by top-k on scores + `bias`, or by the fixed `tid2eid`.
 
-    def __init__(self, config: ModelConfig, hash_routed: bool, dtype, rngs: nnx.Rngs):
+    V4.1 adds a logit temperature (`gate_temp`), a selection bias for image tokens (`bias_vl`, loaded; this
+    text-only model never uses it) and skips the weight normalisation when a token picks one expert.
+    """
+
+    def __init__(self, config: ModelConfig, hash_routed: bool, dtype, rngs: nnx.Rngs, v41: bool = False):
         e, k = config.n_routed_experts, config.num_experts_per_tok
         self.weight = nnx.Param(normal_init(rngs, (e, config.hidden_size), dtype))
         if hash_routed:
             self.tid2eid = nnx.Param(jnp.arange(config.vocab_size * k, dtype=jnp.int32).reshape(-1, k) % e)
         else:
             self.bias = nnx.Param(jnp.zeros((e,), jnp.float32))
+        if v41:
+            self.bias_vl = nnx.Param(jnp.zeros((e,), jnp.float32))
         self.hash_routed = hash_routed
-        self.k, self.scale, self.norm = k, config.routed_scaling_factor, config.norm_topk_prob
+        self.k, self.scale = k, config.routed_scaling_factor
+        self.norm = config.norm_topk_prob and (k > 1 or not v41)
+        self.temp = config.gate_temp if v41 else 1.0
         self.scoring_func = config.scoring_func
 
     def __call__(self, x: Float[Array, "t d"], token_ids: Int[Array, " t"]):
         """(expert ids [t, k], combine weights [t, k]) per token."""
-        logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), self.weight[...].astype(jnp.float32)) / self.temp
         scores = route_scores(logits, self.scoring_func)
         if self.hash_routed:
             ids = self.tid2eid[...][token_ids]
@@ -88,8 +96,8 @@ class Experts(nnx.Module):
 class MoE(nnx.Module):
     """Routed experts plus the shared expert."""
 
-    def __init__(self, config: ModelConfig, hash_routed: bool, dtype, rngs: nnx.Rngs):
-        self.gate = Gate(config, hash_routed, dtype, rngs)
+    def __init__(self, config: ModelConfig, hash_routed: bool, dtype, rngs: nnx.Rngs, v41: bool = False):
+        self.gate = Gate(config, hash_routed, dtype, rngs, v41)
         self.experts = Experts(config, dtype, rngs)
         if config.n_shared_experts:
             self.shared_experts = SharedExpert(config.hidden_size, config.moe_intermediate_size,

@@ -47,3 +47,44 @@ def model_stats(config: ModelConfig, dtype: str = "bfloat16") -> dict:
         "kv_bytes_per_token_bf16": 2 * per_token_elems,
         "kv_fixed_bytes_per_sequence": bytes_1 - (bytes_2 - bytes_1),
     }
+
+
+# Storage formats of the V4.1 reference caches (bytes per element, scales included): FP4 latents with an
+# e4m3 scale per 16, FP4 index keys with a UE8M0 scale per 32, FP8 window KV with a UE8M0 scale per 32.
+V41_LATENT_BYTES = 0.5 + 1 / 16
+V41_INDEX_KEY_BYTES = 0.5 + 1 / 32
+V41_WINDOW_BYTES = 1 + 1 / 32
+
+
+def v41_stats(config) -> dict:
+    """V4.1 figures: backbone and Engram parameters, shared global KV bytes per token (as the reference
+    stores it), and the per-layer sliding-window cost, all read off real shapes."""
+    model = abstract_model(config, "bfloat16")
+    backbone = active = 0
+    k_over_e = config.num_experts_per_tok / config.n_routed_experts
+    for path, var in nnx.to_flat_state(model.params):
+        size = math.prod(var.shape)
+        backbone += size
+        active += size * k_over_e if "experts" in path and path[-1] in ("w1", "w2", "w3") else size
+    engram = sum(config.engram_num_embeddings) * config.engram_head_dim
+    n = math.lcm(*(r for r in config.compress_ratios if r)) * 1024
+
+    def global_bytes(length: int) -> float:
+        layers = jax.eval_shape(lambda: model.module().init_cache(1, length)["layers"])
+        return sum(state["entries"].shape[1] * state["entries"].shape[2] * V41_LATENT_BYTES
+                   + (state["index_keys"].shape[1] * state["index_keys"].shape[2] * V41_INDEX_KEY_BYTES
+                      if "index_keys" in state else 0)
+                   for state in layers if "entries" in state)
+
+    ring = jax.eval_shape(lambda: model.module().init_cache(1, 8)["layers"][0]["ring_kv"])
+    swa_layer = ring.shape[1] * ring.shape[2] * V41_WINDOW_BYTES
+    return {
+        "params_backbone": backbone,
+        "params_engram": engram,
+        "params_total": backbone + engram,
+        "params_active_per_token": int(round(active)),
+        "kv_bytes_per_token_global": (global_bytes(2 * n) - global_bytes(n)) / n,
+        "swa_bytes_per_layer_per_sequence": swa_layer,
+        "swa_bytes_per_sequence": swa_layer * config.num_hidden_layers,
+        "n_prefill_layer": config.n_prefill_layer,
+    }

@@ -13,6 +13,13 @@ from model.moe import MoE
 from model.norms import RMSNorm
 
 
+def empty_cache(config, layers, batch: int, max_len: int) -> dict:
+    """Position 0 and every layer's empty attention state, for sequences of up to `max_len` tokens."""
+    if max_len > config.max_position_embeddings:
+        raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}")
+    return {"pos": jnp.zeros((), jnp.int32), "layers": [blk.attn.init_state(batch, max_len) for blk in layers]}
+
+
 class Embedding(nnx.Module):
     """Token embedding table [vocab, hidden]."""
 
@@ -23,18 +30,25 @@ class Embedding(nnx.Module):
         return self.weight[...][tokens]
 
 
-class Block(nnx.Module):
+class HyperBlock(nnx.Module):
+    """What every V4 / V4.1 layer owns around its attention and MoE: their input norms and mHC sites."""
+
+    def __init__(self, config, rngs: nnx.Rngs):
+        d = config.hidden_size
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(d, config.rms_norm_eps)
+        hc = (config.hc_mult, d, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+        self.hc_attn = HyperConnection(*hc, rngs=rngs)
+        self.hc_ffn = HyperConnection(*hc, rngs=rngs)
+
+
+class Block(HyperBlock):
     """One layer: mHC around attention, then mHC around the MoE."""
 
     def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
-        d, n = config.hidden_size, config.hc_mult
-        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        super().__init__(config, rngs)
         self.attn = Attention(config, layer, dtype, rngs)
-        self.ffn_norm = RMSNorm(d, config.rms_norm_eps)
         self.ffn = MoE(config, config.is_hash_layer(layer), dtype, rngs)
-        hc = (n, d, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
-        self.hc_attn = HyperConnection(*hc, rngs=rngs)
-        self.hc_ffn = HyperConnection(*hc, rngs=rngs)
 
     def __call__(
         self, streams: Float[Array, "b c n d"], tokens: Int[Array, "b c"], start: Int[Array, ""], state: dict
@@ -87,11 +101,7 @@ class DeepseekV4(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         """An empty cache for `batch` sequences of up to `max_len` tokens (MTP layers included)."""
-        if max_len > self.config.max_position_embeddings:
-            raise ValueError(f"max_len={max_len} exceeds max_position_embeddings="
-                             f"{self.config.max_position_embeddings}")
-        return {"pos": jnp.zeros((), jnp.int32),
-                "layers": [blk.attn.init_state(batch, max_len) for blk in self.layers],
+        return {**empty_cache(self.config, self.layers, batch, max_len),
                 "mtp": [blk.attn.init_state(batch, max_len) for blk in self.mtp]}
 
     def streams(

@@ -5,12 +5,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.api import Model, init_model
-from model.config import ModelConfig
 
 
-def random_model(config: ModelConfig, seed: int = 0) -> Model:
-    """A model with every float parameter perturbed (norms near 1) and random hash-routing tables."""
-    model = init_model(config, seed=seed)
+def random_model(config, seed: int = 0, noise: float = 0.1, **init_kwargs) -> Model:
+    """A model with every float parameter perturbed by `noise` (norms near 1), random hash-routing tables."""
+    model = init_model(config, seed=seed, **init_kwargs)
     leaves, treedef = jax.tree.flatten(model.params)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
     out = []
@@ -18,5 +17,5 @@ def random_model(config: ModelConfig, seed: int = 0) -> Model:
         if jnp.issubdtype(leaf.dtype, jnp.integer):
             out.append(jax.random.randint(key, leaf.shape, 0, config.n_routed_experts, leaf.dtype))
         else:
-            out.append(leaf + 0.1 * jax.random.normal(key, leaf.shape, leaf.dtype))
-    return Model(nnx.merge(model.graphdef, jax.tree.unflatten(treedef, out)))
+            out.append(leaf + noise * jax.random.normal(key, leaf.shape, leaf.dtype))
+    return Model(nnx.merge(model.graphdef, jax.tree.unflatten(treedef, out)), engram=model.engram)

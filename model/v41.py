@@ -1,0 +1,251 @@
+"""DeepSeek-V4.1: causal encoder-decoder with shared KV sources, two-level index selection, single-pass mHC.
+
+Every layer keeps its own sliding window. Layers with a compress ratio read the shared compressed KV of the
+latest KV-source layer at or below them (ratio 2 in the encoder, ratio 1 — per-token KV projected once from
+the encoder output — in the decoder). Index-source layers publish top-k picks that the layers after them
+reuse; the candidate source also publishes a pool of blocks that later (re-index) sources select inside.
+Semantics follow transformers' `models/deepseek_v41/modular_deepseek_v41.py` (GitHub main).
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from model.attention import LatentAttention, push_window, sink_attention, window_ids
+from model.compressor import index_scores, open_slot, stage_windows, store_complete, top_visible
+from model.config_v41 import V41Config
+from model.engram import Engram
+from model.fake_quant import fake_quant_fp4, fake_quant_fp8
+from model.hyper import collapse, expand
+from model.linear import Linear
+from model.moe import MoE
+from model.norms import RMSNorm
+from model.rope import apply_rope, inv_frequencies
+from model.transformer import Embedding, HyperBlock, empty_cache
+
+
+def candidate_pool(
+    scores: Float[Array, "b c t"], visible_count: Int[Array, " c"], topk_blocks: int, block: int
+) -> Bool[Array, "b c t"]:
+    """Level one of the two-level selection: the best `topk_blocks` blocks of `block` entries per query.
+
+    A block scores the max of its entries (-inf when none is visible); the block holding the newest visible
+    entry is always kept, since it is only partly filled.
+    """
+    t = scores.shape[-1]
+    padded = jnp.pad(scores, ((0, 0), (0, 0), (0, -t % block)), constant_values=-jnp.inf)
+    block_scores = jnp.max(padded.reshape(*scores.shape[:2], -1, block), axis=-1)
+    n_blocks = block_scores.shape[-1]
+    newest = (visible_count - 1) // block  # -1 (nothing pinned) before the first entry
+    block_scores = jnp.where(jnp.arange(n_blocks) == newest[:, None], jnp.inf, block_scores)
+    values, ids = jax.lax.top_k(block_scores, min(topk_blocks, n_blocks))
+    keep = jnp.zeros(block_scores.shape, bool)
+    keep = jax.vmap(jax.vmap(lambda k, i, v: k.at[i].set(v > -jnp.inf)))(keep, ids, values)
+    return jnp.repeat(keep, block, axis=-1)[..., :t]
+
+
+class SharedCompressor(nnx.Module):
+    """A KV source's compressor: ratio r > 1 pools r tokens with a softmax gate; ratio 1 projects each token."""
+
+    def __init__(self, config: V41Config, ratio: int, dtype, rngs: nnx.Rngs):
+        self.wkv = Linear(config.hidden_size, config.head_dim, dtype, rngs, compute_dtype=jnp.float32)
+        if ratio > 1:
+            self.wgate = Linear(config.hidden_size, config.head_dim, dtype, rngs, compute_dtype=jnp.float32)
+        self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.ratio = ratio
+
+    def latents(self, x: Float[Array, "b c d"], start, state: dict):
+        """(pre-RoPE latents [b, n, hd] of groups start//r + i, new buffer state); incomplete groups included."""
+        if self.ratio == 1:
+            return self.norm(self.wkv(x)), {}
+        kv_w = stage_windows(state["buf_kv"], self.wkv(x), start, self.ratio)
+        gate_w = stage_windows(state["buf_gate"], self.wgate(x), start, self.ratio)
+        pooled = jnp.sum(jax.nn.softmax(gate_w, axis=2) * kv_w, axis=2)
+        c = x.shape[1]
+        return self.norm(pooled), {"buf_kv": open_slot(kv_w, start, c, self.ratio),
+                                   "buf_gate": open_slot(gate_w, start, c, self.ratio)}
+
+
+class SharedIndexer(nnx.Module):
+    """An index source: scores queries against the shared index keys; a KV source also derives those keys."""
+
+    def __init__(self, config: V41Config, owns_keys: bool, dtype, rngs: nnx.Rngs):
+        n, d = config.index_n_heads, config.index_head_dim
+        self.wq_b = Linear(config.q_lora_rank, n * d, dtype, rngs, compute_dtype=jnp.float32)
+        self.weights_proj = Linear(config.hidden_size, n, dtype, rngs, compute_dtype=jnp.float32)
+        if owns_keys:
+            self.wk = Linear(config.head_dim, d, dtype, rngs, compute_dtype=jnp.float32)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.owns_keys, self.n_heads, self.head_dim = owns_keys, n, d
+
+    def keys(self, latents: Float[Array, "b n hd"], positions: Int[Array, " n"], freqs, quant: bool):
+        """Index keys of pre-RoPE latents, roped at their group positions (FP4-simulated if `quant`)."""
+        k = apply_rope(self.k_norm(self.wk(latents))[:, :, None], positions, freqs)[:, :, 0]
+        return fake_quant_fp4(k, 32) if quant else k
+
+    def scores(self, x, q_lat, positions, keys, freqs, quant: bool) -> Float[Array, "b c t"]:
+        """Weighted ReLU scores of this chunk's queries against every key (visibility not applied)."""
+        b, c, _ = x.shape
+        q = apply_rope(self.wq_b(q_lat).reshape(b, c, self.n_heads, self.head_dim), positions, freqs)
+        if quant:
+            q = fake_quant_fp4(q, 32)
+        return index_scores(q, keys.astype(jnp.float32), self.weights_proj(x))
+
+
+class AttentionV41(LatentAttention):
+    """Shared-KV attention of one V4.1 layer: its own window plus its group's shared compressed KV."""
+
+    def __init__(self, config: V41Config, layer: int, dtype, rngs: nnx.Rngs):
+        super().__init__(config, dtype, rngs)
+        self.ratio = config.compress_ratios[layer]
+        self.is_kv_source = layer in config.kv_source_layer_ids
+        self.is_index_source = layer in config.index_source_layer_ids
+        if self.is_kv_source:
+            self.compressor = SharedCompressor(config, self.ratio, dtype, rngs)
+        if self.is_index_source:
+            self.indexer = SharedIndexer(config, self.is_kv_source, dtype, rngs)
+        self.is_candidate_source = layer == config.candidate_source_layer_id
+        self.uses_candidates = 0 <= config.candidate_source_layer_id < layer
+        theta, yarn = ((config.compress_rope_theta, config.rope_scaling) if self.ratio
+                       else (config.rope_theta, None))
+        self.freqs = tuple(inv_frequencies(config.qk_rope_head_dim, theta, yarn).tolist())
+        self.config = config
+
+    def init_state(self, batch: int, max_len: int) -> dict:
+        """Window ring; for a KV source also its group buffers, shared entries and (if an index source) keys."""
+        cfg = self.config
+        state = {"ring_kv": jnp.zeros((batch, cfg.sliding_window, cfg.head_dim), jnp.float32),
+                 "ring_pos": jnp.full((cfg.sliding_window,), -1, jnp.int32)}
+        if self.is_kv_source:
+            n = max_len // self.ratio
+            state["entries"] = jnp.zeros((batch, n, cfg.head_dim), jnp.float32)
+            if self.ratio > 1:
+                state["buf_kv"] = jnp.zeros((batch, self.ratio, cfg.head_dim), jnp.float32)
+                state["buf_gate"] = jnp.zeros((batch, self.ratio, cfg.head_dim), jnp.float32)
+            if self.is_index_source:
+                state["index_keys"] = jnp.zeros((batch, n, cfg.index_head_dim), jnp.float32)
+        return state
+
+    def __call__(self, x: Float[Array, "b c d"], start, state: dict, shared: dict):
+        """Attend for tokens start..start+c-1; returns (output, new state, updated shared group state)."""
+        cfg, quant = self.config, self.config.qat_fake_quant
+        freqs = jnp.asarray(self.freqs, jnp.float32)
+        b, c, _ = x.shape
+        positions = start + jnp.arange(c, dtype=jnp.int32)
+        q_lat = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(q_lat).reshape(b, c, cfg.num_attention_heads, cfg.head_dim), positions, freqs)
+        kv = apply_rope(self.kv_norm(self.wkv(x))[:, :, None], positions, freqs)[:, :, 0]
+        if quant:
+            kv = fake_quant_fp8(kv, 32)
+        ids, valid = window_ids(state["ring_pos"], positions, cfg.sliding_window)
+        ids, valid = jnp.broadcast_to(ids, (b, *ids.shape)), jnp.broadcast_to(valid, (b, *valid.shape))
+        pools, new_state, shared = [state["ring_kv"].astype(kv.dtype), kv], dict(state), dict(shared)
+        if self.ratio:
+            if self.is_kv_source:
+                self._publish_group(x, start, state, new_state, shared, freqs)
+            if self.is_index_source:
+                self._select(x, q_lat, positions, shared, freqs)
+            picks = shared.get("picks")
+            if picks is not None:  # without an index source no compressed entry is attended
+                base = cfg.sliding_window + c
+                ids = jnp.concatenate([ids, base + picks], -1)
+                valid = jnp.concatenate([valid, picks >= 0], -1)
+                pools.append(shared["entries"].astype(kv.dtype))
+        out = sink_attention(q, jnp.concatenate(pools, axis=1), ids, valid, self.attn_sink[...])
+        new_state["ring_kv"], new_state["ring_pos"] = push_window(state, kv, positions, cfg.sliding_window)
+        return self.output(out, positions, freqs), new_state, shared
+
+    def _publish_group(self, x, start, state: dict, new_state: dict, shared: dict, freqs) -> None:
+        """Compress the chunk's complete groups into the shared entries (and index keys); publish them."""
+        r, c, quant = self.ratio, x.shape[1], self.config.qat_fake_quant
+        latents, buffers = self.compressor.latents(x, start, state)
+        new_state.update(buffers)
+        group_pos = (start // r + jnp.arange(latents.shape[1])) * r
+        if self.is_index_source:
+            keys = self.indexer.keys(latents, group_pos, freqs, quant)
+            new_state["index_keys"] = store_complete(state["index_keys"], keys, start, c, r)
+            shared["index_keys"] = new_state["index_keys"]
+        entries = apply_rope(latents[:, :, None], group_pos, freqs)[:, :, 0]
+        if quant:
+            entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
+        new_state["entries"] = store_complete(state["entries"], entries, start, c, r)
+        shared["entries"] = new_state["entries"]
+
+    def _select(self, x, q_lat, positions, shared: dict, freqs) -> None:
+        """Top-k picks of this index source (inside the candidate pool when one was published)."""
+        cfg, keys = self.config, shared["index_keys"]
+        scores = self.indexer.scores(x, q_lat, positions, keys, freqs, cfg.qat_fake_quant)
+        visible_count = (positions + 1) // self.ratio
+        scores = jnp.where(jnp.arange(keys.shape[1]) < visible_count[:, None], scores, -jnp.inf)
+        if self.is_candidate_source:
+            shared["candidates"] = candidate_pool(scores, visible_count, cfg.candidate_topk_blocks,
+                                                  cfg.candidate_block_size)
+        elif self.uses_candidates and "candidates" in shared:
+            scores = jnp.where(shared["candidates"], scores, -jnp.inf)
+        shared["picks"] = top_visible(scores, cfg.index_topk)
+
+
+class BlockV41(HyperBlock):
+    """A V4.1 layer with single-pass mHC: each site's `pre` weights collapse the input of the next site."""
+
+    def __init__(self, config: V41Config, layer: int, dtype, rngs: nnx.Rngs):
+        super().__init__(config, rngs)
+        self.attn = AttentionV41(config, layer, dtype, rngs)
+        self.ffn = MoE(config, False, dtype, rngs, v41=True)
+        if layer in config.engram_layer_ids:
+            n_lookups = (config.engram_max_ngram_size - 1) * config.engram_n_heads
+            self.engram = Engram(config.hidden_size, config.hc_mult, n_lookups, config.engram_head_dim,
+                                 config.rms_norm_eps, dtype, rngs)
+        self.has_engram = layer in config.engram_layer_ids
+
+    def __call__(self, streams, pre_mix, tokens, start, state: dict, shared: dict, engram_rows=None):
+        """(streams, the `pre` for the next site, state, shared) after Engram (if any), attention and MoE."""
+        if self.has_engram:
+            streams = self.engram(streams, engram_rows)
+        attn_pre, post, comb = self.hc_attn.weights(streams)
+        y, state, shared = self.attn(self.attn_norm(collapse(streams, pre_mix)), start, state, shared)
+        streams = expand(streams, y, post, comb)
+        ffn_pre, post, comb = self.hc_ffn.weights(streams)
+        y = self.ffn(self.ffn_norm(collapse(streams, attn_pre)), tokens)
+        return expand(streams, y, post, comb), ffn_pre, state, shared
+
+
+class DeepseekV41(nnx.Module):
+    """The V4.1 text model; `__call__` runs a chunk of tokens against a per-sequence cache."""
+
+    def __init__(self, config: V41Config, rngs: nnx.Rngs, dtype=jnp.float32):
+        d = config.hidden_size
+        self.embed = Embedding(config.vocab_size, d, dtype, rngs)
+        self.layers = nnx.List([BlockV41(config, i, dtype, rngs) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.head = Linear(d, config.vocab_size, dtype, rngs, compute_dtype=jnp.float32)
+        self.config = config
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty cache for `batch` sequences of up to `max_len` tokens."""
+        return empty_cache(self.config, self.layers, batch, max_len)
+
+    def streams(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=()):
+        """(residual streams, the last site's `pre` weights, new cache) for the next chunk of tokens.
+
+        `engram_rows` holds, per Engram layer in order, the looked-up table rows [b, c, n_lookups, head_dim].
+        """
+        start = cache["pos"]
+        x = self.embed(tokens)
+        n = self.config.hc_mult
+        streams = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], n, x.shape[-1]))
+        pre_mix = jnp.broadcast_to(jax.nn.one_hot(0, n, dtype=jnp.float32), (*x.shape[:2], n))
+        if len(engram_rows) != len(self.config.engram_layer_ids):
+            raise ValueError(f"expected Engram rows for layers {list(self.config.engram_layer_ids)}, "
+                             f"got {len(engram_rows)} arrays")
+        rows = dict(zip(self.config.engram_layer_ids, engram_rows))
+        states, shared = [], {}
+        for i, (blk, state) in enumerate(zip(self.layers, cache["layers"])):
+            streams, pre_mix, state, shared = blk(streams, pre_mix, tokens, start, state, shared, rows.get(i))
+            states.append(state)
+        return streams, pre_mix, {**cache, "pos": start + tokens.shape[1], "layers": states}
+
+    def __call__(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=()) -> tuple[Float[Array, "b c v"], dict]:
+        streams, pre_mix, cache = self.streams(tokens, cache, engram_rows)
+        return self.head(self.norm(collapse(streams, pre_mix)).astype(jnp.float32)), cache
