@@ -41,12 +41,23 @@ def window_ids(
     return ids, jnp.concatenate([jnp.broadcast_to(ring_ok, (c, w)), back >= 0], axis=1)
 
 
-def push_window(state: dict, kv: Float[Array, "b c d"], positions: Int[Array, " c"], window: int):
-    """Ring update: the last min(c, W) tokens overwrite their slots (position mod W); returns (kv, pos)."""
-    keep = min(kv.shape[1], window)
-    slots = positions[-keep:] % window
-    ring_kv = state["ring_kv"].at[:, slots].set(kv[:, -keep:].astype(jnp.float32))
-    return ring_kv, state["ring_pos"].at[slots].set(positions[-keep:])
+def push_window(state: dict, kv: Float[Array, "b c d"], positions: Int[Array, " c"], count):
+    """Ring update with the chunk's first `count` tokens: the last min(count, ring) of them overwrite their
+    slots (position mod ring size); returns (ring_kv, ring_pos). Tokens past `count` are padding."""
+    ring = state["ring_kv"].shape[1]
+    i = jnp.arange(kv.shape[1])
+    slots = jnp.where((i < count) & (i >= count - ring), positions % ring, ring)  # out of range: dropped
+    ring_kv = state["ring_kv"].at[:, slots].set(kv.astype(jnp.float32), mode="drop")
+    return ring_kv, state["ring_pos"].at[slots].set(positions, mode="drop")
+
+
+def ring_state(config, batch: int, ring: int | None) -> dict:
+    """An empty window ring of `ring` slots (default: the window) for `batch` sequences."""
+    ring = ring or config.sliding_window
+    if ring < config.sliding_window:
+        raise ValueError(f"a ring of {ring} slots cannot hold the {config.sliding_window}-token window")
+    return {"ring_kv": jnp.zeros((batch, ring, config.head_dim), jnp.float32),
+            "ring_pos": jnp.full((ring,), -1, jnp.int32)}
 
 
 class LatentAttention(nnx.Module):
@@ -85,10 +96,10 @@ class Attention(LatentAttention):
         self.freqs = tuple(layer_frequencies(config, layer).tolist())  # static python floats
         self.config = config
 
-    def init_state(self, batch: int, max_len: int) -> dict:
-        """Empty per-sequence state: the window ring and, where present, compressor and indexer states."""
-        w, hd = self.config.sliding_window, self.config.head_dim
-        state = {"ring_kv": jnp.zeros((batch, w, hd), jnp.float32), "ring_pos": jnp.full((w,), -1, jnp.int32)}
+    def init_state(self, batch: int, max_len: int, ring: int | None = None) -> dict:
+        """Empty per-sequence state: the window ring (`ring` >= window slots, so rejected speculative tokens
+        can roll back) and, where present, compressor and indexer states."""
+        state = ring_state(self.config, batch, ring)
         if self.kind in (CSA, HCA):
             state["compressor"] = self.compressor.init_state(batch, max_len)
         if self.kind == CSA:
@@ -96,11 +107,15 @@ class Attention(LatentAttention):
         return state
 
     def __call__(
-        self, x: Float[Array, "b c d"], start: Int[Array, ""], state: dict
+        self, x: Float[Array, "b c d"], start: Int[Array, ""], state: dict, count=None
     ) -> tuple[Float[Array, "b c d"], dict]:
-        """Attend for tokens at positions start..start+c-1 (x already normed); returns output and new state."""
+        """Attend for tokens at positions start..start+c-1 (x already normed); returns output and new state.
+
+        Only the first `count` tokens (default all) enter the state; the rest are padding of a static bucket.
+        """
         cfg, freqs = self.config, jnp.asarray(self.freqs, jnp.float32)
         b, c, _ = x.shape
+        count = c if count is None else count
         positions = start + jnp.arange(c, dtype=jnp.int32)
         q_lat = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_lat).reshape(b, c, cfg.num_attention_heads, cfg.head_dim)
@@ -112,12 +127,12 @@ class Attention(LatentAttention):
         pools = [state["ring_kv"].astype(kv.dtype), kv]
         new_state = dict(state)
         if self.kind in (CSA, HCA):
-            comp = self.compressor(x, start, state["compressor"], freqs)
+            comp = self.compressor(x, start, state["compressor"], freqs, count)
             new_state["compressor"] = comp
             entries = comp["entries"].astype(kv.dtype)
             base = cfg.sliding_window + c
             if self.kind == CSA:
-                idx_state = self.indexer.compressor(x, start, state["indexer"], freqs)
+                idx_state = self.indexer.compressor(x, start, state["indexer"], freqs, count)
                 new_state["indexer"] = idx_state
                 picks = self.indexer.select(x, q_lat, positions, idx_state["entries"], freqs)
                 comp_ids, comp_ok = base + picks, picks >= 0
@@ -129,5 +144,5 @@ class Attention(LatentAttention):
             ids, valid = jnp.concatenate([ids, comp_ids], -1), jnp.concatenate([valid, comp_ok], -1)
             pools.append(entries)
         out = sink_attention(q, jnp.concatenate(pools, axis=1), ids, valid, self.attn_sink[...])
-        new_state["ring_kv"], new_state["ring_pos"] = push_window(state, kv, positions, cfg.sliding_window)
+        new_state["ring_kv"], new_state["ring_pos"] = push_window(state, kv, positions, count)
         return self.output(out, positions, freqs), new_state

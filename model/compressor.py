@@ -41,15 +41,17 @@ class Compressor(nnx.Module):
         return state
 
     def __call__(
-        self, x: Float[Array, "b c d"], start: Int[Array, ""], state: dict, freqs
+        self, x: Float[Array, "b c d"], start: Int[Array, ""], state: dict, freqs, count=None
     ) -> dict[str, jax.Array]:
-        """Feed tokens at positions start..start+c-1; every window they complete is written to `entries`."""
+        """Feed the first `count` (default all) tokens at positions start..; every window they complete is
+        written to `entries`."""
         r, d = self.ratio, self.dim
+        count = x.shape[1] if count is None else count
         positions = start + jnp.arange(x.shape[1])
         kv_w = stage_windows(state["buf_kv"], self.wkv(x), start, r)
         gate_w = stage_windows(state["buf_gate"], self.wgate(x) + self.ape[...][positions % r], start, r)
-        new_state = {"buf_kv": open_slot(kv_w, start, x.shape[1], r),
-                     "buf_gate": open_slot(gate_w, start, x.shape[1], r)}
+        new_state = {"buf_kv": open_slot(kv_w, start, count, r),
+                     "buf_gate": open_slot(gate_w, start, count, r)}
         if self.overlap:
             # a-halves of windows w0-1 .. w0+n_win-1; slot i+1 belongs to staged window i
             a_kv = jnp.concatenate([state["prev_kv"][:, None], kv_w[..., :d]], axis=1)
@@ -57,12 +59,12 @@ class Compressor(nnx.Module):
             n_win = kv_w.shape[1]
             kv_w = jnp.concatenate([a_kv[:, :n_win], kv_w[..., d:]], axis=2)
             gate_w = jnp.concatenate([a_gate[:, :n_win], gate_w[..., d:]], axis=2)
-            new_state["prev_kv"] = open_slot(a_kv, start, x.shape[1], r)
-            new_state["prev_gate"] = open_slot(a_gate, start, x.shape[1], r)
+            new_state["prev_kv"] = open_slot(a_kv, start, count, r)
+            new_state["prev_gate"] = open_slot(a_gate, start, count, r)
         pooled = jnp.sum(jax.nn.softmax(gate_w, axis=2) * kv_w, axis=2)  # [b, n_win, d]
         window_ids = start // r + jnp.arange(pooled.shape[1])
         pooled = apply_rope(self.norm(pooled)[:, :, None], window_ids * r, freqs)[:, :, 0]
-        new_state["entries"] = store_complete(state["entries"], pooled, start, x.shape[1], r)
+        new_state["entries"] = store_complete(state["entries"], pooled, start, count, r)
         return new_state
 
 
@@ -75,13 +77,13 @@ def stage_windows(buffer: Float[Array, "b r w"], new: Float[Array, "b c w"], sta
     return staged.reshape(b, n_win, ratio, w)
 
 
-def open_slot(staged: Float[Array, "b n ..."], start, count: int, ratio: int) -> Float[Array, "b ..."]:
+def open_slot(staged: Float[Array, "b n ..."], start, count, ratio: int) -> Float[Array, "b ..."]:
     """The staged window left open after `count` tokens from `start` (the next call's buffer)."""
     return jax.lax.dynamic_index_in_dim(staged, (start + count) // ratio - start // ratio, axis=1, keepdims=False)
 
 
 def store_complete(
-    entries: Float[Array, "b t d"], values: Float[Array, "b n d"], start, count: int, ratio: int
+    entries: Float[Array, "b t d"], values: Float[Array, "b n d"], start, count, ratio: int
 ) -> Float[Array, "b t d"]:
     """Write values of windows start//ratio + i that the chunk completed; incomplete ones are dropped."""
     window_ids = start // ratio + jnp.arange(values.shape[1])

@@ -13,11 +13,12 @@ from model.moe import MoE
 from model.norms import RMSNorm
 
 
-def empty_cache(config, layers, batch: int, max_len: int) -> dict:
+def empty_cache(config, layers, batch: int, max_len: int, ring: int | None = None) -> dict:
     """Position 0 and every layer's empty attention state, for sequences of up to `max_len` tokens."""
     if max_len > config.max_position_embeddings:
         raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}")
-    return {"pos": jnp.zeros((), jnp.int32), "layers": [blk.attn.init_state(batch, max_len) for blk in layers]}
+    return {"pos": jnp.zeros((), jnp.int32),
+            "layers": [blk.attn.init_state(batch, max_len, ring) for blk in layers]}
 
 
 class Embedding(nnx.Module):
@@ -51,10 +52,11 @@ class Block(HyperBlock):
         self.ffn = MoE(config, config.is_hash_layer(layer), dtype, rngs)
 
     def __call__(
-        self, streams: Float[Array, "b c n d"], tokens: Int[Array, "b c"], start: Int[Array, ""], state: dict
+        self, streams: Float[Array, "b c n d"], tokens: Int[Array, "b c"], start: Int[Array, ""], state: dict,
+        count=None,
     ) -> tuple[Float[Array, "b c n d"], dict]:
         pre, post, comb = self.hc_attn.weights(streams)
-        y, state = self.attn(self.attn_norm(collapse(streams, pre)), start, state)
+        y, state = self.attn(self.attn_norm(collapse(streams, pre)), start, state, count)
         streams = expand(streams, y, post, comb)
         pre, post, comb = self.hc_ffn.weights(streams)
         y = self.ffn(self.ffn_norm(collapse(streams, pre)), tokens)
@@ -99,31 +101,36 @@ class DeepseekV4(nnx.Module):
                              for i in range(config.num_nextn_predict_layers)])
         self.config = config
 
-    def init_cache(self, batch: int, max_len: int) -> dict:
-        """An empty cache for `batch` sequences of up to `max_len` tokens (MTP layers included)."""
-        return {**empty_cache(self.config, self.layers, batch, max_len),
-                "mtp": [blk.attn.init_state(batch, max_len) for blk in self.mtp]}
+    def init_cache(self, batch: int, max_len: int, ring: int | None = None) -> dict:
+        """An empty cache for `batch` sequences of up to `max_len` tokens (MTP layers included); window
+        rings of `ring` slots (default: the window)."""
+        return {**empty_cache(self.config, self.layers, batch, max_len, ring),
+                "mtp": [blk.attn.init_state(batch, max_len, ring) for blk in self.mtp]}
 
     def streams(
-        self, tokens: Int[Array, "b c"], cache: dict
+        self, tokens: Int[Array, "b c"], cache: dict, count=None
     ) -> tuple[Float[Array, "b c n d"], dict]:
-        """Residual streams after the last layer for the next chunk of tokens; advances the cache."""
+        """Residual streams after the last layer for the next chunk of tokens; advances the cache.
+
+        Only the first `count` tokens (default all) are real: the rest pad a static bucket.
+        """
+        count = tokens.shape[1] if count is None else count
         start = cache["pos"]
         x = self.embed(tokens)
         streams = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
         states = []
         for blk, state in zip(self.layers, cache["layers"]):
-            streams, state = blk(streams, tokens, start, state)
+            streams, state = blk(streams, tokens, start, state, count)
             states.append(state)
-        return streams, {**cache, "pos": start + tokens.shape[1], "layers": states}
+        return streams, {**cache, "pos": start + count, "layers": states}
 
     def head_logits(self, streams: Float[Array, "b c n d"], hc_head=None, norm=None) -> Float[Array, "b c v"]:
         """fp32 logits from the streams (the main collapse and norm unless an MTP block's are given)."""
         hc_head, norm = hc_head or self.hc_head, norm or self.norm
         return self.head(norm(hc_head(streams)).astype(jnp.float32))
 
-    def __call__(self, tokens: Int[Array, "b c"], cache: dict) -> tuple[Float[Array, "b c v"], dict]:
-        streams, cache = self.streams(tokens, cache)
+    def __call__(self, tokens: Int[Array, "b c"], cache: dict, count=None) -> tuple[Float[Array, "b c v"], dict]:
+        streams, cache = self.streams(tokens, cache, count)
         return self.head_logits(streams), cache
 
     def mtp_logits(

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from model.attention import LatentAttention, push_window, sink_attention, window_ids
+from model.attention import LatentAttention, push_window, ring_state, sink_attention, window_ids
 from model.compressor import index_scores, open_slot, stage_windows, store_complete, top_visible
 from model.config_v41 import V41Config
 from model.engram import Engram
@@ -55,16 +55,15 @@ class SharedCompressor(nnx.Module):
         self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.ratio = ratio
 
-    def latents(self, x: Float[Array, "b c d"], start, state: dict):
+    def latents(self, x: Float[Array, "b c d"], start, state: dict, count):
         """(pre-RoPE latents [b, n, hd] of groups start//r + i, new buffer state); incomplete groups included."""
         if self.ratio == 1:
             return self.norm(self.wkv(x)), {}
         kv_w = stage_windows(state["buf_kv"], self.wkv(x), start, self.ratio)
         gate_w = stage_windows(state["buf_gate"], self.wgate(x), start, self.ratio)
         pooled = jnp.sum(jax.nn.softmax(gate_w, axis=2) * kv_w, axis=2)
-        c = x.shape[1]
-        return self.norm(pooled), {"buf_kv": open_slot(kv_w, start, c, self.ratio),
-                                   "buf_gate": open_slot(gate_w, start, c, self.ratio)}
+        return self.norm(pooled), {"buf_kv": open_slot(kv_w, start, count, self.ratio),
+                                   "buf_gate": open_slot(gate_w, start, count, self.ratio)}
 
 
 class SharedIndexer(nnx.Module):
@@ -112,11 +111,10 @@ class AttentionV41(LatentAttention):
         self.freqs = tuple(inv_frequencies(config.qk_rope_head_dim, theta, yarn).tolist())
         self.config = config
 
-    def init_state(self, batch: int, max_len: int) -> dict:
+    def init_state(self, batch: int, max_len: int, ring: int | None = None) -> dict:
         """Window ring; for a KV source also its group buffers, shared entries and (if an index source) keys."""
         cfg = self.config
-        state = {"ring_kv": jnp.zeros((batch, cfg.sliding_window, cfg.head_dim), jnp.float32),
-                 "ring_pos": jnp.full((cfg.sliding_window,), -1, jnp.int32)}
+        state = ring_state(cfg, batch, ring)
         if self.is_kv_source:
             n = max_len // self.ratio
             state["entries"] = jnp.zeros((batch, n, cfg.head_dim), jnp.float32)
@@ -127,11 +125,13 @@ class AttentionV41(LatentAttention):
                 state["index_keys"] = jnp.zeros((batch, n, cfg.index_head_dim), jnp.float32)
         return state
 
-    def __call__(self, x: Float[Array, "b c d"], start, state: dict, shared: dict):
-        """Attend for tokens start..start+c-1; returns (output, new state, updated shared group state)."""
+    def __call__(self, x: Float[Array, "b c d"], start, state: dict, shared: dict, count=None):
+        """Attend for tokens start..start+c-1 (the first `count` enter the state); returns (output, new
+        state, updated shared group state)."""
         cfg, quant = self.config, self.config.qat_fake_quant
         freqs = jnp.asarray(self.freqs, jnp.float32)
         b, c, _ = x.shape
+        count = c if count is None else count
         positions = start + jnp.arange(c, dtype=jnp.int32)
         q_lat = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(q_lat).reshape(b, c, cfg.num_attention_heads, cfg.head_dim), positions, freqs)
@@ -143,7 +143,7 @@ class AttentionV41(LatentAttention):
         pools, new_state, shared = [state["ring_kv"].astype(kv.dtype), kv], dict(state), dict(shared)
         if self.ratio:
             if self.is_kv_source:
-                self._publish_group(x, start, state, new_state, shared, freqs)
+                self._publish_group(x, start, state, new_state, shared, freqs, count)
             if self.is_index_source:
                 self._select(x, q_lat, positions, shared, freqs)
             picks = shared.get("picks")
@@ -153,13 +153,13 @@ class AttentionV41(LatentAttention):
                 valid = jnp.concatenate([valid, picks >= 0], -1)
                 pools.append(shared["entries"].astype(kv.dtype))
         out = sink_attention(q, jnp.concatenate(pools, axis=1), ids, valid, self.attn_sink[...])
-        new_state["ring_kv"], new_state["ring_pos"] = push_window(state, kv, positions, cfg.sliding_window)
+        new_state["ring_kv"], new_state["ring_pos"] = push_window(state, kv, positions, count)
         return self.output(out, positions, freqs), new_state, shared
 
-    def _publish_group(self, x, start, state: dict, new_state: dict, shared: dict, freqs) -> None:
+    def _publish_group(self, x, start, state: dict, new_state: dict, shared: dict, freqs, count) -> None:
         """Compress the chunk's complete groups into the shared entries (and index keys); publish them."""
-        r, c, quant = self.ratio, x.shape[1], self.config.qat_fake_quant
-        latents, buffers = self.compressor.latents(x, start, state)
+        r, c, quant = self.ratio, count, self.config.qat_fake_quant
+        latents, buffers = self.compressor.latents(x, start, state, count)
         new_state.update(buffers)
         group_pos = (start // r + jnp.arange(latents.shape[1])) * r
         if self.is_index_source:
@@ -199,12 +199,12 @@ class BlockV41(HyperBlock):
                                  config.rms_norm_eps, dtype, rngs)
         self.has_engram = layer in config.engram_layer_ids
 
-    def __call__(self, streams, pre_mix, tokens, start, state: dict, shared: dict, engram_rows=None):
+    def __call__(self, streams, pre_mix, tokens, start, state: dict, shared: dict, engram_rows=None, count=None):
         """(streams, the `pre` for the next site, state, shared) after Engram (if any), attention and MoE."""
         if self.has_engram:
             streams = self.engram(streams, engram_rows)
         attn_pre, post, comb = self.hc_attn.weights(streams)
-        y, state, shared = self.attn(self.attn_norm(collapse(streams, pre_mix)), start, state, shared)
+        y, state, shared = self.attn(self.attn_norm(collapse(streams, pre_mix)), start, state, shared, count)
         streams = expand(streams, y, post, comb)
         ffn_pre, post, comb = self.hc_ffn.weights(streams)
         y = self.ffn(self.ffn_norm(collapse(streams, attn_pre)), tokens)
@@ -222,11 +222,11 @@ class DeepseekV41(nnx.Module):
         self.head = Linear(d, config.vocab_size, dtype, rngs, compute_dtype=jnp.float32)
         self.config = config
 
-    def init_cache(self, batch: int, max_len: int) -> dict:
-        """An empty cache for `batch` sequences of up to `max_len` tokens."""
-        return empty_cache(self.config, self.layers, batch, max_len)
+    def init_cache(self, batch: int, max_len: int, ring: int | None = None) -> dict:
+        """An empty cache for `batch` sequences of up to `max_len` tokens (window rings of `ring` slots)."""
+        return empty_cache(self.config, self.layers, batch, max_len, ring)
 
-    def streams(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=()):
+    def streams(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None):
         """(residual streams, the last site's `pre` weights, new cache) for the next chunk of tokens.
 
         `engram_rows` holds, per Engram layer in order, the looked-up table rows [b, c, n_lookups, head_dim].
@@ -240,12 +240,15 @@ class DeepseekV41(nnx.Module):
             raise ValueError(f"expected Engram rows for layers {list(self.config.engram_layer_ids)}, "
                              f"got {len(engram_rows)} arrays")
         rows = dict(zip(self.config.engram_layer_ids, engram_rows))
+        count = tokens.shape[1] if count is None else count
         states, shared = [], {}
         for i, (blk, state) in enumerate(zip(self.layers, cache["layers"])):
-            streams, pre_mix, state, shared = blk(streams, pre_mix, tokens, start, state, shared, rows.get(i))
+            streams, pre_mix, state, shared = blk(streams, pre_mix, tokens, start, state, shared, rows.get(i), count)
             states.append(state)
-        return streams, pre_mix, {**cache, "pos": start + tokens.shape[1], "layers": states}
+        return streams, pre_mix, {**cache, "pos": start + count, "layers": states}
 
-    def __call__(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=()) -> tuple[Float[Array, "b c v"], dict]:
-        streams, pre_mix, cache = self.streams(tokens, cache, engram_rows)
+    def __call__(
+        self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None
+    ) -> tuple[Float[Array, "b c v"], dict]:
+        streams, pre_mix, cache = self.streams(tokens, cache, engram_rows, count)
         return self.head(self.norm(collapse(streams, pre_mix)).astype(jnp.float32)), cache

@@ -1,0 +1,155 @@
+"""The engine's device cache: per-slot state plus paged compressed entries, and the host page allocator.
+
+Per request slot (leading axis; the last slot is scratch for padding rows): every layer's window ring
+(window + max backtracking slots), compressor open-window buffers, V4.1 Engram-free group buffers, the
+last sampled token and the token statistics the penalties need. Compressed entries and indexer keys live
+in fixed-size pages shared by all slots and addressed by each slot's block table; one page holds
+`page_tokens` tokens' worth of entries in every compressed layer (page_tokens / ratio entries), so page
+boundaries are aligned with every compression ratio and one block table serves all layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+PAGED_LEAVES = ("entries", "index_keys")  # state leaves [b, n, d] that grow with the sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Sizes of the engine cache: slots, pages, ring slots and the longest sequence a slot may hold."""
+
+    max_slots: int
+    max_len: int
+    num_pages: int
+    page_tokens: int
+    ring: int  # window ring slots per layer: sliding_window + max backtracking
+    vocab_size: int
+
+    @property
+    def pages_per_slot(self) -> int:
+        return -(-self.max_len // self.page_tokens)
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.max_slots
+
+    @property
+    def scratch_page(self) -> int:
+        return self.num_pages
+
+    @classmethod
+    def for_model(cls, config, max_slots: int, max_len: int, num_pages: int | None = None,
+                  page_tokens: int | None = None, backtrack: int = 0) -> CacheLayout:
+        """A layout whose page size is a multiple of every compression ratio (default: enough pages for
+        every slot to reach `max_len`)."""
+        ratios = [r for r in config.compress_ratios if r] or [1]
+        unit = math.lcm(*ratios)
+        page_tokens = page_tokens or unit * max(1, 64 // unit)
+        if page_tokens % unit:
+            raise ValueError(f"page_tokens={page_tokens} must be a multiple of every compression ratio ({unit})")
+        if max_len > config.max_position_embeddings:
+            raise ValueError(f"max_len={max_len} exceeds the model's {config.max_position_embeddings} positions")
+        pages = num_pages if num_pages is not None else max_slots * -(-max_len // page_tokens)
+        return cls(max_slots, max_len, pages, page_tokens, config.sliding_window + backtrack, config.vocab_size)
+
+
+def init_engine_cache(module, layout: CacheLayout) -> dict:
+    """The empty device cache of `layout` for a model module (DeepseekV4 or DeepseekV41)."""
+    span = layout.pages_per_slot * layout.page_tokens
+    ref = module.init_cache(layout.max_slots + 1, span, layout.ring)
+    layers = jax.tree.map_with_path(lambda path, leaf: _pool(path, leaf, layout, span), ref["layers"])
+    return {
+        "layers": layers,
+        "block_tables": jnp.full((layout.max_slots + 1, layout.pages_per_slot), layout.scratch_page, jnp.int32),
+        "last_token": jnp.zeros((layout.max_slots + 1,), jnp.int32),
+        "prompt_mask": jnp.zeros((layout.max_slots + 1, layout.vocab_size), bool),
+        "output_counts": jnp.zeros((layout.max_slots + 1, layout.vocab_size), jnp.int32),
+    }
+
+
+def _kind(path) -> str:
+    """`paged` (grows with the sequence), `unbatched` (no batch axis in a reference cache: ring positions)
+    or `slot` (batch axis first)."""
+    key = getattr(path[-1], "key", None)
+    return "paged" if key in PAGED_LEAVES else "unbatched" if key == "ring_pos" else "slot"
+
+
+def _pool(path, leaf: jax.Array, layout: CacheLayout, span: int) -> jax.Array:
+    """Paged leaves become page pools [pages + 1, entries per page, d]; ring positions get a slot axis."""
+    kind = _kind(path)
+    if kind == "paged":
+        per_page = leaf.shape[1] * layout.page_tokens // span
+        return jnp.zeros((layout.num_pages + 1, per_page, leaf.shape[2]), leaf.dtype)
+    if kind == "unbatched":
+        return jnp.broadcast_to(leaf, (layout.max_slots + 1, *leaf.shape))
+    return leaf
+
+
+def gather_rows(cache: dict, slots: Int[Array, " r"], empty: dict, reset) -> dict:
+    """Per-row reference states (batch axis 1 per row, stacked on a leading row axis) for `slots`;
+    rows flagged in `reset` start from the empty state `empty` (a fresh request in a reused slot)."""
+    tables = cache["block_tables"][slots]  # [r, pages]
+
+    def one(path, leaf, empty_leaf):
+        kind = _kind(path)
+        if kind == "paged":  # stale entries of reused pages are never visible: no reset needed
+            return leaf[tables].reshape(slots.shape[0], 1, -1, leaf.shape[-1])
+        rows = leaf[slots] if kind == "unbatched" else leaf[slots][:, None]
+        fresh = jnp.broadcast_to(empty_leaf[None], rows.shape)
+        return jnp.where(reset.reshape((-1,) + (1,) * (rows.ndim - 1)), fresh, rows)
+
+    return jax.tree.map_with_path(one, cache["layers"], empty)
+
+
+def scatter_rows(cache: dict, slots: Int[Array, " r"], rows: dict) -> dict:
+    """Write per-row states back: slot leaves by slot, paged leaves page by page through the block tables."""
+    tables = cache["block_tables"][slots]
+
+    def one(path, leaf, row):
+        kind = _kind(path)
+        if kind == "paged":
+            pages = row.reshape(slots.shape[0] * tables.shape[1], leaf.shape[1], leaf.shape[2])
+            return leaf.at[tables.reshape(-1)].set(pages)
+        return leaf.at[slots].set(row if kind == "unbatched" else row[:, 0])
+
+    return {**cache, "layers": jax.tree.map_with_path(one, cache["layers"], rows)}
+
+
+class PageAllocator:
+    """Host bookkeeping of the page pool: free pages, and each slot's pages in block-table order."""
+
+    def __init__(self, layout: CacheLayout):
+        self.layout = layout
+        self.free = list(range(layout.num_pages - 1, -1, -1))
+        self.owned: dict[int, list[int]] = {}
+
+    def pages_needed(self, slot: int, tokens: int) -> int:
+        """Additional pages slot `slot` needs to hold `tokens` tokens."""
+        return max(0, -(-tokens // self.layout.page_tokens) - len(self.owned.get(slot, [])))
+
+    def grow(self, slot: int, tokens: int) -> list[int] | None:
+        """Give `slot` pages for `tokens` tokens; returns the new pages, or None (nothing taken) if the pool
+        is short."""
+        if tokens > self.layout.max_len:
+            raise ValueError(f"{tokens} tokens exceed the cache's max_len={self.layout.max_len}")
+        need = self.pages_needed(slot, tokens)
+        if need > len(self.free):
+            return None
+        new = [self.free.pop() for _ in range(need)]
+        self.owned.setdefault(slot, []).extend(new)
+        return new
+
+    def release(self, slot: int) -> None:
+        """Return all pages of `slot` to the pool."""
+        self.free.extend(reversed(self.owned.pop(slot, [])))
+
+    def table(self, slot: int) -> list[int]:
+        """The slot's block-table row (scratch page past its pages)."""
+        pages = self.owned.get(slot, [])
+        return pages + [self.layout.scratch_page] * (self.layout.pages_per_slot - len(pages))

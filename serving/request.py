@@ -1,0 +1,107 @@
+"""A request's life in the engine: its tokens, state, results and stop conditions (host side)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Callable
+
+from serving.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to recompute
+    RUNNING = "running"  # holds a slot and pages
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """The chosen token's logprob and the top alternatives (raw model distribution)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What a finished request returns."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (EOS, stop token or string), "length", "cancelled"
+    logprobs: list[TokenLogprob] | None
+    preemptions: int
+    time_to_first_token: float | None
+    latency: float
+
+
+@dataclasses.dataclass
+class Request:
+    """Engine-side request state. `computed` counts tokens of `sequence` already in the slot's cache;
+    `dispatched` counts tokens whose sampling has been dispatched (it runs ahead of `output` by the
+    steps whose results the host has not read yet)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    computed: int = 0
+    replay_outputs: int = 0  # generated tokens to recompute after a preemption
+    dispatched: int = 0
+    fresh_slot: bool = False
+    finish_reason: str | None = None
+    preemptions: int = 0
+    first_token_time: float | None = None
+    text: str | None = None
+
+    @property
+    def sequence(self) -> list[int]:
+        """Tokens whose state must be in the cache before the next token is sampled."""
+        return self.prompt + self.output[: self.replay_outputs]
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.sequence)
+
+    def finish(self, reason: str) -> None:
+        self.status, self.finish_reason = Status.FINISHED, reason
+
+    def accept(self, token: int, logprob: TokenLogprob | None, eos: int | None,
+               detokenize: Callable[[list[int]], str] | None) -> None:
+        """Record a sampled token and apply the stop conditions (EOS / stop ids, stop strings, max tokens)."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        p = self.params
+        if token in p.stop_token_ids or (token == eos and not p.ignore_eos):
+            self.finish("stop")
+        elif p.stop and detokenize is not None:
+            text = detokenize(self.output)
+            hits = [text.find(s) for s in p.stop if s in text]
+            if hits:
+                self.text = text[: min(hits)]
+                self.finish("stop")
+        if self.status is not Status.FINISHED and len(self.output) >= p.max_tokens:
+            self.finish("length")
+
+    def result(self, detokenize: Callable[[list[int]], str] | None) -> RequestOutput:
+        now = time.perf_counter()
+        text = self.text if self.text is not None else detokenize(self.output) if detokenize else None
+        return RequestOutput(
+            request_id=self.request_id, prompt_ids=list(self.prompt), token_ids=list(self.output), text=text,
+            finish_reason=self.finish_reason or "cancelled",
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            preemptions=self.preemptions,
+            time_to_first_token=None if self.first_token_time is None else self.first_token_time - self.arrival,
+            latency=now - self.arrival)

@@ -1,0 +1,146 @@
+"""Continuous batching: which requests run in the next step, in which rows, with which pages.
+
+Every iteration runs the decode rows of all running requests, then fills the remaining token budget with
+prefill chunks (continuing prompts first, then newly admitted requests, FIFO). When a running request
+needs a page and none is free, the most recently admitted request is preempted: its slot and pages are
+freed and it recomputes its prompt and generated tokens later (randomness is keyed by position, so its
+continuation does not change).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from serving.kv_cache import CacheLayout, PageAllocator
+from serving.request import Request, Status
+from serving.step import COUNTED, PROMPT, RECOMPUTED
+
+
+@dataclasses.dataclass
+class Row:
+    """One request's part of a step."""
+
+    request: Request
+    tokens: list[int]
+    start: int
+    from_prev: bool
+    reset: bool
+    sample: bool
+    kinds: list[int]
+
+
+class NeedsFlush(Exception):
+    """Preemption is needed but some results are still in flight: read them first."""
+
+
+class Scheduler:
+    """Queues, slots and pages of the engine (host side)."""
+
+    def __init__(self, layout: CacheLayout, prefill_chunk: int, token_budget: int, max_prefill_rows: int,
+                 fixed_chunks: bool):
+        self.layout, self.pages = layout, PageAllocator(layout)
+        self.prefill_chunk, self.token_budget = prefill_chunk, token_budget
+        self.max_prefill_rows, self.fixed_chunks = max_prefill_rows, fixed_chunks
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(layout.max_slots - 1, -1, -1))
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def release(self, request: Request) -> None:
+        """Free a finished (or cancelled) request's slot and pages."""
+        if request.slot is not None:
+            self.pages.release(request.slot)
+            self.free_slots.append(request.slot)
+            request.slot = None
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+
+    def schedule(self, in_flight: bool) -> tuple[list[Row], list[Row]]:
+        """(decode rows, prefill rows) of the next iteration. Raises NeedsFlush if a preemption is needed
+        while results are in flight."""
+        decode: list[Row] = []
+        for request in list(self.running):
+            if request.status is not Status.RUNNING or request.prefilling:
+                continue
+            if request.dispatched >= request.params.max_tokens:
+                continue  # its last token is in flight
+            position = len(request.prompt) + request.dispatched  # of the token to sample
+            if not self._ensure_pages(request, position, in_flight):
+                continue  # it was preempted itself
+            decode.append(Row(request, [0], position - 1, True, False, True, [COUNTED]))
+        decode = [row for row in decode if row.request.status is Status.RUNNING]  # drop preempted ones
+        budget = self.token_budget - len(decode)
+        prefill: list[Row] = []
+        for request in [r for r in self.running if r.status is Status.RUNNING and r.prefilling]:
+            if budget <= 0 or len(prefill) >= self.max_prefill_rows:
+                break
+            row = self._chunk(request, budget)
+            if row is not None:
+                prefill.append(row)
+                budget -= len(row.tokens)
+        while self.waiting and self.free_slots and budget > 0 and len(prefill) < self.max_prefill_rows:
+            request = self.waiting[0]
+            if self.pages.pages_needed(self.free_slots[-1], min(len(request.sequence), self.prefill_chunk)) \
+                    > len(self.pages.free):
+                break
+            self.waiting.popleft()
+            request.slot, request.status, request.fresh_slot = self.free_slots.pop(), Status.RUNNING, True
+            self.running.append(request)
+            row = self._chunk(request, budget)
+            if row is None:  # the pool could not give even this chunk's pages: back to the queue
+                self.release(request)
+                request.status = Status.WAITING
+                self.waiting.appendleft(request)
+                break
+            prefill.append(row)
+            budget -= len(row.tokens)
+        return decode, prefill
+
+    def _chunk(self, request: Request, budget: int) -> Row | None:
+        """The next prefill chunk of `request` within `budget` tokens (None: no pages for it)."""
+        sequence = request.sequence
+        size = min(self.prefill_chunk, len(sequence) - request.computed)
+        if not self.fixed_chunks:
+            size = min(size, budget)
+        elif size > budget:
+            return None
+        start = request.computed
+        if self.pages.grow(request.slot, start + size) is None:
+            return None
+        kinds = [PROMPT if i < len(request.prompt) else RECOMPUTED for i in range(start, start + size)]
+        row = Row(request, sequence[start:start + size], start, False, request.fresh_slot,
+                  start + size == len(sequence), kinds)
+        request.fresh_slot = False
+        return row
+
+    def _ensure_pages(self, request: Request, tokens: int, in_flight: bool) -> bool:
+        """Pages for `tokens` tokens of a running request, preempting later arrivals if the pool is short.
+        False if `request` itself had to be preempted."""
+        while self.pages.grow(request.slot, tokens) is None:
+            victims = [r for r in self.running if r is not request and r.status is Status.RUNNING]
+            victim = max(victims, key=lambda r: r.arrival) if victims else request
+            if in_flight:
+                raise NeedsFlush
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's slot and pages; it will recompute prompt + generated tokens."""
+        self.pages.release(request.slot)
+        self.free_slots.append(request.slot)
+        self.running.remove(request)
+        request.slot, request.status = None, Status.WAITING
+        request.computed, request.replay_outputs = 0, len(request.output)
+        request.dispatched = len(request.output)
+        request.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def block_table(self, request: Request) -> list[int]:
+        return self.pages.table(request.slot)

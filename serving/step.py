@@ -1,0 +1,107 @@
+"""The engine's compiled step: `(params, cache, batch) -> (outputs, cache)` for one static (rows, tokens) bucket.
+
+Each row is one request's chunk: a prefill chunk, one decode token, or (later) a verify block. Rows run the
+model's reference cached path independently (vmapped), so a row's numbers depend only on its own inputs
+and the bucket shape. The first token of a decode row comes from the previous step's sampled token on the
+device (`from_prev`), so the host can dispatch step N+1 before it has read step N.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from serving.kv_cache import CacheLayout, gather_rows, scatter_rows
+from serving.sampling import SamplingBatch, sample
+
+
+class StepBatch(NamedTuple):
+    """Host-built inputs of one step (numpy, shapes fixed by the bucket)."""
+
+    tokens: Int[Array, "r t"]
+    slots: Int[Array, " r"]
+    starts: Int[Array, " r"]
+    counts: Int[Array, " r"]  # real tokens in the row (0: padding row)
+    from_prev: Bool[Array, " r"]  # token 0 is the slot's last sampled token (on the device)
+    reset: Bool[Array, " r"]  # the slot starts a new request: clear its state first
+    sample: Bool[Array, " r"]  # the row emits a token (decode rows, and the last chunk of a prompt)
+    kinds: Int[Array, "r t"]  # PROMPT, RECOMPUTED (a generated token replayed after preemption) or COUNTED
+    block_tables: Int[Array, "r p"]
+    sampling: SamplingBatch
+
+
+# What a token of a row is, for the penalty statistics: prompt tokens join the prompt mask, replayed
+# generated tokens count again as outputs, and a decode row's input was counted when it was sampled.
+PROMPT, RECOMPUTED, COUNTED = 0, 1, 2
+
+
+class StepOutput(NamedTuple):
+    tokens: Int[Array, " r"]
+    logprob: Float[Array, " r"]
+    top_ids: Int[Array, "r n"]
+    top_logprobs: Float[Array, "r n"]
+    logits: Float[Array, "r v"]  # the last real position's logits ([r, 0] unless the engine asks for them)
+
+
+def empty_batch(layout: CacheLayout, rows: int, tokens: int) -> StepBatch:
+    """An all-padding batch of this bucket (used to compile ahead of time and to fill unused rows)."""
+    z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+    return StepBatch(
+        tokens=z(rows, tokens), slots=np.full(rows, layout.scratch_slot, np.int32), starts=z(rows),
+        counts=z(rows), from_prev=z(rows, dtype=bool), reset=z(rows, dtype=bool), sample=z(rows, dtype=bool),
+        kinds=z(rows, tokens), block_tables=np.full((rows, layout.pages_per_slot),
+                                                                     layout.scratch_page, np.int32),
+        sampling=SamplingBatch.from_params([], rows))
+
+
+def build_step(graphdef, empty_layers: dict, num_top: int, return_logits: bool):
+    """The pure step function (jit it with the cache donated); `empty_layers` is a fresh one-row state."""
+
+    def step(params, cache: dict, batch: StepBatch) -> tuple[StepOutput, dict]:
+        module = nnx.merge(graphdef, params)
+        slots, counts = batch.slots, batch.counts
+        rows, width = batch.tokens.shape
+        cache = {**cache, "block_tables": cache["block_tables"].at[slots].set(batch.block_tables)}
+        states = gather_rows(cache, slots, empty_layers, batch.reset)
+        first = jnp.where(batch.from_prev, cache["last_token"][slots], batch.tokens[:, 0])
+        tokens = batch.tokens.at[:, 0].set(first)
+
+        def one_row(row_tokens, state, start, count):
+            logits, new = module(row_tokens[None], {"pos": start, "layers": state}, count=count)
+            return logits[0], new["layers"]
+
+        logits, states = jax.vmap(one_row)(tokens, states, batch.starts, counts)
+        cache = scatter_rows(cache, slots, states)
+        last = jnp.take_along_axis(logits, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+
+        scratch = cache["last_token"].shape[0] - 1
+        real = jnp.arange(width)[None, :] < counts[:, None]
+        fresh = jnp.where(batch.reset, slots, scratch)
+        prompt_mask = cache["prompt_mask"].at[fresh].set(False)
+        output_counts = cache["output_counts"].at[fresh].set(0)
+        as_prompt = jnp.where(real & (batch.kinds == PROMPT), slots[:, None], scratch)
+        prompt_mask = prompt_mask.at[as_prompt, tokens].set(True)
+        output_counts = output_counts.at[slots[:, None], tokens].add(
+            (real & (batch.kinds == RECOMPUTED)).astype(jnp.int32))
+
+        out = sample(last, batch.sampling, batch.starts + counts, prompt_mask[slots], output_counts[slots], num_top)
+        emit = jnp.where(batch.sample, slots, scratch)
+        cache = {**cache, "prompt_mask": prompt_mask,
+                 "output_counts": output_counts.at[emit, out.tokens].add(batch.sample.astype(jnp.int32)),
+                 "last_token": cache["last_token"].at[emit].set(out.tokens)}
+        kept_logits = last if return_logits else jnp.zeros((rows, 0), last.dtype)
+        return StepOutput(out.tokens, out.logprob, out.top_ids, out.top_logprobs, kept_logits), cache
+
+    return step
+
+
+def compile_step(step_fn, params, cache: dict, batch: StepBatch):
+    """Ahead-of-time compile for one bucket (the cache is donated); calling it never recompiles."""
+    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
+    return jax.jit(step_fn, donate_argnums=1).lower(
+        jax.tree.map(spec, params), jax.tree.map(spec, cache), jax.tree.map(spec, batch)).compile()
