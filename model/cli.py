@@ -1,4 +1,5 @@
-"""`jaxseek` command line: model facts (`info`) and a forward pass over a prompt (`forward`)."""
+"""`jaxseek` command line: model facts (`info`), a forward pass over a prompt (`forward`), offline batch
+inference over the serving engine (`generate`)."""
 
 import argparse
 import json
@@ -54,6 +55,110 @@ def cmd_forward(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    """Offline batch inference: prompts in, one JSON result per request out (in input order)."""
+    from serving.batch import from_prompts, read_input, resolve_params, run_batch, submit, summary_lines
+    from serving.engine import Engine
+    from serving.sampling import SamplingParams
+    from serving.tokenizer import tokenizer_for
+
+    start = time.perf_counter()
+    defaults = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
+                if getattr(args, name) is not None}
+    try:
+        SamplingParams.from_dict({**defaults, "seed": 0})
+    except ValueError as e:
+        args.parser.error(f"invalid sampling flag: {e}")
+    requests = read_input(args.input) if args.input else from_prompts(args.prompt)
+    resolve_params(requests, defaults, args.seed)
+    try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    except OSError as e:
+        raise ValueError(f"cannot write --output {args.output}: {e.strerror}") from None
+
+    if not args.model:
+        print(f"jaxseek generate: no --model given: running a randomly initialised '{args.config}' model (seed "
+              f"{args.seed}); its text is noise (a trained default model comes with a later release)",
+              file=sys.stderr)
+    model = _load(args)
+    tokenizer = tokenizer_for(model)
+    num_top = max([r.params.logprobs for r in requests if r.params and r.params.logprobs] + [1])
+    try:
+        engine = Engine(model, max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                        batch_invariant=args.batch_invariant, zero_overhead=not args.no_zero_overhead,
+                        num_top_logprobs=num_top, seed=args.seed, detokenize=tokenizer.decode)
+    except NotImplementedError as e:
+        raise ValueError(str(e)) from None
+    submit(engine, tokenizer, requests)
+    loaded = time.perf_counter()
+    if not args.no_warmup and engine.has_work:
+        engine.warmup()
+    warm = time.perf_counter()
+
+    def emit(record):
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+
+    try:
+        summary = run_batch(engine, requests, emit)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    summary.update(wall_s=time.perf_counter() - start, load_s=loaded - start, warmup_s=warm - loaded,
+                   warmup=not args.no_warmup)
+    for line in summary_lines(summary, engine.stats, list(engine.compiled)):
+        print(f"jaxseek generate: {line}", file=sys.stderr)
+    return 1 if summary["failed"] else 0
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
+    src.add_argument("--input", metavar="FILE",
+                     help="a .txt file (one prompt per non-blank line) or a .jsonl file in the OpenAI batch format: "
+                          '{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", '
+                          '"body": {...}}; body has "prompt" (a string or token ids) or "messages" (for now joined '
+                          'as "{role}: {content}\\n" per message, then "assistant: "; the DeepSeek chat format '
+                          "comes later) and sampling fields, which override the command-line flags")
+    p.add_argument("--output", metavar="FILE.jsonl", help="where the results go (default: stdout)")
+    p.add_argument("--model", help="checkpoint directory (overrides --config)")
+    p.add_argument("--config", default="tiny", help="preset of a randomly initialised model when no --model is given")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=_int_at_least(0), default=0,
+                   help="seeds the random weights (without --model) and the sampling: request i that gives no seed "
+                        "of its own samples with a seed drawn from (SEED, i)")
+    g = p.add_argument_group("sampling defaults (a JSONL body's own fields override them)")
+    g.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 16)")
+    g.add_argument("--temperature", type=float, help="0 is greedy (default 1)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1: off)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default 0: off)")
+    g.add_argument("--logprobs", type=int, metavar="N",
+                   help="return each token's logprob and the N most likely alternatives (0..20)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-slots", type=_int_at_least(1), default=8, help="concurrent requests (default 8)")
+    e.add_argument("--max-len", type=_int_at_least(1), default=1024, help="tokens per request, prompt + output (default 1024)")
+    e.add_argument("--prefill-chunk", type=_int_at_least(1), default=64, help="prompt tokens per prefill row (default 64)")
+    e.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens never depend on what else runs (one bucket per step kind)")
+    e.add_argument("--no-zero-overhead", action="store_true",
+                   help="read each step's results before dispatching the next")
+    e.add_argument("--no-warmup", action="store_true",
+                   help="compile step buckets when first used instead of all up front")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxseek", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +175,11 @@ def main(argv=None) -> int:
                                      help="print the Engram canonical vocabulary size of a tokenizer.json")
     sub.choices["forward"].add_argument("--tokens", default="0,5,17,42,7,99,3,12", help="comma-separated ids")
     sub.choices["forward"].add_argument("--seed", type=int, default=0)
+    generate = sub.add_parser("generate", help=cmd_generate.__doc__, description=cmd_generate.__doc__ + (
+        " Without --model the model is a randomly initialised preset. Exit status 1 if some request failed "
+        "(its record holds the error; the others still ran), 2 on bad flags."))
+    generate.set_defaults(fn=cmd_generate, parser=generate)
+    _add_generate_args(generate)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

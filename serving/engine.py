@@ -208,6 +208,7 @@ class Engine:
         for rows, outputs in dispatched:
             tokens, logprob = np.asarray(outputs.tokens), np.asarray(outputs.logprob)
             top_ids, top_lp = np.asarray(outputs.top_ids), np.asarray(outputs.top_logprobs)
+            logits = np.asarray(outputs.logits)
             for i, row in enumerate(rows):
                 request = row.request
                 if not row.sample or request.status is Status.FINISHED:
@@ -215,6 +216,8 @@ class Engine:
                 n = request.params.logprobs
                 lp = None if n is None else TokenLogprob(
                     int(tokens[i]), float(logprob[i]), [(int(t), float(v)) for t, v in zip(top_ids[i, :n], top_lp[i, :n])])
+                if self.return_logits:
+                    request.logits = (request.logits or []) + [logits[i]]
                 request.accept(int(tokens[i]), lp, self.config.eos_token_id, self.detokenize)
                 if request.status is Status.FINISHED:
                     self.scheduler.release(request)

@@ -38,6 +38,7 @@ class RequestOutput:
     preemptions: int
     time_to_first_token: float | None
     latency: float
+    logits: list | None = None  # per generated token, when the engine keeps logits (tests)
 
 
 @dataclasses.dataclass
@@ -62,6 +63,7 @@ class Request:
     preemptions: int = 0
     first_token_time: float | None = None
     text: str | None = None
+    logits: list | None = None
 
     @property
     def sequence(self) -> list[int]:
@@ -104,4 +106,4 @@ class Request:
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
             preemptions=self.preemptions,
             time_to_first_token=None if self.first_token_time is None else self.first_token_time - self.arrival,
-            latency=now - self.arrival)
+            latency=now - self.arrival, logits=self.logits)

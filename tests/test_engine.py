@@ -1,0 +1,135 @@
+"""The engine against the model's reference cached path: greedy tokens and logits, chunked prefill,
+queueing, preemption, determinism, batch invariance, compilation count, stop conditions, bad input."""
+
+import numpy as np
+import pytest
+from jax import monitoring
+
+from model.config import preset
+from serving.engine import Engine
+from serving.sampling import SamplingParams
+from tests.helpers import random_model
+
+CONFIG = preset("tiny")
+RNG = np.random.default_rng(0)
+PROMPTS = [RNG.integers(0, CONFIG.vocab_size, n).tolist() for n in (5, 23, 40, 9, 17, 3)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+COMPILES: list[str] = []
+monitoring.register_event_duration_secs_listener(
+    lambda name, _d, **_kw: COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CONFIG, seed=11, noise=0.05)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    eng = Engine(model, max_slots=4, max_len=64, prefill_chunk=16, max_prefill_rows=2, num_top_logprobs=2,
+                 return_logits=True)
+    eng.warmup()
+    return eng
+
+
+def reference(model, prompt, steps):
+    """Greedy tokens and per-token logits from the model's reference cached path."""
+    cache = model.init_cache(1, len(prompt) + steps)
+    logits, cache = model.step(np.array([prompt]), cache)
+    tokens, all_logits = [], []
+    for _ in range(steps):
+        last = np.asarray(logits)[0, -1]
+        all_logits.append(last)
+        tokens.append(int(last.argmax()))
+        logits, cache = model.step(np.array([[tokens[-1]]]), cache)
+    return tokens, np.stack(all_logits)
+
+
+def test_greedy_tokens_and_logits_equal_the_reference_path(engine, model):
+    compiled_before, events_before = len(engine.compiled), len(COMPILES)
+    outputs = engine.generate(PROMPTS, GREEDY)  # 6 requests in 4 slots, 16-token prefill chunks
+    assert len(engine.compiled) == compiled_before and len(COMPILES) == events_before  # nothing compiled
+    for prompt, out in zip(PROMPTS, outputs):
+        tokens, logits = reference(model, prompt, 10)
+        assert out.token_ids == tokens and out.finish_reason == "length"
+        np.testing.assert_allclose(np.stack(out.logits), logits, atol=1e-5, rtol=0)
+
+
+def test_preemption_and_resumption_keep_the_tokens(model):
+    """A pool of 3 pages (16 tokens each) for 3 slots forces running requests out and back in."""
+    eng = Engine(model, max_slots=3, max_len=48, num_pages=3, page_tokens=16, prefill_chunk=16,
+                 max_prefill_rows=1, return_logits=True)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    prompts = [PROMPTS[i] for i in (0, 1, 3, 4)]
+    outputs = eng.generate(prompts, params)
+    assert sum(o.preemptions for o in outputs) > 0
+    for prompt, out in zip(prompts, outputs):
+        tokens, logits = reference(model, prompt, 14)
+        assert out.token_ids == tokens
+        np.testing.assert_allclose(np.stack(out.logits), logits, atol=1e-5, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=s, ignore_eos=True) for s in (7, 7, 8)]
+    first = engine.generate([PROMPTS[0]] * 3, params)
+    again = engine.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [params[0], params[0], params[2]])
+    assert first[0].token_ids == first[1].token_ids == again[1].token_ids
+    assert first[2].token_ids != first[0].token_ids  # another seed, another path
+
+
+def test_batch_invariant_logits_are_bit_identical(model):
+    eng = Engine(model, max_slots=9, max_len=64, prefill_chunk=16, max_prefill_rows=2, batch_invariant=True,
+                 return_logits=True)
+    params = SamplingParams(temperature=0.8, max_tokens=6, seed=3, ignore_eos=True)
+    target = PROMPTS[2]
+    runs = []
+    for others in (0, 1, 3, 8):
+        batch = [target] + [RNG.integers(0, CONFIG.vocab_size, int(RNG.integers(2, 30))).tolist()
+                            for _ in range(others)]
+        runs.append(eng.generate(batch, [params] + [SamplingParams(max_tokens=5, seed=i) for i in range(others)])[0])
+    for run in runs[1:]:
+        assert run.token_ids == runs[0].token_ids
+        np.testing.assert_array_equal(np.stack(run.logits), np.stack(runs[0].logits))
+
+
+def test_stop_conditions(engine, model):
+    tokens, _ = reference(model, PROMPTS[0], 10)
+    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[tokens[4]]))
+    assert out[0].finish_reason == "stop" and out[0].token_ids == tokens[: tokens.index(tokens[4]) + 1]
+    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert out[0].finish_reason == "length" and len(out[0].token_ids) == 3
+
+
+def test_logprobs_are_returned(engine, model):
+    out = engine.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, ignore_eos=True))
+    _, logits = reference(model, PROMPTS[3], 3)
+    expected = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    for step, lp in enumerate(out[0].logprobs):
+        assert lp.token == int(logits[step].argmax())
+        assert lp.logprob == pytest.approx(expected[step, lp.token], abs=1e-4)
+        assert [t for t, _ in lp.top] == list(np.argsort(-logits[step])[:2])
+
+
+def test_cancellation_frees_the_slot(engine, model):
+    keep = engine.add_request(PROMPTS[1], GREEDY)
+    drop = engine.add_request(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    engine.step()
+    engine.cancel(drop)
+    results = engine.run()
+    assert results[drop].finish_reason == "cancelled"
+    assert results[keep].token_ids == reference(model, PROMPTS[1], 10)[0]
+    assert not engine.scheduler.running and len(engine.scheduler.free_slots) == engine.layout.max_slots
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], None, "prompt is empty"),
+    ([1, 2, 300], None, "outside the vocabulary"),
+    ([1] * 60, SamplingParams(max_tokens=10), "exceeds the engine's max_len=64"),
+    ([1, 2], SamplingParams(logprobs=5), "exceeds the engine's num_top_logprobs=2"),
+])
+def test_bad_requests_are_refused_and_others_keep_running(engine, model, prompt, params, message):
+    good = engine.add_request(PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, params)
+    assert engine.run()[good].token_ids == reference(model, PROMPTS[4], 4)[0]

@@ -1,0 +1,291 @@
+"""`jaxseek generate`: one batch run over a JSONL file that mixes good and bad requests, checked against greedy
+decoding with the full-sequence forward (`Model.logits`) of the same random model; input parsing, the byte
+tokenizer and flag errors without starting the engine."""
+
+import contextlib
+import io
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from model.api import init_model
+from model.cli import main
+from model.config import preset
+from serving.batch import chat_prompt, merge_sampling, read_jsonl, read_txt, request_seed
+from serving.tokenizer import ByteTokenizer, tokenizer_for
+
+SEED = 3  # the CLI's --seed: the random model's seed
+MAX_LEN = 128
+REF_LEN = 64  # the reference pads every sequence to this length (one compilation; the model is causal)
+TOK = ByteTokenizer(256, skip_ids=(1,))  # tiny's eos_token_id is 1
+FOX, ONCE = "The quick brown fox", "Once upon a time"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ☃"}]
+CHAT_TEXT = "system: Be brief.\nuser: Hi ☃\nassistant: "
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(preset("tiny"), seed=SEED)
+
+
+def greedy_reference(model, prompt_ids, steps):
+    """Greedy tokens and their log-softmax rows, one full forward per token."""
+    ids, rows = list(prompt_ids), []
+    for _ in range(steps):
+        padded = np.zeros((1, REF_LEN), np.int32)
+        padded[0, :len(ids)] = ids
+        logits = np.asarray(model.logits(padded), np.float64)[0, len(ids) - 1]
+        rows.append(logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max())
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):], rows
+
+
+def line(custom_id, body, url="/v1/completions"):
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+@pytest.fixture(scope="module")
+def run(model, tmp_path_factory):
+    """One CLI run: sampling defaults on the command line (4 tokens, temperature 0.8), 2 slots, batch-invariant
+    (two buckets), no warm-up. Returns (input lines, output records by custom_id, ordered ids, stderr, status,
+    references)."""
+    fox_ref, fox_rows = greedy_reference(model, TOK.encode(FOX), 8)
+    chat_ref, chat_rows = greedy_reference(model, TOK.encode(CHAT_TEXT), 5)
+    once_ref, _ = greedy_reference(model, TOK.encode(ONCE), 2)
+    # a stop string: a character of the greedy continuation; generation ends at the token that completes it
+    chars = [c for c in TOK.decode(fox_ref) if c != "\ufffd"]
+    assert chars, "the greedy continuation decodes to no whole character"
+    stop = chars[min(2, len(chars) - 1)]
+    k = next(k for k in range(1, 9) if stop in TOK.decode(fox_ref[:k]))
+    stop_expected = (fox_ref[:k], TOK.decode(fox_ref[:k]).split(stop)[0])
+
+    lines = [
+        line("fox", {"model": "x", "prompt": FOX, "max_tokens": 6, "logprobs": 3, **GREEDY}),
+        line("chat", {"messages": MESSAGES, "max_tokens": 5, "logprobs": True, "top_logprobs": 2, **GREEDY},
+             url="/v1/chat/completions"),
+        "",  # blank lines are skipped
+        line("fox-top-k-1", {"prompt": FOX, "max_tokens": 6, "temperature": 1.0, "top_k": 1, "seed": 123,
+                             "ignore_eos": True}),
+        line("defaults", {"prompt": ONCE}),  # index 3: 4 tokens at temperature 0.8 with seed request_seed(3, 3)
+        line("defaults-seeded", {"prompt": ONCE, "seed": request_seed(SEED, 3)}),
+        line("override", {"prompt": ONCE, "max_tokens": 2, "max_completion_tokens": None, **GREEDY}),
+        line("stop", {"prompt": FOX, "max_tokens": 8, "stop": stop, **GREEDY}),
+        line("ids", {"prompt": TOK.encode(FOX), "max_tokens": 3, **GREEDY}) + "\r",
+        '{"custom_id": "broken", "url": ',
+        line("unknown-field", {"prompt": FOX, "frobnicate": 1}),
+        line("bool-max-tokens", {"prompt": FOX, "max_tokens": True}),
+        line("negative-max-tokens", {"prompt": FOX, "max_tokens": -3}),
+        line("absurd-max-tokens", {"prompt": FOX, "max_tokens": 10**9}),
+        line("over-max-len", {"prompt": FOX, "max_tokens": 5000}),
+        line("empty", {"prompt": ""}),
+        line("too-long", {"prompt": "x" * 200}),
+        line("embeddings", {"input": FOX}, url="/v1/embeddings"),
+        line("fox", {"prompt": FOX}),
+        line("no-messages", {"messages": []}, url="/v1/chat/completions"),
+        line("bad-id", {"prompt": [5, 300]}),
+    ]
+    path = tmp_path_factory.mktemp("gen") / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = path.with_name("out.jsonl")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(["generate", "--input", str(path), "--output", str(out), "--seed", str(SEED),
+                       "--max-tokens", "4", "--temperature", "0.8", "--max-slots", "2", "--max-len", str(MAX_LEN),
+                       "--prefill-chunk", "16", "--batch-invariant", "--no-warmup"])
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    refs = {"fox": (fox_ref, fox_rows), "chat": (chat_ref, chat_rows), "once": once_ref, "stop": stop_expected}
+    return {"records": records, "by_id": {r["custom_id"]: r for r in records if "error" not in r},
+            "errors": {r["custom_id"]: r["error"]["message"] for r in records if "error" in r},
+            "stderr": err.getvalue(), "status": status, "refs": refs}
+
+
+def test_every_request_has_one_record_in_input_order(run):
+    ids = [r["custom_id"] for r in run["records"]]
+    assert ids == ["fox", "chat", "fox-top-k-1", "defaults", "defaults-seeded", "override", "stop", "ids",
+                   "request-8", "unknown-field", "bool-max-tokens", "negative-max-tokens", "absurd-max-tokens",
+                   "over-max-len", "empty", "too-long", "embeddings", "fox", "no-messages", "bad-id"]
+    assert run["status"] == 1  # some requests failed; the others ran
+
+
+def test_greedy_tokens_and_logprobs_equal_the_full_forward(run):
+    fox_ref, fox_rows = run["refs"]["fox"]
+    chat_ref, chat_rows = run["refs"]["chat"]
+    for rid, ref, rows, n in (("fox", fox_ref[:6], fox_rows, 3), ("chat", chat_ref, chat_rows, 2)):
+        r = run["by_id"][rid]
+        assert r["token_ids"] == ref and r["finish_reason"] == "length"
+        assert r["text"] == TOK.decode(ref)
+        assert len(r["logprobs"]) == len(ref)
+        for lp, row, token in zip(r["logprobs"], rows, ref):
+            assert lp["token_id"] == token and lp["logprob"] == pytest.approx(row[token], abs=1e-4)
+            top = lp["top_logprobs"]
+            assert len(top) == n
+            np.testing.assert_allclose([t["logprob"] for t in top], np.sort(row)[::-1][:n], atol=1e-4)
+            np.testing.assert_allclose([t["logprob"] for t in top], row[[t["token_id"] for t in top]], atol=1e-4)
+
+
+def test_sampling_fields_and_defaults(run):
+    by_id, fox_ref = run["by_id"], run["refs"]["fox"][0]
+    assert by_id["fox-top-k-1"]["token_ids"] == fox_ref[:6]  # top-k 1 samples the argmax
+    assert "logprobs" not in by_id["fox-top-k-1"]
+    assert by_id["ids"]["token_ids"] == fox_ref[:3]  # a prompt of token ids
+    # the body's max_tokens / temperature override the flags (a null field does not)
+    assert by_id["override"]["token_ids"] == run["refs"]["once"] and by_id["override"]["finish_reason"] == "length"
+    d = by_id["defaults"]  # the flags: 4 tokens at temperature 0.8 (EOS may stop it earlier)
+    assert (len(d["token_ids"]), d["finish_reason"]) == (4, "length") or d["finish_reason"] == "stop"
+    assert by_id["defaults-seeded"]["token_ids"] == d["token_ids"]  # request i's seed is request_seed(seed, i)
+
+
+def test_stop_string_cuts_the_text(run):
+    ids, text = run["refs"]["stop"]
+    r = run["by_id"]["stop"]
+    assert (r["token_ids"], r["text"], r["finish_reason"]) == (ids, text, "stop")
+
+
+def test_text_is_the_byte_decoding_of_the_tokens(run):
+    for rid, r in run["by_id"].items():
+        if rid != "stop":
+            assert r["text"] == TOK.decode(r["token_ids"]), rid
+
+
+def test_bad_requests_get_clear_errors(run):
+    errors = run["errors"]
+    expected = {
+        "request-8": "in.jsonl line 10: invalid JSON",
+        "unknown-field": "unknown sampling field(s): frobnicate",
+        "bool-max-tokens": "max_tokens must be an integer [1, 1000000], got True",
+        "negative-max-tokens": "max_tokens must be an integer [1, 1000000], got -3",
+        "absurd-max-tokens": "max_tokens must be an integer [1, 1000000], got 1000000000",
+        "over-max-len": f"max_tokens (5000) exceeds the engine's max_len={MAX_LEN}",
+        "empty": "the prompt is empty",
+        "too-long": "prompt (200 tokens) + max_tokens (4)",
+        "embeddings": "unsupported url '/v1/embeddings'",
+        "fox": "custom_id 'fox' is already used on line 1",
+        "no-messages": "messages must be a non-empty list",
+        "bad-id": "outside the vocabulary",
+    }
+    assert set(errors) == set(expected)
+    for rid, message in expected.items():
+        assert message in errors[rid], (rid, errors[rid])
+
+
+def test_stderr_says_random_model_shows_progress_and_summary(run):
+    err, by_id = run["stderr"], run["by_id"]
+    assert "no --model given: running a randomly initialised 'tiny' model (seed 3)" in err
+    assert "8/8" in err  # the progress bar reached every request that ran
+    prompts = [FOX, CHAT_TEXT, FOX, ONCE, ONCE, ONCE, FOX, FOX]
+    generated = sum(len(r["token_ids"]) for r in by_id.values())
+    assert "requests: 20 (12 failed)" in err
+    assert f"tokens: {sum(len(p.encode()) for p in prompts)} prompt, {generated} generated" in err
+    assert "prefill" in err and "decode" in err and "tokens/s" in err
+    assert "compiled buckets (rows, tokens): 2 [(2, 1), (2, 16)]" in err  # batch-invariant: one per step kind
+
+
+def test_txt_input_to_stdout_with_a_checkpoint(model, tmp_path, capsys):
+    """A .txt file whose every prompt fails (too long; not UTF-8) runs nothing and compiles nothing."""
+    from model.checkpoint import save_checkpoint
+
+    save_checkpoint(model, tmp_path / "ckpt")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"\n" + b"x" * 100 + b"\n   \ncaf\xe9 au lait\n")
+    assert main(["generate", "--model", str(tmp_path / "ckpt"), "--input", str(prompts), "--max-len", "64"]) == 1
+    out, err = capsys.readouterr()
+    records = [json.loads(x) for x in out.splitlines()]
+    assert [r["custom_id"] for r in records] == ["request-0", "request-1"]
+    assert "exceeds the engine's max_len=64" in records[0]["error"]["message"]
+    assert "prompts.txt line 4 is not valid UTF-8" in records[1]["error"]["message"]
+    assert "randomly initialised" not in err and "requests: 2 (2 failed)" in err and "buckets (rows, tokens): 0" in err
+
+
+# ---- without the engine ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", "a", "--max-tokens", "0"], "max_tokens must be an integer"),
+    (["--prompt", "a", "--temperature", "-1"], "temperature must be a finite number"),
+    (["--prompt", "a", "--top-p", "nan"], "top_p must be a finite number"),
+    (["--prompt", "a", "--logprobs", "21"], "logprobs must be an integer [0, 20]"),
+    (["--prompt", "a", "--max-slots", "0"], "--max-slots: must be >= 1"),
+    (["--prompt", "a", "--max-len", "many"], "expected an integer, got 'many'"),
+    (["--prompt", "a", "--input", "x.txt"], "not allowed with argument"),
+    ([], "one of the arguments --prompt --input is required"),
+])
+def test_bad_flags_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--input", "prompts.csv"], "--input must be a .txt"),
+    (["--input", "missing.jsonl"], "does not exist"),
+    (["--prompt", "a", "--output", "no/such/dir/out.jsonl"], "cannot write --output"),
+])
+def test_bad_files_exit_2_before_loading_the_model(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.csv").write_text("a\n")
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "randomly initialised" not in err
+
+
+def test_txt_lines(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"\xef\xbb\xbffirst\r\n\n  \n second \n\xff\xfe\nlast")
+    requests = read_txt(path)
+    assert [(r.custom_id, r.prompt, r.error) for r in requests] == [
+        ("request-0", "first", None), ("request-1", " second ", None),
+        ("request-2", None, "p.txt line 5 is not valid UTF-8 (byte 0: b'\\xff')"), ("request-3", "last", None)]
+
+
+def test_jsonl_requests(tmp_path):
+    path = tmp_path / "b.jsonl"
+    path.write_text("\n".join([
+        line("a", {"prompt": "hi", "model": "m", "temperature": 0.5}),
+        line("b", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]},
+             url="/v1/chat/completions"),
+        json.dumps({"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": {"prompt": "p"}}),
+        "[1, 2]",
+        line("d", {"prompt": ["a", "b"]}),
+        line("e", {"prompt": "p"}, url="/v1/chat/completions"),
+    ]))
+    r = read_jsonl(path)
+    assert (r[0].prompt, r[0].sampling, r[0].error) == ("hi", {"temperature": 0.5}, None)
+    assert (r[1].prompt, r[1].error) == ("user: x\nassistant: ", None)
+    assert "line 3: method must be POST" in r[2].error
+    assert "line 4: expected a JSON object" in r[3].error and r[3].custom_id == "request-3"
+    assert "prompt must be a string or a list of token ids" in r[4].error
+    assert "takes messages, not a prompt" in r[5].error
+
+
+def test_chat_template():
+    assert chat_prompt(MESSAGES) == CHAT_TEXT
+    with pytest.raises(ValueError, match="messages\\[0\\].content"):
+        chat_prompt([{"role": "user", "content": 3}])
+
+
+def test_body_fields_override_flag_defaults():
+    defaults = {"max_tokens": 4, "temperature": 0.8, "logprobs": 2}
+    assert merge_sampling(defaults, {"temperature": 0, "max_tokens": None}) == {**defaults, "temperature": 0}
+    assert merge_sampling(defaults, {"max_completion_tokens": 9, "logprobs": True, "top_logprobs": 1}) == {
+        "temperature": 0.8, "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 1}
+
+
+def test_byte_tokenizer_never_emits_broken_utf8():
+    tok = ByteTokenizer(300, skip_ids=(1,))
+    text = "naïve ☃ \U0001f600"
+    ids = tok.encode(text)
+    assert ids == list(text.encode()) and tok.decode(ids) == text
+    for cut in range(len(ids) + 1):  # every prefix: what Python's own replace-decoding gives, or held back
+        assert tok.decode(ids[:cut]) == bytes(ids[:cut]).decode("utf-8", errors="replace")
+        held = tok.decode(ids[:cut], final=False)
+        assert text.startswith(held) and len(text.encode()[:cut]) - len(held.encode()) < 4
+    assert tok.decode([0xFF, 65, 1, 0xE2, 299, 66]) == "\ufffdA\ufffd\ufffdB"  # bad byte, EOS, cut char, non-byte
+
+
+def test_tokenizer_choice():
+    own = ByteTokenizer(256)
+    assert tokenizer_for(SimpleNamespace(tokenizer=own, config=None)) is own  # the model's own tokenizer
+    small = SimpleNamespace(tokenizer=None, config=SimpleNamespace(vocab_size=100, eos_token_id=1))
+    with pytest.raises(ValueError, match=r"vocabulary \(100 ids\) is too small for the byte-level fallback"):
+        tokenizer_for(small)
