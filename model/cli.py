@@ -149,8 +149,10 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="return each token's logprob and the N most likely alternatives (0..20)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-slots", type=_int_at_least(1), default=8, help="concurrent requests (default 8)")
-    e.add_argument("--max-len", type=_int_at_least(1), default=1024, help="tokens per request, prompt + output (default 1024)")
-    e.add_argument("--prefill-chunk", type=_int_at_least(1), default=64, help="prompt tokens per prefill row (default 64)")
+    e.add_argument("--max-len", type=_int_at_least(1), default=1024,
+                   help="tokens per request, prompt + output (default 1024)")
+    e.add_argument("--prefill-chunk", type=_int_at_least(1), default=64,
+                   help="prompt tokens per prefill row (default 64)")
     e.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens never depend on what else runs (one bucket per step kind)")
     e.add_argument("--no-zero-overhead", action="store_true",

@@ -263,13 +263,13 @@ def run_batch(engine, requests: list[BatchRequest], emit: Callable[[dict], None]
 def summary_lines(summary: dict, stats: dict, compiled: Sequence) -> list[str]:
     """The closing summary: counts, tokens, time and throughput (engine tokens over the generation loop)."""
     seconds = max(summary["generate_s"], 1e-9)
+    prefill, decode, steps = (stats.get(k, 0) for k in ("prefill_tokens", "decode_tokens", "steps"))
     return [
         f"requests: {summary['requests']} ({summary['failed']} failed)",
         f"tokens: {summary['prompt_tokens']} prompt, {summary['generated_tokens']} generated",
         f"wall: {summary['wall_s']:.2f} s (load {summary['load_s']:.2f} s, warmup {summary['warmup_s']:.2f} s, "
         f"generate {summary['generate_s']:.2f} s)",
-        f"throughput: prefill {stats['prefill_tokens'] / seconds:.1f} tokens/s, decode "
-        f"{stats['decode_tokens'] / seconds:.1f} tokens/s over the generation loop ({stats['steps']} steps"
-        + (", incl. compiling: --no-warmup)" if not summary["warmup"] else ")"),
+        f"throughput: prefill {prefill / seconds:.1f} tokens/s, decode {decode / seconds:.1f} tokens/s over the "
+        f"generation loop ({steps} steps" + (", incl. compiling: --no-warmup)" if not summary["warmup"] else ")"),
         f"compiled buckets (rows, tokens): {len(compiled)} {sorted(compiled)}",
     ]

@@ -20,7 +20,7 @@ from serving.kv_cache import CacheLayout, init_engine_cache
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
-from serving.step import StepBatch, build_step, compile_step, empty_batch
+from serving.step import COUNTED, StepBatch, build_step, compile_step, empty_batch
 
 MAX_TOP_LOGPROBS = 20
 
@@ -48,14 +48,15 @@ class Engine:
                  token_budget: int | None = None, batch_invariant: bool = False, zero_overhead: bool = True,
                  num_top_logprobs: int = 5, return_logits: bool = False, seed: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, backtrack: int = 0):
-        if model.engram is not None:
-            raise NotImplementedError("the engine does not run V4.1 Engram models yet (reference path only)")
         if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         self.model, self.config = model, model.config
         self.layout = CacheLayout.for_model(self.config, max_slots, max_len, num_pages, page_tokens, backtrack)
         self.prefill_chunk = prefill_chunk
-        self.batch_invariant, self.zero_overhead = batch_invariant, zero_overhead
+        # Engram hashes a decode row's input token on the host, so the host must have read the previous
+        # step: zero-overhead scheduling is off for Engram models (device-side hashing would lift this).
+        self.engram = model.engram
+        self.batch_invariant, self.zero_overhead = batch_invariant, zero_overhead and self.engram is None
         self.num_top, self.return_logits, self.detokenize = num_top_logprobs, return_logits, detokenize
         budget = token_budget or max_slots + max_prefill_rows * prefill_chunk
         self.scheduler = Scheduler(self.layout, prefill_chunk, budget, max_prefill_rows, batch_invariant)
@@ -91,8 +92,13 @@ class Engine:
     def _executable(self, bucket: tuple[int, int]):
         if bucket not in self.compiled:
             self.compiled[bucket] = compile_step(self._step_fn, self.model.params, self.cache,
-                                                 empty_batch(self.layout, *bucket))
+                                                 empty_batch(self.layout, *bucket, self._engram_shapes()))
         return self.compiled[bucket]
+
+    def _engram_shapes(self) -> tuple:
+        if self.engram is None:
+            return ()
+        return tuple((self.engram.hasher.n_lookups, table.head_dim) for table in self.engram.tables)
 
     # ---- requests -----------------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
@@ -118,6 +124,8 @@ class Engine:
         if params.seed is None:
             params = SamplingParams(**{**params.__dict__, "seed": int(self._seeds.integers(0, 2**63 - 1))})
         request = Request(request_id, prompt, params)
+        if self.engram is not None:
+            request.engram_history = self.engram.empty_history(1)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -180,7 +188,7 @@ class Engine:
         outputs, self.cache = self._executable((bucket_rows, width))(self.model.params, self.cache, batch)
         for row in rows:
             request = row.request
-            if row.from_prev:
+            if row.kinds == [COUNTED]:  # a decode row
                 request.dispatched += 1
                 self.stats["decode_tokens"] += 1
             else:
@@ -192,15 +200,28 @@ class Engine:
         return rows, outputs
 
     def _batch(self, rows: list[Row], num_rows: int, width: int) -> StepBatch:
-        b = empty_batch(self.layout, num_rows, width)
+        b = empty_batch(self.layout, num_rows, width, self._engram_shapes())
         for i, row in enumerate(rows):
             n = len(row.tokens)
+            if self.engram is not None:
+                self._engram_row(b, i, row)
             b.tokens[i, :n], b.kinds[i, :n] = row.tokens, row.kinds
             b.slots[i], b.starts[i], b.counts[i] = row.request.slot, row.start, n
             b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset, row.sample
             b.block_tables[i] = self.scheduler.block_table(row.request)
         sampling = SamplingBatch.from_params([r.request.params for r in rows], num_rows)
         return b._replace(sampling=sampling)
+
+    def _engram_row(self, batch: StepBatch, i: int, row: Row) -> None:
+        """Hash the row's tokens with its request's n-gram history (host) and gather its table rows."""
+        request = row.request
+        if row.from_prev:  # the host has read the previous step (zero-overhead is off): use the token
+            row.tokens, row.from_prev = [request.output[-1]], False
+        if row.reset:
+            request.engram_history = self.engram.empty_history(1)
+        rows, request.engram_history = self.engram.lookup(np.array([row.tokens]), request.engram_history)
+        for layer_rows, looked_up in zip(batch.engram_rows, rows):
+            layer_rows[i, :len(row.tokens)] = np.asarray(looked_up)[0]
 
     def _read(self, dispatched) -> list[RequestOutput]:
         """Apply the results of dispatched steps to their requests; returns those that finished."""

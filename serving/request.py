@@ -64,6 +64,7 @@ class Request:
     first_token_time: float | None = None
     text: str | None = None
     logits: list | None = None
+    engram_history: object = None  # V4.1: the canonical ids before the next token (host n-gram hashing)
 
     @property
     def sequence(self) -> list[int]:

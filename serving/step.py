@@ -33,6 +33,7 @@ class StepBatch(NamedTuple):
     kinds: Int[Array, "r t"]  # PROMPT, RECOMPUTED (a generated token replayed after preemption) or COUNTED
     block_tables: Int[Array, "r p"]
     sampling: SamplingBatch
+    engram_rows: tuple  # V4.1: per Engram layer, looked-up table rows [r, t, n_lookups, head_dim]
 
 
 # What a token of a row is, for the penalty statistics: prompt tokens join the prompt mask, replayed
@@ -48,15 +49,17 @@ class StepOutput(NamedTuple):
     logits: Float[Array, "r v"]  # the last real position's logits ([r, 0] unless the engine asks for them)
 
 
-def empty_batch(layout: CacheLayout, rows: int, tokens: int) -> StepBatch:
-    """An all-padding batch of this bucket (used to compile ahead of time and to fill unused rows)."""
+def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=()) -> StepBatch:
+    """An all-padding batch of this bucket (used to compile ahead of time and to fill unused rows);
+    `engram_shapes` gives (n_lookups, head_dim) per Engram layer."""
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     return StepBatch(
         tokens=z(rows, tokens), slots=np.full(rows, layout.scratch_slot, np.int32), starts=z(rows),
         counts=z(rows), from_prev=z(rows, dtype=bool), reset=z(rows, dtype=bool), sample=z(rows, dtype=bool),
         kinds=z(rows, tokens), block_tables=np.full((rows, layout.pages_per_slot),
                                                                      layout.scratch_page, np.int32),
-        sampling=SamplingBatch.from_params([], rows))
+        sampling=SamplingBatch.from_params([], rows),
+        engram_rows=tuple(np.zeros((rows, tokens, *shape), np.float32) for shape in engram_shapes))
 
 
 def build_step(graphdef, empty_layers: dict, num_top: int, return_logits: bool):
@@ -71,11 +74,12 @@ def build_step(graphdef, empty_layers: dict, num_top: int, return_logits: bool):
         first = jnp.where(batch.from_prev, cache["last_token"][slots], batch.tokens[:, 0])
         tokens = batch.tokens.at[:, 0].set(first)
 
-        def one_row(row_tokens, state, start, count):
-            logits, new = module(row_tokens[None], {"pos": start, "layers": state}, count=count)
+        def one_row(row_tokens, state, start, count, engram_rows):
+            extra = {"engram_rows": tuple(r[None] for r in engram_rows)} if engram_rows else {}
+            logits, new = module(row_tokens[None], {"pos": start, "layers": state}, count=count, **extra)
             return logits[0], new["layers"]
 
-        logits, states = jax.vmap(one_row)(tokens, states, batch.starts, counts)
+        logits, states = jax.vmap(one_row)(tokens, states, batch.starts, counts, batch.engram_rows)
         cache = scatter_rows(cache, slots, states)
         last = jnp.take_along_axis(logits, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
 

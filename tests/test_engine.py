@@ -133,3 +133,15 @@ def test_bad_requests_are_refused_and_others_keep_running(engine, model, prompt,
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, params)
     assert engine.run()[good].token_ids == reference(model, PROMPTS[4], 4)[0]
+
+
+def test_v41_with_engram_matches_its_reference_path():
+    """V4.1: paged shared-KV entries and index keys, host-side Engram hashing per request."""
+    v41 = random_model(preset("tiny-v41"), seed=3, noise=0.05)
+    eng = Engine(v41, max_slots=2, max_len=48, prefill_chunk=16, max_prefill_rows=1, return_logits=True)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[4]]
+    outputs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        tokens, logits = reference(v41, prompt, 8)
+        assert out.token_ids == tokens
+        np.testing.assert_allclose(np.stack(out.logits), logits, atol=1e-5, rtol=0)
