@@ -83,12 +83,9 @@ def cmd_generate(args) -> int:
     model = _load(args)
     tokenizer = tokenizer_for(model)
     num_top = max([r.params.logprobs for r in requests if r.params and r.params.logprobs] + [1])
-    try:
-        engine = Engine(model, max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                        batch_invariant=args.batch_invariant, zero_overhead=not args.no_zero_overhead,
-                        num_top_logprobs=num_top, seed=args.seed, detokenize=tokenizer.decode)
-    except NotImplementedError as e:
-        raise ValueError(str(e)) from None
+    engine = Engine(model, max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                    batch_invariant=args.batch_invariant, zero_overhead=not args.no_zero_overhead,
+                    num_top_logprobs=num_top, seed=args.seed, detokenize=tokenizer.decode)
     submit(engine, tokenizer, requests)
     loaded = time.perf_counter()
     if not args.no_warmup and engine.has_work:
