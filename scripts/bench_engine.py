@@ -9,13 +9,25 @@ Weights: `init_model(preset("small"), seed=0)` written with `save_checkpoint` to
 reloads it with `load_model`, `transformers` with `DeepseekV4ForCausalLM.from_pretrained` (which must load every
 tensor exactly; only the `mtp.*` tensors go unused, HF has no MTP). Nothing else is randomised: prompts are
 fixed token ids (numpy seed `--prompt-seed`) given to both sides. The HF side runs in the oracle interpreter
-(`$JAXSEEK_ORACLE_PYTHON` or `.venv-oracle/bin/python`, Python 3.11) as `scripts/hf_bench.py`, after the jaxseek
-side, never at the same time; torch gets as many intra-op threads as the cores this process may use (all of
-them), which is what XLA's CPU backend uses.
+(`$JAXSEEK_ORACLE_PYTHON` or `.venv-oracle/bin/python`, Python 3.11) as `scripts/hf_bench.py --serve`, a
+subprocess that loads the model once and then does one timed run per command; torch gets as many intra-op
+threads as the cores this process may use (all of them), which is what XLA's CPU backend uses.
+
+Interleaving and background load: the two sides never run at the same time, but their runs alternate
+(jaxseek, HF, then HF, jaxseek, ...), so a machine shared with other jobs (other containers, invisible to `ps`)
+slows both alike. Every timed run also records `background_load_cores`: the CPU time /proc/stat counts on the
+whole machine minus what this process and the HF subprocess used, over the run's wall time. Figures taken with
+a background load well above 0 describe a busy machine (a warning says so); `speedups_median_of_paired_rounds`
+(median over rounds of jaxseek / HF of the same round) is the ratio least disturbed by a load that changes
+over time. Before each timed round the script waits for the machine to go idle (below 0.25 cores of other
+work), at most `--wait-idle` seconds over the whole run (`waited_for_idle_s`). A busy machine hurts HF far more
+than XLA: torch's per-op thread barriers stall whenever one of its threads has no core (seen here: HF decode
+steps of 50 ms become 1.5 s while a test suite ran alongside), so never trust a result with a warning.
 
 Engine: `Engine(model, max_slots=16, prefill_chunk=256, max_prefill_rows=2)` (zero-overhead scheduling on,
 the defaults otherwise), `warmup()` first: the compile time of every bucket is `jaxseek_compile_s`, outside
-every other figure. Each figure is the median of `--repeats` timed runs after one untimed warm-up run, and
+every other figure. Each figure is the median of `--repeats` timed runs after one untimed warm-up run per
+side (`*_runs_tps*` lists them all), and
 requests are greedy (temperature 0) with `ignore_eos` (HF: `eos_token_id=None`, so EOS neither stops nor is
 suppressed on either side).
 
@@ -57,6 +69,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -75,6 +88,7 @@ from serving.sampling import SamplingParams  # noqa: E402
 
 HF_SCRIPT = Path(__file__).resolve().parent / "hf_bench.py"
 MAX_SLOTS, PREFILL_CHUNK, MAX_PREFILL_ROWS = 16, 256, 2
+BUSY_CORES = 0.25  # background load above which the result carries a warning
 
 
 def log(message: str) -> None:
@@ -85,17 +99,83 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
+# ---- background load ------------------------------------------------------------------------------------------
+class CpuMeter:
+    """CPU time spent on this machine by processes other than this one and the HF subprocess (in cores).
+
+    The machine may be shared (other jobs in other containers, invisible to `ps`); /proc/stat counts them.
+    A timed run is only meaningful if this is near 0.
+    """
+
+    def __init__(self):
+        self.child_pid: int | None = None
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def _busy_s(self) -> float:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return (sum(fields[:8]) - fields[3] - fields[4]) / self.tick  # all but idle and iowait
+
+    def _child_s(self) -> float:
+        if self.child_pid is None:
+            return 0.0
+        try:
+            fields = Path(f"/proc/{self.child_pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / self.tick  # utime, stime
+
+    def snapshot(self) -> tuple[float, float, float]:
+        t = os.times()
+        return time.perf_counter(), self._busy_s(), t.user + t.system + self._child_s()
+
+    def foreign_cores(self, since: tuple[float, float, float]) -> float:
+        now = self.snapshot()
+        return max(0.0, (now[1] - since[1]) - (now[2] - since[2])) / (now[0] - since[0])
+
+
+METER = CpuMeter() if Path("/proc/stat").exists() else None
+
+
+class IdleWaiter:
+    """Before each timed round, wait (2 s samples) until the background load is below BUSY_CORES, spending at
+    most `budget_s` seconds over the whole benchmark; then go on regardless (the load is recorded anyway)."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s, self.waited_s = budget_s, 0.0
+
+    def __call__(self) -> None:
+        while METER and self.waited_s < self.budget_s:
+            since = METER.snapshot()
+            time.sleep(min(2.0, self.budget_s - self.waited_s))
+            self.waited_s += time.perf_counter() - since[0]
+            load = METER.foreign_cores(since)
+            if load < BUSY_CORES:
+                return
+            log(f"machine busy ({load:.2f} cores of other processes), waiting ({self.waited_s:.0f} of "
+                f"{self.budget_s:.0f} s)")
+
+
+WAIT_IDLE = IdleWaiter(0.0)
+
+
+def metered(fn):
+    """(fn(), cores of foreign CPU load while it ran, or None where /proc/stat is missing)."""
+    since = METER.snapshot() if METER else None
+    value = fn()
+    return value, METER.foreign_cores(since) if METER else None
+
+
 # ---- jaxseek side -------------------------------------------------------------------------------------------
-def prefill_ttft(engine: Engine, prompt: list[int]) -> float:
+def prefill_ttft(engine: Engine, prompt: list[int]) -> dict:
     """Seconds from `add_request` to the first token of a max_tokens=1 request."""
     out = engine.generate([prompt], greedy(1))[0]
     if len(out.token_ids) != 1 or out.time_to_first_token is None:
         raise RuntimeError(f"prefill request returned {out.token_ids} (ttft {out.time_to_first_token})")
-    return out.time_to_first_token
+    return {"ttft_s": out.time_to_first_token, "tps": len(prompt) / out.time_to_first_token}
 
 
-def decode_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
-    """(tokens/s after every row's first token until the first row finishes, max TTFT, generated tokens)."""
+def decode_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Tokens/s after every row's first token until the first row finishes, max TTFT, generated tokens."""
     ids = [engine.add_request(p, greedy(new_tokens)) for p in prompts]
     requests = [engine.requests[i] for i in ids]
     start = time.perf_counter()
@@ -115,8 +195,8 @@ def decode_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tup
         raise RuntimeError(f"decode requests returned {[len(t) for t in tokens]} tokens, expected {new_tokens}")
     if window_end[1] <= window_start[1]:
         raise RuntimeError("no decode window: the first row finished before the last row had its first token")
-    tps = (window_end[1] - window_start[1]) / (window_end[0] - window_start[0])
-    return tps, window_start[0] - start, tokens
+    return {"tps": (window_end[1] - window_start[1]) / (window_end[0] - window_start[0]),
+            "ttft_s": window_start[0] - start, "tokens": tokens}
 
 
 def host_overhead(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
@@ -128,11 +208,14 @@ def host_overhead(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
         engine.step()
     for _ in range(3):  # steady state: every step is one decode step of all rows
         engine.step()
+    WAIT_IDLE()
     before = sum(len(r.output) for r in requests)
+    since = METER.snapshot() if METER else None
     t = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = (time.perf_counter() - t) / steps
+    load_wall = METER.foreign_cores(since) if METER else None
     produced = sum(len(r.output) for r in requests) - before
     if produced != batch * steps:
         raise RuntimeError(f"{steps} steady decode steps produced {produced} tokens, expected {batch * steps}")
@@ -161,56 +244,19 @@ def host_overhead(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
     for _ in range(2):
         out, cache = executable(params, cache, step_batch)
     jax.block_until_ready((out, cache))
+    WAIT_IDLE()
+    since = METER.snapshot() if METER else None
     t = time.perf_counter()
     for _ in range(steps):
         out, cache = executable(params, cache, step_batch)
     jax.block_until_ready((out, cache))
     device = (time.perf_counter() - t) / steps
+    load_device = METER.foreign_cores(since) if METER else None
     engine.cache = cache
     host = max(0.0, wall - device)
     return {"wall_ms_per_step": wall * 1e3, "device_ms_per_step": device * 1e3, "host_ms_per_step": host * 1e3,
-            "host_overhead_fraction": host / wall, "bucket": list(bucket)}
-
-
-def run_jaxseek(ckpt: Path, prompts: dict, args) -> dict:
-    r: dict = {}
-    t = time.perf_counter()
-    model = load_model(ckpt, dtype="float32")
-    r["jaxseek_load_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    engine = Engine(model, max_slots=MAX_SLOTS, prefill_chunk=PREFILL_CHUNK, max_prefill_rows=MAX_PREFILL_ROWS)
-    r["jaxseek_engine_init_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    engine.warmup()
-    r["jaxseek_compile_s"] = time.perf_counter() - t
-    r["jaxseek_buckets"] = [list(b) for b in engine.buckets()]
-    log(f"compiled {len(engine.buckets())} buckets in {r['jaxseek_compile_s']:.1f} s")
-
-    prefill_ttft(engine, prompts["prefill"])  # warm-up
-    runs = [prefill_ttft(engine, prompts["prefill"]) for _ in range(args.repeats)]
-    r["jaxseek_prefill_ttft_s"] = statistics.median(runs)
-    r["jaxseek_prefill_tps"] = len(prompts["prefill"]) / r["jaxseek_prefill_ttft_s"]
-    r["jaxseek_prefill_runs_s"] = runs
-    log(f"prefill: {r['jaxseek_prefill_tps']:.1f} tok/s")
-
-    for batch in (1, 16):
-        rows = prompts["decode"][:batch]
-        decode_run(engine, rows, args.decode_tokens)  # warm-up
-        runs = [decode_run(engine, rows, args.decode_tokens) for _ in range(args.repeats)]
-        r[f"jaxseek_decode_tps_b{batch}"] = statistics.median(x[0] for x in runs)
-        r[f"jaxseek_decode_runs_tps_b{batch}"] = [x[0] for x in runs]
-        r[f"jaxseek_decode_ttft_s_b{batch}"] = statistics.median(x[1] for x in runs)
-        r[f"jaxseek_tokens_b{batch}"] = runs[-1][2]
-        log(f"decode b{batch}: {r[f'jaxseek_decode_tps_b{batch}']:.2f} tok/s")
-
-    for batch in (1, 16):
-        h = host_overhead(engine, prompts["decode"][:batch], args.host_steps)
-        suffix = "" if batch == 16 else "_b1"
-        for key, value in h.items():
-            r[f"{key}{suffix}"] = value
-        log(f"host overhead b{batch}: {h}")
-    r["jaxseek_engine_stats"] = dict(engine.stats)
-    return r
+            "host_overhead_fraction": host / wall, "bucket": list(bucket),
+            "background_load_cores": [load_wall, load_device]}
 
 
 # ---- HF side ------------------------------------------------------------------------------------------------
@@ -222,27 +268,145 @@ def oracle_python() -> str:
     return path
 
 
-def run_hf(ckpt: Path, prompts_file: Path, threads: int, args) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", PYTHONNOUSERSITE="1")
-    command = [oracle_python(), str(HF_SCRIPT), "--model", str(ckpt), "--prompts", str(prompts_file),
-               "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats), "--threads", str(threads)]
-    t = time.perf_counter()
-    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=None, text=True, env=env, timeout=args.hf_timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited with status {proc.returncode} (its stderr is above)")
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    r["hf_subprocess_s"] = time.perf_counter() - t
+class HFServer:
+    """`scripts/hf_bench.py --serve` in the oracle interpreter: one timed HF run per `call`."""
+
+    def __init__(self, ckpt: Path, prompts_file: Path, threads: int, timeout: float):
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        env.update(HF_HUB_OFFLINE="1", PYTHONNOUSERSITE="1")
+        self.command = [oracle_python(), str(HF_SCRIPT), "--model", str(ckpt), "--prompts", str(prompts_file),
+                        "--threads", str(threads), "--serve"]
+        t = time.perf_counter()
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env)
+        if METER:
+            METER.child_pid = self.proc.pid
+        self.watchdog = threading.Timer(timeout, self.proc.kill)
+        self.watchdog.daemon = True
+        self.watchdog.start()
+        self.info = self._read()
+        self.info["hf_load_s"] = time.perf_counter() - t
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{' '.join(self.command)} exited with status {self.proc.wait()} (stderr above)")
+        return json.loads(line)
+
+    def call(self, **command) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.watchdog.cancel()
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        if METER:
+            METER.child_pid = None
+
+
+# ---- interleaved measurement --------------------------------------------------------------------------------
+def measure(name: str, ours, theirs, repeats: int, r: dict, errors: dict) -> None:
+    """One untimed warm-up per side, then `repeats` rounds of one run per side, alternating which side goes
+    first, so both see the same background load. Fills r[f"jaxseek_{name}"], r[f"hf_{name}"] (run lists)."""
+    sides = {"jaxseek": ours, "hf": theirs}
+    for side, fn in sides.items():
+        if fn is not None and side not in errors:
+            try:
+                fn()
+            except Exception:
+                errors[side] = traceback.format_exc()
+                log(f"{side} failed during {name}:\n{errors[side]}")
+    runs: dict[str, list] = {side: [] for side in sides}
+    for i in range(repeats):
+        WAIT_IDLE()
+        order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+        for side in order:
+            if sides[side] is None or side in errors:
+                continue
+            try:
+                value, load = metered(sides[side])
+            except Exception:
+                errors[side] = traceback.format_exc()
+                log(f"{side} failed during {name}:\n{errors[side]}")
+                continue
+            runs[side].append({**value, "background_load_cores": load})
+    for side, values in runs.items():
+        if values:
+            r[f"{side}_{name}"] = values
+            log(f"{name} {side}: tok/s {[round(v['tps'], 2) for v in values]}, background load (cores) "
+                f"{[None if v['background_load_cores'] is None else round(v['background_load_cores'], 2) for v in values]}")
+
+
+def median_of(runs: list[dict] | None, key: str) -> float | None:
+    return statistics.median(v[key] for v in runs) if runs else None
+
+
+def run_all(ckpt: Path, prompts: dict, prompts_file: Path, threads: int, args) -> dict:
+    r: dict = {}
+    errors: dict[str, str] = {}
+    engine = hf = None
+    try:
+        t = time.perf_counter()
+        model = load_model(ckpt, dtype="float32")
+        r["jaxseek_load_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        engine = Engine(model, max_slots=MAX_SLOTS, prefill_chunk=PREFILL_CHUNK, max_prefill_rows=MAX_PREFILL_ROWS)
+        r["jaxseek_engine_init_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        engine.warmup()
+        r["jaxseek_compile_s"] = time.perf_counter() - t
+        r["jaxseek_buckets"] = [list(b) for b in engine.buckets()]
+        log(f"compiled {len(engine.buckets())} buckets in {r['jaxseek_compile_s']:.1f} s")
+    except Exception:
+        errors["jaxseek"] = traceback.format_exc()
+        log(f"jaxseek failed to start:\n{errors['jaxseek']}")
+    if not args.skip_hf:
+        try:
+            hf = HFServer(ckpt, prompts_file, threads, args.hf_timeout)
+            r.update({k: v for k, v in hf.info.items() if k != "ready"})
+        except Exception:
+            errors["hf"] = traceback.format_exc()
+            log(f"hf failed to start:\n{errors['hf']}")
+    ok = lambda side, obj: obj if side not in errors and obj is not None else None  # noqa: E731
+
+    try:
+        e, h = ok("jaxseek", engine), ok("hf", hf)
+        measure("prefill", e and (lambda: prefill_ttft(e, prompts["prefill"])),
+                h and (lambda: h.call(op="prefill")), args.repeats, r, errors)
+        for batch in (1, 16):
+            e, h = ok("jaxseek", engine), ok("hf", hf)
+            rows = prompts["decode"][:batch]
+            measure(f"decode_b{batch}", e and (lambda: decode_run(e, rows, args.decode_tokens)),
+                    h and (lambda: h.call(op="decode", batch=batch, new_tokens=args.decode_tokens)),
+                    args.repeats, r, errors)
+    finally:
+        if hf is not None:
+            hf.close()
+    if ok("jaxseek", engine):
+        for batch in (1, 16):  # jaxseek only; last, since it leaves the cache of the slots it used stale
+            try:
+                h = host_overhead(engine, prompts["decode"][:batch], args.host_steps)
+            except Exception:
+                errors["jaxseek"] = traceback.format_exc()
+                log(f"jaxseek failed during host overhead:\n{errors['jaxseek']}")
+                break
+            suffix = "" if batch == 16 else "_b1"
+            r.update({f"{key}{suffix}": value for key, value in h.items()})
+            log(f"host overhead b{batch}: {h}")
+        r["jaxseek_engine_stats"] = dict(engine.stats)
+    r.update({f"{side}_error": tb for side, tb in errors.items()})
     return r
 
 
 # ---- main ---------------------------------------------------------------------------------------------------
-def match(a: list[list[int]] | None, b: list[list[int]] | None) -> float | None:
-    if a is None or b is None:
-        return None
-    return sum(x == y for x, y in zip(a, b)) / len(a)
-
-
 def ratio(r: dict, ours: str, theirs: str) -> float | None:
     return r[ours] / r[theirs] if r.get(ours) and r.get(theirs) else None
 
@@ -253,10 +417,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="timed runs per figure (default 5, quick 3)")
     parser.add_argument("--decode-tokens", type=int, help="new tokens per decode request (default 64, quick 16)")
     parser.add_argument("--host-steps", type=int, help="steps timed for host overhead (default 64, quick 16)")
+    parser.add_argument("--preset", default="small", help="model preset (small; tiny for a smoke test)")
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--decode-prompt-len", type=int, default=32)
     parser.add_argument("--prompt-seed", type=int, default=1234)
-    parser.add_argument("--hf-timeout", type=float, default=900.0, help="seconds before the HF subprocess is killed")
+    parser.add_argument("--hf-timeout", type=float, default=900.0, help="seconds the HF subprocess may live (killed after)")
+    parser.add_argument("--wait-idle", type=float, default=300.0,
+                        help="seconds in all to wait for a busy machine to go idle before timed rounds")
     parser.add_argument("--skip-hf", action="store_true", help="jaxseek figures only")
     parser.add_argument("--out", type=Path, help="also write the JSON line to this file")
     args = parser.parse_args()
@@ -267,12 +434,13 @@ def main() -> None:
         parser.error("--repeats must be >= 3 (figures are medians)")
 
     t_start = time.perf_counter()
-    config = preset("small")
+    WAIT_IDLE.budget_s = args.wait_idle
+    config = preset(args.preset)
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     rng = np.random.default_rng(args.prompt_seed)
     prompts = {"prefill": rng.integers(2, config.vocab_size, args.prefill_len).tolist(),
                "decode": rng.integers(2, config.vocab_size, (MAX_SLOTS, args.decode_prompt_len)).tolist()}
-    result: dict = {"benchmark": "jaxseek Engine vs transformers generate(), small preset, fp32, CPU"}
+    result: dict = {"benchmark": f"jaxseek Engine vs transformers generate(), {args.preset} preset, fp32, CPU"}
 
     with tempfile.TemporaryDirectory(prefix="jaxseek-bench-") as tmp:
         ckpt, prompts_file = Path(tmp) / "small", Path(tmp) / "prompts.json"
@@ -284,27 +452,52 @@ def main() -> None:
         result["checkpoint_s"] = time.perf_counter() - t
         prompts_file.write_text(json.dumps(prompts))
 
-        try:
-            result.update(run_jaxseek(ckpt, prompts, args))
-        except Exception:  # report the engine's failure precisely, still run the HF side
-            result["jaxseek_error"] = traceback.format_exc()
-            log(result["jaxseek_error"])
-        if not args.skip_hf:
-            try:
-                result.update(run_hf(ckpt, prompts_file, threads, args))
-            except Exception:
-                result["hf_error"] = traceback.format_exc()
-                log(result["hf_error"])
+        result.update(run_all(ckpt, prompts, prompts_file, threads, args))
 
+    loads, paired = {}, {}
+    for name in ("prefill", "decode_b1", "decode_b16"):
+        runs = {side: result.pop(f"{side}_{name}", None) for side in ("jaxseek", "hf")}
+        suffix = "" if name == "prefill" else name[len("decode"):]
+        kind = "prefill" if name == "prefill" else "decode"
+        for side, values in runs.items():
+            result[f"{side}_{kind}_tps{suffix}"] = median_of(values, "tps")
+            result[f"{side}_{kind}_ttft_s{suffix}"] = median_of(values, "ttft_s")
+            result[f"{side}_{kind}_runs_tps{suffix}"] = [v["tps"] for v in values] if values else None
+            known = [v["background_load_cores"] for v in values or () if v["background_load_cores"] is not None]
+            loads[f"{side}_{name}"] = statistics.median(known) if known else None
+        if runs["jaxseek"] and runs["hf"]:
+            paired[name] = statistics.median(a["tps"] / b["tps"] for a, b in zip(runs["jaxseek"], runs["hf"]))
+            if kind == "decode":
+                ours, theirs = runs["jaxseek"][-1]["tokens"], runs["hf"][-1]["tokens"]
+                result[f"greedy_match{suffix}"] = sum(x == y for x, y in zip(ours, theirs)) / len(ours)
+        elif kind == "decode":
+            result[f"greedy_match{suffix}"] = None
     result["decode_speedup_b1"] = ratio(result, "jaxseek_decode_tps_b1", "hf_decode_tps_b1")
     result["decode_speedup_b16"] = ratio(result, "jaxseek_decode_tps_b16", "hf_decode_tps_b16")
     result["prefill_speedup"] = ratio(result, "jaxseek_prefill_tps", "hf_prefill_tps")
-    for batch in (1, 16):
-        ours, theirs = result.pop(f"jaxseek_tokens_b{batch}", None), result.pop(f"hf_tokens_b{batch}", None)
-        result[f"greedy_match_b{batch}"] = match(ours, theirs)
+    result["speedups_median_of_paired_rounds"] = paired
+    for suffix in ("", "_b1"):
+        if f"background_load_cores{suffix}" in result:
+            loads[f"host_overhead{suffix or '_b16'}"] = result.pop(f"background_load_cores{suffix}")
+    result["background_load_cores"] = loads
+    result["waited_for_idle_s"] = WAIT_IDLE.waited_s
+    flat = [x for v in loads.values() for x in (v if isinstance(v, list) else [v]) if x is not None]
+    warnings = []
+    if flat and max(flat) > BUSY_CORES:
+        warnings.append(f"other processes used up to {max(flat):.2f} of {threads} cores during timed runs "
+                        f"(background_load_cores): figures are noisy; the speedups compare runs interleaved "
+                        f"under the same load, the absolute tokens/s do not describe an idle machine")
+    for key in ("jaxseek_error", "hf_error"):
+        if key in result:
+            warnings.append(f"{key.split('_')[0]} failed: see {key}")
+    for key in ("greedy_match_b1", "greedy_match_b16"):
+        if result.get(key) is not None and result[key] < 1:
+            warnings.append(f"{key}={result[key]:.3f}: the two sides' greedy tokens differ (same weights, fp32)")
+    result["warnings"] = warnings
+
     import flax
 
-    result["config"] = {"preset": "small", "num_params": num_params, "dtype": "float32", "seed": 0,
+    result["config"] = {"preset": args.preset, "num_params": num_params, "dtype": "float32", "seed": 0,
                         **dataclasses.asdict(config)}
     result["machine"] = {
         "cpu_count": os.cpu_count(), "cpus_usable": threads, "platform": platform.platform(),
@@ -324,7 +517,8 @@ def main() -> None:
         "decode_batches": [1, 16], "host_overhead_steps": args.host_steps, "prompt_seed": args.prompt_seed,
         "sampling": "greedy, ignore_eos", "engine": {"max_slots": MAX_SLOTS, "prefill_chunk": PREFILL_CHUNK,
                                                      "max_prefill_rows": MAX_PREFILL_ROWS, "zero_overhead": True},
-        "threads_both_sides": threads, "hf_ran": not args.skip_hf,
+        "threads_both_sides": threads, "hf_ran": not args.skip_hf, "wait_idle_budget_s": args.wait_idle,
+        "busy_threshold_cores": BUSY_CORES,
     }
     result["total_s"] = time.perf_counter() - t_start
     line = json.dumps(result)

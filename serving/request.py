@@ -11,7 +11,8 @@ from serving.sampling import SamplingParams
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # queued, or preempted and waiting to recompute
+    WAITING = "waiting"  # queued
+    PREEMPTED = "preempted"  # lost its slot and pages; queued to recompute its tokens
     RUNNING = "running"  # holds a slot and pages
     FINISHED = "finished"
 

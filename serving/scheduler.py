@@ -136,7 +136,7 @@ class Scheduler:
         self.pages.release(request.slot)
         self.free_slots.append(request.slot)
         self.running.remove(request)
-        request.slot, request.status = None, Status.WAITING
+        request.slot, request.status = None, Status.PREEMPTED
         request.computed, request.replay_outputs = 0, len(request.output)
         request.dispatched = len(request.output)
         request.preemptions += 1
