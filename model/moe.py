@@ -83,11 +83,20 @@ class Experts(nnx.Module):
         self.limit = config.swiglu_limit
 
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"]):
-        """Sum over each token's chosen experts of weight * expert(x), via a dense per-expert combine."""
-        e = self.w1.shape[0]
-        combine = jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32) * weights[..., None], axis=1)  # [t, e]
+        """Sum over each token's chosen experts of weight * expert(x).
+
+        With fewer (token, expert) pairs than experts (decode of a few tokens), only the chosen experts'
+        weights are gathered and read; otherwise every expert runs on every token and a dense combine keeps
+        each token's share (on CPU this beats sorting pairs into `lax.ragged_dot`, which measured 2x slower).
+        """
         w1, w2, w3 = self.w1[...], self.w2[...], self.w3[...]
         xc = x.astype(w1.dtype)
+        if ids.size < w1.shape[0]:
+            gate = jnp.einsum("td,tkid->tki", xc, w1[ids])
+            h = clamped_swiglu(gate, jnp.einsum("td,tkid->tki", xc, w3[ids]), self.limit)
+            y = jnp.einsum("tki,tkdi->tkd", h, w2[ids]).astype(jnp.float32)
+            return jnp.einsum("tk,tkd->td", weights, y)
+        combine = jnp.sum(jax.nn.one_hot(ids, w1.shape[0], dtype=jnp.float32) * weights[..., None], axis=1)
         h = clamped_swiglu(jnp.einsum("td,eid->tei", xc, w1), jnp.einsum("td,eid->tei", xc, w3), self.limit)
         y = jnp.einsum("tei,edi->ted", h, w2).astype(jnp.float32)
         return jnp.einsum("te,ted->td", combine, y)

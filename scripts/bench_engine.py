@@ -42,12 +42,14 @@ suppressed on either side).
   every one of its steps a full 16-row decode step (the engine is polled after each `step()`: tokens become
   visible to the host there).
 - host overhead (zero-overhead scheduling on), at batch 16 (`host_overhead_fraction`) and batch 1
-  (`host_overhead_fraction_b1`): with B requests in steady decode, the wall time of S `engine.step()` calls
-  (each dispatches one decode step and reads the previous one) gives `wall_ms_per_step`. The batch the engine
-  passed to its compiled decode executable is then captured (one more step through a recording wrapper) and
-  that same executable is called S times back-to-back on it (inputs already on the device, the cache threaded
-  through as the engine does, `block_until_ready` on the last result only, so the device never waits for the
-  host): `device_ms_per_step`, the device-bound time of a step. `host_ms_per_step` = max(0, wall - device) is
+  (`host_overhead_fraction_b1`): with B requests in steady decode, the batch the engine passes to its compiled
+  decode executable is captured (one step through a recording wrapper). Then, in each of `--repeats` rounds,
+  the wall time of S `engine.step()` calls (each dispatches one decode step and reads the previous one) gives
+  the wall time per step, and that same executable called S times back-to-back on the captured batch (inputs
+  already on the device, a private copy of the engine's cache threaded through as the engine does,
+  `block_until_ready` on the last result only, so the device never waits for the host) gives the device-bound
+  time per step. `wall_ms_per_step` and `device_ms_per_step` are the medians over rounds (`rounds_*` lists
+  them). `host_ms_per_step` = max(0, wall - device) is
   host work that did not overlap device work, and host_overhead_fraction = host_ms_per_step / wall_ms_per_step.
   On the CPU backend "device" work runs on the same cores as the host, so host work can only overlap device
   work where XLA leaves a core idle; the figure is an upper bound of what a separate accelerator would show.
@@ -199,26 +201,16 @@ def decode_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dic
             "ttft_s": window_start[0] - start, "tokens": tokens}
 
 
-def host_overhead(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
-    """Wall vs device-bound time per decode step with len(prompts) requests in steady decode."""
+def host_overhead(engine: Engine, prompts: list[list[int]], steps: int, rounds: int) -> dict:
+    """Wall vs device-bound time per decode step with len(prompts) requests in steady decode; `rounds` rounds
+    of (S engine steps, S back-to-back calls of the captured step), medians over rounds."""
     batch = len(prompts)
-    ids = [engine.add_request(p, greedy(steps * 3 + 64)) for p in prompts]
+    ids = [engine.add_request(p, greedy(rounds * steps + steps + 64)) for p in prompts]
     requests = [engine.requests[i] for i in ids]
     while min(len(r.output) for r in requests) < 1:
         engine.step()
     for _ in range(3):  # steady state: every step is one decode step of all rows
         engine.step()
-    WAIT_IDLE()
-    before = sum(len(r.output) for r in requests)
-    since = METER.snapshot() if METER else None
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall = (time.perf_counter() - t) / steps
-    load_wall = METER.foreign_cores(since) if METER else None
-    produced = sum(len(r.output) for r in requests) - before
-    if produced != batch * steps:
-        raise RuntimeError(f"{steps} steady decode steps produced {produced} tokens, expected {batch * steps}")
 
     bucket = (next(r for r in engine.decode_rows if r >= batch), 1)
     executable, captured = engine.compiled[bucket], []
@@ -234,29 +226,43 @@ def host_overhead(engine: Engine, prompts: list[list[int]], steps: int) -> dict:
         engine.compiled[bucket] = executable
     if len(captured) != 1:
         raise RuntimeError(f"expected one decode dispatch of bucket {bucket}, saw {len(captured)}")
+    step_batch = jax.device_put(captured[0])
+    params = engine.model.params
+
+    def device_loop(n: int) -> float:
+        cache = jax.tree.map(lambda x: x.copy(), engine.cache)  # private copy: the engine's cache is untouched
+        jax.block_until_ready(cache)
+        t = time.perf_counter()
+        for _ in range(n):
+            out, cache = executable(params, cache, step_batch)
+        jax.block_until_ready((out, cache))
+        return (time.perf_counter() - t) / n
+
+    device_loop(2)  # warm-up
+    walls, devices, loads = [], [], []
+    for _ in range(rounds):
+        WAIT_IDLE()
+        before = sum(len(r.output) for r in requests)
+        since = METER.snapshot() if METER else None
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        walls.append((time.perf_counter() - t) / steps)
+        produced = sum(len(r.output) for r in requests) - before
+        if produced != batch * steps:
+            raise RuntimeError(f"{steps} steady decode steps produced {produced} tokens, expected {batch * steps}")
+        devices.append(device_loop(steps))
+        loads.append(METER.foreign_cores(since) if METER else None)
     for i in ids:
         engine.cancel(i)
     while engine.has_work:
         engine.step()
-
-    step_batch = jax.device_put(captured[0])
-    params, cache = engine.model.params, engine.cache
-    for _ in range(2):
-        out, cache = executable(params, cache, step_batch)
-    jax.block_until_ready((out, cache))
-    WAIT_IDLE()
-    since = METER.snapshot() if METER else None
-    t = time.perf_counter()
-    for _ in range(steps):
-        out, cache = executable(params, cache, step_batch)
-    jax.block_until_ready((out, cache))
-    device = (time.perf_counter() - t) / steps
-    load_device = METER.foreign_cores(since) if METER else None
-    engine.cache = cache
+    wall, device = statistics.median(walls), statistics.median(devices)
     host = max(0.0, wall - device)
     return {"wall_ms_per_step": wall * 1e3, "device_ms_per_step": device * 1e3, "host_ms_per_step": host * 1e3,
             "host_overhead_fraction": host / wall, "bucket": list(bucket),
-            "background_load_cores": [load_wall, load_device]}
+            "rounds_wall_ms": [w * 1e3 for w in walls], "rounds_device_ms": [d * 1e3 for d in devices],
+            "background_load_cores": loads}
 
 
 # ---- HF side ------------------------------------------------------------------------------------------------
@@ -391,9 +397,9 @@ def run_all(ckpt: Path, prompts: dict, prompts_file: Path, threads: int, args) -
         if hf is not None:
             hf.close()
     if ok("jaxseek", engine):
-        for batch in (1, 16):  # jaxseek only; last, since it leaves the cache of the slots it used stale
+        for batch in (1, 16):  # jaxseek only
             try:
-                h = host_overhead(engine, prompts["decode"][:batch], args.host_steps)
+                h = host_overhead(engine, prompts["decode"][:batch], args.host_steps, args.repeats)
             except Exception:
                 errors["jaxseek"] = traceback.format_exc()
                 log(f"jaxseek failed during host overhead:\n{errors['jaxseek']}")
