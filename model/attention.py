@@ -22,7 +22,7 @@ def sink_attention(
     valid: Bool[Array, "b c k"], sink: Float[Array, " h"],
 ) -> Float[Array, "b c h d"]:
     """softmax over the gathered keys plus a per-head sink logit (denominator only), weighted sum of values."""
-    keys = jax.vmap(lambda p, i: p[i])(pool, jnp.where(valid, ids, 0))  # [b, c, k, d]
+    keys = jnp.take_along_axis(pool[:, None], jnp.where(valid, ids, 0)[..., None], axis=2)  # [b, c, k, d]
     scores = jnp.einsum("bchd,bckd->bchk", q, keys).astype(jnp.float32) * q.shape[-1] ** -0.5
     scores = jnp.where(valid[:, :, None, :], scores, -jnp.inf)
     sink_logit = jnp.broadcast_to(sink[:, None], (*scores.shape[:-1], 1))

@@ -91,6 +91,11 @@ from serving.sampling import SamplingParams  # noqa: E402
 HF_SCRIPT = Path(__file__).resolve().parent / "hf_bench.py"
 MAX_SLOTS, PREFILL_CHUNK, MAX_PREFILL_ROWS = 16, 256, 2
 BUSY_CORES = 0.25  # background load above which the result carries a warning
+HEADLINE = ("benchmark", "decode_speedup_b1", "decode_speedup_b16", "prefill_speedup", "host_overhead_fraction",
+            "jaxseek_decode_tps_b1", "hf_decode_tps_b1", "jaxseek_decode_tps_b16", "hf_decode_tps_b16",
+            "jaxseek_prefill_tps", "hf_prefill_tps", "device_ms_per_step", "host_ms_per_step", "wall_ms_per_step",
+            "host_overhead_fraction_b1", "device_ms_per_step_b1", "host_ms_per_step_b1", "wall_ms_per_step_b1",
+            "jaxseek_compile_s", "greedy_match_b1", "greedy_match_b16", "warnings", "background_load_cores")
 
 
 def log(message: str) -> None:
@@ -413,6 +418,17 @@ def run_all(ckpt: Path, prompts: dict, prompts_file: Path, threads: int, args) -
 
 
 # ---- main ---------------------------------------------------------------------------------------------------
+def code_state() -> dict:
+    """The commit measured and the files that differ from it (the working tree is what ran)."""
+    def git(*a):
+        proc = subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+        return proc.stdout.rstrip("\n") if proc.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"),
+            "modified_files": None if status is None else [line[3:] for line in status.splitlines() if line]}
+
+
 def ratio(r: dict, ours: str, theirs: str) -> float | None:
     return r[ours] / r[theirs] if r.get(ours) and r.get(theirs) else None
 
@@ -438,6 +454,8 @@ def main() -> None:
     args.host_steps = args.host_steps or (16 if args.quick else 64)
     if args.repeats < 3:
         parser.error("--repeats must be >= 3 (figures are medians)")
+    if args.decode_tokens < 16:
+        parser.error("--decode-tokens must be >= 16 (at batch 16 the engine admits prompts over 8 steps)")
 
     t_start = time.perf_counter()
     WAIT_IDLE.budget_s = args.wait_idle
@@ -487,12 +505,12 @@ def main() -> None:
             loads[f"host_overhead{suffix or '_b16'}"] = result.pop(f"background_load_cores{suffix}")
     result["background_load_cores"] = loads
     result["waited_for_idle_s"] = WAIT_IDLE.waited_s
-    flat = [x for v in loads.values() for x in (v if isinstance(v, list) else [v]) if x is not None]
+    busy = {k: v for k, v in loads.items()
+            if max((x for x in (v if isinstance(v, list) else [v]) if x is not None), default=0.0) > BUSY_CORES}
     warnings = []
-    if flat and max(flat) > BUSY_CORES:
-        warnings.append(f"other processes used up to {max(flat):.2f} of {threads} cores during timed runs "
-                        f"(background_load_cores): figures are noisy; the speedups compare runs interleaved "
-                        f"under the same load, the absolute tokens/s do not describe an idle machine")
+    if busy:
+        warnings.append(f"other processes used more than {BUSY_CORES} of {threads} cores during {sorted(busy)} "
+                        f"(background_load_cores): those figures describe a busy machine, not this code")
     for key in ("jaxseek_error", "hf_error"):
         if key in result:
             warnings.append(f"{key.split('_')[0]} failed: see {key}")
@@ -511,6 +529,7 @@ def main() -> None:
         "jax_version": jax.__version__, "jaxlib_version": getattr(jax.lib, "__version__", None) or
         __import__("jaxlib").__version__, "flax_version": flax.__version__, "numpy_version": np.__version__,
         "jax_devices": [str(d) for d in jax.devices()], "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax_compilation_cache_dir": jax.config.jax_compilation_cache_dir,
         "torch_version": result.pop("torch_version", None),
         "transformers_version": result.pop("transformers_version", None),
         "torch_threads": result.pop("torch_threads", None),
@@ -526,8 +545,12 @@ def main() -> None:
         "threads_both_sides": threads, "hf_ran": not args.skip_hf, "wait_idle_budget_s": args.wait_idle,
         "busy_threshold_cores": BUSY_CORES,
     }
+    result["code"] = code_state()
+    for key in ("hf_decode_timing", "hf_prefill_timing"):
+        result["settings"][key] = result.pop(key, None)
     result["total_s"] = time.perf_counter() - t_start
-    line = json.dumps(result)
+    first = [k for k in HEADLINE if k in result]
+    line = json.dumps({**{k: result[k] for k in first}, **{k: v for k, v in result.items() if k not in first}})
     if args.out:
         args.out.write_text(line + "\n")
     print(line)

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from model.moe import ROW_AXIS
 from serving.kv_cache import CacheLayout, gather_rows, scatter_rows
 from serving.sampling import SamplingBatch, sample
 
@@ -79,7 +80,8 @@ def build_step(graphdef, empty_layers: dict, num_top: int, return_logits: bool):
             logits, new = module(row_tokens[None], {"pos": start, "layers": state}, count=count, **extra)
             return logits[0], new["layers"]
 
-        logits, states = jax.vmap(one_row)(tokens, states, batch.starts, counts, batch.engram_rows)
+        logits, states = jax.vmap(one_row, axis_name=ROW_AXIS)(tokens, states, batch.starts, counts,
+                                                              batch.engram_rows)
         cache = scatter_rows(cache, slots, states)
         last = jnp.take_along_axis(logits, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
 
