@@ -1,9 +1,10 @@
 """Engine benchmark: jaxseek's serving `Engine` against `transformers`' `generate()`, same weights, fp32, CPU.
 
-    .venv/bin/python scripts/bench_engine.py            # full run (a few minutes on 2 cores)
-    .venv/bin/python scripts/bench_engine.py --quick    # fewer repeats and tokens
+    .venv/bin/python scripts/bench_engine.py            # full run (~7 min on 2 idle cores)
+    .venv/bin/python scripts/bench_engine.py --quick    # 3 repeats, 16 new tokens (~4 min)
 
 Prints ONE JSON line on stdout (progress goes to stderr). Never run by the test suite (`testpaths = tests`).
+About 2 of those minutes are the engine's compilation; waiting for a busy machine adds up to `--wait-idle`.
 
 Weights: `init_model(preset("small"), seed=0)` written with `save_checkpoint` to a temporary directory; jaxseek
 reloads it with `load_model`, `transformers` with `DeepseekV4ForCausalLM.from_pretrained` (which must load every
@@ -13,25 +14,11 @@ fixed token ids (numpy seed `--prompt-seed`) given to both sides. The HF side ru
 subprocess that loads the model once and then does one timed run per command; torch gets as many intra-op
 threads as the cores this process may use (all of them), which is what XLA's CPU backend uses.
 
-Interleaving and background load: the two sides never run at the same time, but their runs alternate
-(jaxseek, HF, then HF, jaxseek, ...), so a machine shared with other jobs (other containers, invisible to `ps`)
-slows both alike. Every timed run also records `background_load_cores`: the CPU time /proc/stat counts on the
-whole machine minus what this process and the HF subprocess used, over the run's wall time. Figures taken with
-a background load well above 0 describe a busy machine (a warning says so); `speedups_median_of_paired_rounds`
-(median over rounds of jaxseek / HF of the same round) is the ratio least disturbed by a load that changes
-over time. Before each timed round the script waits for the machine to go idle (below 0.25 cores of other
-work), at most `--wait-idle` seconds over the whole run (`waited_for_idle_s`), and a round that ran under more
-load than that (on either side) is run again, at most 2 x `--repeats` rounds in all: the figures come from the
-clean rounds, topped up with the least loaded others (`dropped_rounds_*` counts the rounds left out). A busy machine hurts HF far more
-than XLA: torch's per-op thread barriers stall whenever one of its threads has no core (seen here: HF decode
-steps of 50 ms become 1.5 s while a test suite ran alongside), so never trust a result with a warning.
-
 Engine: `Engine(model, max_slots=16, prefill_chunk=256, max_prefill_rows=2)` (zero-overhead scheduling on,
 the defaults otherwise), `warmup()` first: the compile time of every bucket is `jaxseek_compile_s`, outside
-every other figure. Each figure is the median of `--repeats` timed runs after one untimed warm-up run per
-side (`*_runs_tps*` lists them all), and
-requests are greedy (temperature 0) with `ignore_eos` (HF: `eos_token_id=None`, so EOS neither stops nor is
-suppressed on either side).
+every other figure. Each figure is the median of `--repeats` timed runs after one untimed warm-up run per side
+(`*_runs_tps*` lists them), and requests are greedy (temperature 0) with `ignore_eos` (HF: `eos_token_id=None`,
+so EOS neither stops nor is suppressed on either side).
 
 - prefill (batch 1): a 512-token prompt, `max_tokens=1`. jaxseek: the request's time to first token (TTFT,
   from `add_request` to the host holding the token; two 256-token chunks). HF: wall time of
@@ -39,10 +26,10 @@ suppressed on either side).
 - decode (batch 1 and 16): 32-token prompts, N new tokens. Tokens/s = tokens generated after every row has
   its first token / the time from then until the first row has all N tokens. HF prefills the whole batch in
   one forward, so this is B * (N - 1) / (t_last - t_first), from streamer timestamps inside one `generate`
-  call. The engine admits `max_prefill_rows` = 2 prompts per step, so at batch 16 its first tokens arrive over
-  ~8 steps and its rows finish ~8 steps apart; the window [all rows have a first token, first row done] keeps
-  every one of its steps a full 16-row decode step (the engine is polled after each `step()`: tokens become
-  visible to the host there).
+  call (not a difference of two `generate` calls). The engine admits `max_prefill_rows` = 2 prompts per step,
+  so at batch 16 its first tokens arrive over ~8 steps and its rows finish ~8 steps apart; the window [all
+  rows have a first token, first row done] keeps every one of its steps a full 16-row decode step (the engine
+  is polled after each `step()`: tokens become visible to the host there).
 - host overhead (zero-overhead scheduling on), at batch 16 (`host_overhead_fraction`) and batch 1
   (`host_overhead_fraction_b1`): with B requests in steady decode, the batch the engine passes to its compiled
   decode executable is captured (one step through a recording wrapper). Then, in each of `--repeats` rounds,
@@ -51,10 +38,24 @@ suppressed on either side).
   already on the device, a private copy of the engine's cache threaded through as the engine does,
   `block_until_ready` on the last result only, so the device never waits for the host) gives the device-bound
   time per step. `wall_ms_per_step` and `device_ms_per_step` are the medians over rounds (`rounds_*` lists
-  them). `host_ms_per_step` = max(0, wall - device) is
-  host work that did not overlap device work, and host_overhead_fraction = host_ms_per_step / wall_ms_per_step.
-  On the CPU backend "device" work runs on the same cores as the host, so host work can only overlap device
-  work where XLA leaves a core idle; the figure is an upper bound of what a separate accelerator would show.
+  them); `host_ms_per_step` = max(0, wall - device) is host work that did not overlap device work, and
+  host_overhead_fraction = host_ms_per_step / wall_ms_per_step. Rounds differ by about +-5 %, so fractions of a
+  few percent mean "no measurable overhead". On the CPU backend the "device" is the same cores as the host,
+  so this describes this setup only: on an accelerator device steps are far shorter and the same host work
+  would be a larger fraction.
+
+Interleaving and background load: the two sides never run at the same time, but their runs alternate
+(jaxseek, HF, then HF, jaxseek, ...), so a machine shared with other jobs (other containers, invisible to `ps`)
+slows both alike. Every timed run records `background_load_cores`: the CPU time /proc/stat counts on the whole
+machine minus what this process and the HF subprocess used, over the run's wall time. Before each timed round
+the script waits for the machine to go idle (below 0.25 cores of other work), at most `--wait-idle` seconds
+over the whole run (`waited_for_idle_s`), and a round that ran under more load than that (on either side) is
+run again, at most 2 x `--repeats` rounds in all: the figures come from the clean rounds, topped up with the
+least loaded others (`dropped_rounds_*` counts the rounds left out); any figure that still includes a busy run
+gets a warning. `speedups_median_of_paired_rounds` (median over rounds of jaxseek / HF of the same round) is
+the ratio least disturbed by a load that changes over time. A busy machine hurts HF far more than XLA: torch's
+per-op thread barriers stall whenever one of its threads has no core (seen here: HF decode steps of ~50 ms
+took ~1.5 s while a test suite ran alongside), so never trust a result with a warning.
 
 Speedups are jaxseek tokens/s over HF tokens/s. `greedy_match_*` compares the greedy tokens of both sides (the
 fraction of rows whose N tokens are identical): fp32 on both sides, so anything well below 1 is a numerics
@@ -379,8 +380,9 @@ def measure(name: str, ours, theirs, repeats: int, r: dict, errors: dict) -> Non
     for side, values in runs.items():
         if values:
             r[f"{side}_{name}"] = values
+            loads = [v["background_load_cores"] for v in values]
             log(f"{name} {side}: tok/s {[round(v['tps'], 2) for v in values]}, background load (cores) "
-                f"{[None if v['background_load_cores'] is None else round(v['background_load_cores'], 2) for v in values]}")
+                f"{[None if x is None else round(x, 2) for x in loads]}")
 
 
 def median_of(runs: list[dict] | None, key: str) -> float | None:
@@ -470,7 +472,8 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--decode-prompt-len", type=int, default=32)
     parser.add_argument("--prompt-seed", type=int, default=1234)
-    parser.add_argument("--hf-timeout", type=float, default=900.0, help="seconds the HF subprocess may live (killed after)")
+    parser.add_argument("--hf-timeout", type=float, default=1800.0,
+                        help="seconds the HF subprocess may live (killed after)")
     parser.add_argument("--wait-idle", type=float, default=300.0,
                         help="seconds in all to wait for a busy machine to go idle before timed rounds")
     parser.add_argument("--skip-hf", action="store_true", help="jaxseek figures only")
