@@ -8,7 +8,6 @@ mHC sites are modules (`hc_attn.fn` is stored as `hc_attn_fn`) and routed expert
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import warnings
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from model.api import Model, abstract_model, engram_table
-from model.config import ModelConfig, load_config
+from model.config import ModelConfig, config_from_dict, read_config_json
 from model.config_v41 import V41Config
 from model.engram import EngramMemory, canonical_vocab, table_names
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks
@@ -74,9 +73,9 @@ def _canonical_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def fp8_block_size(path: Path) -> tuple[int, int]:
+def fp8_block_size(raw_config: dict) -> tuple[int, int]:
     """`quantization_config.weight_block_size` of a checkpoint's config.json (V4: 128x128, V4.1: 32x32)."""
-    quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    quant = raw_config.get("quantization_config") or {}
     block = quant.get("weight_block_size", (128, 128))
     if len(block) != 2 or min(block) <= 0:
         raise CheckpointError(f"quantization_config.weight_block_size must be two positive ints, got {block}")
@@ -141,7 +140,8 @@ def load_model(path: str | Path, dtype: str = "float32", engram_placement: str =
     their canonical token ids come from the directory's tokenizer.json.
     """
     path = Path(path)
-    config = load_config(path)
+    raw_config = read_config_json(path)
+    config = config_from_dict(raw_config)
     tensors = _canonical_names(read_tensors(path))
     tables = {}
     if isinstance(config, V41Config):
@@ -153,7 +153,7 @@ def load_model(path: str | Path, dtype: str = "float32", engram_placement: str =
                                       f"[{config.engram_num_embeddings[config.engram_layer_ids.index(layer)]}, "
                                       f"{config.engram_head_dim}]")
             tables[layer] = (tensors.pop(names[0]), tensors.pop(names[1], None))
-    tensors = _stack_experts(_dequantize(tensors, fp8_block_size(path)))
+    tensors = _stack_experts(_dequantize(tensors, fp8_block_size(raw_config)))
     if isinstance(config, ModelConfig):
         config = _drop_missing_mtp(config, tensors)
     model = abstract_model(config, dtype)

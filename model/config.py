@@ -364,7 +364,11 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
 
 def load_config(path: str | Path):
     """The config of a checkpoint directory (or config.json): ModelConfig for V4, V41Config for V4.1."""
-    raw = read_config_json(path)
+    return config_from_dict(read_config_json(path))
+
+
+def config_from_dict(raw: dict[str, Any]):
+    """ModelConfig (V4) or V41Config (V4.1, composite or text config) from a config.json dict."""
     if raw.get("model_type", "").startswith("deepseek_v41") or "text_config" in raw:
         from model.config_v41 import V41Config
 

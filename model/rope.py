@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from model.config import SLIDING, ModelConfig, YarnScaling
+from model.config import YarnScaling
 
 
 def inv_frequencies(rope_dim: int, theta: float, yarn: YarnScaling | None) -> np.ndarray:
@@ -28,9 +28,10 @@ def inv_frequencies(rope_dim: int, theta: float, yarn: YarnScaling | None) -> np
     return (base_freq / yarn.factor * ramp + base_freq * keep_original).astype(np.float32)
 
 
-def layer_frequencies(config: ModelConfig, layer: int) -> np.ndarray:
-    """Sliding-only layers use plain RoPE at `rope_theta`; compressed layers YaRN at `compress_rope_theta`."""
-    if config.layer_kind(layer) == SLIDING:
+def layer_frequencies(config, layer: int) -> np.ndarray:
+    """Sliding-only layers (compress ratio 0) use plain RoPE at `rope_theta`; layers with a compressed branch
+    YaRN at `compress_rope_theta` (V4 and V4.1 configs alike)."""
+    if config.compress_ratios[layer] == 0:
         return inv_frequencies(config.qk_rope_head_dim, config.rope_theta, None)
     return inv_frequencies(config.qk_rope_head_dim, config.compress_rope_theta, config.rope_scaling)
 

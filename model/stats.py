@@ -18,30 +18,36 @@ def _cache_elements(model, length: int) -> tuple[int, int]:
             sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves))
 
 
-def model_stats(config: ModelConfig, dtype: str = "bfloat16") -> dict:
-    """Parameter counts (total, active per token, MTP) and cache bytes per token / per sequence."""
-    model = abstract_model(config, dtype)
-    total = active = mtp = param_bytes = 0
+def _param_counts(model, config) -> dict:
+    """Parameters of the main stack (total, and active per token: routed experts count k/E of theirs),
+    of the MTP blocks, and bytes of all parameters."""
+    counts = {"total": 0, "active": 0.0, "mtp": 0, "bytes": 0}
     k_over_e = config.num_experts_per_tok / config.n_routed_experts
     for path, var in nnx.to_flat_state(model.params):
         size = math.prod(var.shape)
-        param_bytes += size * np.dtype(var.dtype).itemsize
+        counts["bytes"] += size * np.dtype(var.dtype).itemsize
         if path[0] == "mtp":
-            mtp += size
+            counts["mtp"] += size
             continue
-        total += size
-        routed = len(path) >= 2 and path[-2] == "experts"
-        active += size * k_over_e if routed else size
+        counts["total"] += size
+        counts["active"] += size * k_over_e if len(path) >= 2 and path[-2] == "experts" else size
+    return counts
+
+
+def model_stats(config: ModelConfig, dtype: str = "bfloat16") -> dict:
+    """Parameter counts (total, active per token, MTP) and cache bytes per token / per sequence."""
+    model = abstract_model(config, dtype)
+    counts = _param_counts(model, config)
     period = math.lcm(*(r for r in config.compress_ratios if r), config.sliding_window)
     n = period * max(1, min(4096, config.max_position_embeddings // 2) // period)
     elems_1, bytes_1 = _cache_elements(model, n)
     elems_2, bytes_2 = _cache_elements(model, 2 * n)
     per_token_elems = (elems_2 - elems_1) / n
     return {
-        "params_total": total,
-        "params_active_per_token": int(round(active)),
-        "params_mtp": mtp,
-        "param_bytes": param_bytes,
+        "params_total": counts["total"],
+        "params_active_per_token": int(round(counts["active"])),
+        "params_mtp": counts["mtp"],
+        "param_bytes": counts["bytes"],
         "kv_elements_per_token": per_token_elems,
         "kv_bytes_per_token": (bytes_2 - bytes_1) / n,
         "kv_bytes_per_token_bf16": 2 * per_token_elems,
@@ -60,12 +66,8 @@ def v41_stats(config) -> dict:
     """V4.1 figures: backbone and Engram parameters, shared global KV bytes per token (as the reference
     stores it), and the per-layer sliding-window cost, all read off real shapes."""
     model = abstract_model(config, "bfloat16")
-    backbone = active = 0
-    k_over_e = config.num_experts_per_tok / config.n_routed_experts
-    for path, var in nnx.to_flat_state(model.params):
-        size = math.prod(var.shape)
-        backbone += size
-        active += size * k_over_e if "experts" in path and path[-1] in ("w1", "w2", "w3") else size
+    counts = _param_counts(model, config)
+    backbone, active = counts["total"], counts["active"]
     engram = sum(config.engram_num_embeddings) * config.engram_head_dim
     n = math.lcm(*(r for r in config.compress_ratios if r)) * 1024
 

@@ -1,6 +1,5 @@
 """The DeepSeek-V4 stack: embedding, mHC blocks (attention + MoE), final stream collapse, head, MTP blocks."""
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int

@@ -21,7 +21,7 @@ from model.hyper import collapse, expand
 from model.linear import Linear
 from model.moe import MoE
 from model.norms import RMSNorm
-from model.rope import apply_rope, inv_frequencies
+from model.rope import apply_rope, layer_frequencies
 from model.transformer import Embedding, HyperBlock, empty_cache
 
 
@@ -106,9 +106,7 @@ class AttentionV41(LatentAttention):
             self.indexer = SharedIndexer(config, self.is_kv_source, dtype, rngs)
         self.is_candidate_source = layer == config.candidate_source_layer_id
         self.uses_candidates = 0 <= config.candidate_source_layer_id < layer
-        theta, yarn = ((config.compress_rope_theta, config.rope_scaling) if self.ratio
-                       else (config.rope_theta, None))
-        self.freqs = tuple(inv_frequencies(config.qk_rope_head_dim, theta, yarn).tolist())
+        self.freqs = tuple(layer_frequencies(config, layer).tolist())
         self.config = config
 
     def init_state(self, batch: int, max_len: int, ring: int | None = None) -> dict:

@@ -8,6 +8,7 @@ compiled once per static bucket at start-up; an iteration never compiles.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import uuid
 from collections.abc import Callable, Sequence
@@ -116,13 +117,11 @@ class Engine:
                              f"engine's max_len={self.layout.max_len}")
         if params.logprobs is not None and params.logprobs > self.num_top:
             raise ValueError(f"logprobs={params.logprobs} exceeds the engine's num_top_logprobs={self.num_top}")
-        if -(-self.layout.max_len // self.layout.page_tokens) > self.layout.num_pages:
-            raise ValueError("the page pool cannot hold even one request of max_len tokens")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.seed is None:
-            params = SamplingParams(**{**params.__dict__, "seed": int(self._seeds.integers(0, 2**63 - 1))})
+            params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
         request = Request(request_id, prompt, params)
         if self.engram is not None:
             request.engram_history = self.engram.empty_history(1)

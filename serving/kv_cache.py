@@ -56,7 +56,11 @@ class CacheLayout:
         if max_len > config.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds the model's {config.max_position_embeddings} positions")
         pages = num_pages if num_pages is not None else max_slots * -(-max_len // page_tokens)
-        return cls(max_slots, max_len, pages, page_tokens, config.sliding_window + backtrack, config.vocab_size)
+        layout = cls(max_slots, max_len, pages, page_tokens, config.sliding_window + backtrack, config.vocab_size)
+        if layout.pages_per_slot > pages:
+            raise ValueError(f"a pool of {pages} pages of {page_tokens} tokens cannot hold even one request of "
+                             f"max_len={max_len} tokens")
+        return layout
 
 
 def init_engine_cache(module, layout: CacheLayout) -> dict:
