@@ -31,14 +31,15 @@ def sink_attention(
 
 
 def window_ids(
-    ring_pos: Int[Array, " w"], positions: Int[Array, " c"], window: int
-) -> tuple[Int[Array, "c k"], Bool[Array, "c k"]]:
+    ring_pos: Int[Array, "b w"], positions: Int[Array, " c"], window: int
+) -> tuple[Int[Array, "b c k"], Bool[Array, "b c k"]]:
     """Pool indices and validity of each query's sliding window: W ring slots, then W in-chunk tokens."""
-    w, c = ring_pos.shape[0], positions.shape[0]
-    ring_ok = (ring_pos[None, :] >= 0) & (ring_pos[None, :] > positions[:, None] - window)
+    (b, w), c = ring_pos.shape, positions.shape[0]
+    ring_ok = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > positions[None, :, None] - window)
     back = jnp.arange(c)[:, None] - jnp.arange(window)[None, :]  # chunk offsets i, i-1, ..., i-W+1
     ids = jnp.concatenate([jnp.broadcast_to(jnp.arange(w), (c, w)), w + back], axis=1)
-    return ids, jnp.concatenate([jnp.broadcast_to(ring_ok, (c, w)), back >= 0], axis=1)
+    valid = jnp.concatenate([ring_ok, jnp.broadcast_to(back >= 0, (b, c, window))], axis=2)
+    return jnp.broadcast_to(ids, (b, c, w + window)), valid
 
 
 def push_window(state: dict, kv: Float[Array, "b c d"], positions: Int[Array, " c"], count):
@@ -48,7 +49,7 @@ def push_window(state: dict, kv: Float[Array, "b c d"], positions: Int[Array, " 
     i = jnp.arange(kv.shape[1])
     slots = jnp.where((i < count) & (i >= count - ring), positions % ring, ring)  # out of range: dropped
     ring_kv = state["ring_kv"].at[:, slots].set(kv.astype(jnp.float32), mode="drop")
-    return ring_kv, state["ring_pos"].at[slots].set(positions, mode="drop")
+    return ring_kv, state["ring_pos"].at[:, slots].set(positions, mode="drop")
 
 
 def ring_state(config, batch: int, ring: int | None) -> dict:
@@ -57,7 +58,22 @@ def ring_state(config, batch: int, ring: int | None) -> dict:
     if ring < config.sliding_window:
         raise ValueError(f"a ring of {ring} slots cannot hold the {config.sliding_window}-token window")
     return {"ring_kv": jnp.zeros((batch, ring, config.head_dim), jnp.float32),
-            "ring_pos": jnp.full((ring,), -1, jnp.int32)}
+            "ring_pos": jnp.full((batch, ring), -1, jnp.int32)}
+
+
+def attend_rows(attn, x: Float[Array, "b c d"], start, count, *states):
+    """`attn(x, start, *states, count=count)` where every row may have its own start and count ([b] arrays):
+    then each row is one vmapped single-sequence call (every state leaf has the batch axis first). A scalar
+    start is one call for the whole batch."""
+    if jnp.ndim(start) == 0:
+        return attn(x, start, *states, count=count)
+    count = jnp.broadcast_to(x.shape[1] if count is None else count, start.shape)
+
+    def one_row(x, start, count, *states):
+        out = attn(x[None], start, *jax.tree.map(lambda leaf: leaf[None], states), count=count)
+        return jax.tree.map(lambda leaf: leaf[0], out)
+
+    return jax.vmap(one_row)(x, start, count, *states)
 
 
 class LatentAttention(nnx.Module):
@@ -123,7 +139,6 @@ class Attention(LatentAttention):
         kv = apply_rope(self.kv_norm(self.wkv(x))[:, :, None], positions, freqs)[:, :, 0]
 
         ids, valid = window_ids(state["ring_pos"], positions, cfg.sliding_window)
-        ids, valid = jnp.broadcast_to(ids, (b, *ids.shape)), jnp.broadcast_to(valid, (b, *valid.shape))
         pools = [state["ring_kv"].astype(kv.dtype), kv]
         new_state = dict(state)
         if self.kind in (CSA, HCA):

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from model.attention import Attention
+from model.attention import Attention, attend_rows
 from model.config import ModelConfig
 from model.hyper import HyperConnection, HyperHead, collapse, expand
 from model.linear import Linear, normal_init
@@ -55,7 +55,7 @@ class Block(HyperBlock):
         count=None,
     ) -> tuple[Float[Array, "b c n d"], dict]:
         pre, post, comb = self.hc_attn.weights(streams)
-        y, state = self.attn(self.attn_norm(collapse(streams, pre)), start, state, count)
+        y, state = attend_rows(self.attn, self.attn_norm(collapse(streams, pre)), start, count, state)
         streams = expand(streams, y, post, comb)
         pre, post, comb = self.hc_ffn.weights(streams)
         y = self.ffn(self.ffn_norm(collapse(streams, pre)), tokens)

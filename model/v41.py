@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from model.attention import LatentAttention, push_window, ring_state, sink_attention, window_ids
+from model.attention import LatentAttention, attend_rows, push_window, ring_state, sink_attention, window_ids
 from model.compressor import index_scores, open_slot, stage_windows, store_complete, top_visible
 from model.config_v41 import V41Config
 from model.engram import Engram
@@ -137,7 +137,6 @@ class AttentionV41(LatentAttention):
         if quant:
             kv = fake_quant_fp8(kv, 32)
         ids, valid = window_ids(state["ring_pos"], positions, cfg.sliding_window)
-        ids, valid = jnp.broadcast_to(ids, (b, *ids.shape)), jnp.broadcast_to(valid, (b, *valid.shape))
         pools, new_state, shared = [state["ring_kv"].astype(kv.dtype), kv], dict(state), dict(shared)
         if self.ratio:
             if self.is_kv_source:
@@ -202,7 +201,8 @@ class BlockV41(HyperBlock):
         if self.has_engram:
             streams = self.engram(streams, engram_rows)
         attn_pre, post, comb = self.hc_attn.weights(streams)
-        y, state, shared = self.attn(self.attn_norm(collapse(streams, pre_mix)), start, state, shared, count)
+        y, state, shared = attend_rows(self.attn, self.attn_norm(collapse(streams, pre_mix)), start, count, state,
+                                       shared)
         streams = expand(streams, y, post, comb)
         ffn_pre, post, comb = self.hc_ffn.weights(streams)
         y = self.ffn(self.ffn_norm(collapse(streams, attn_pre)), tokens)

@@ -77,50 +77,42 @@ def init_engine_cache(module, layout: CacheLayout) -> dict:
     }
 
 
-def _kind(path) -> str:
-    """`paged` (grows with the sequence), `unbatched` (no batch axis in a reference cache: ring positions)
-    or `slot` (batch axis first)."""
-    key = getattr(path[-1], "key", None)
-    return "paged" if key in PAGED_LEAVES else "unbatched" if key == "ring_pos" else "slot"
+def _paged(path) -> bool:
+    """Whether a state leaf grows with the sequence (kept in pages) rather than per slot."""
+    return getattr(path[-1], "key", None) in PAGED_LEAVES
 
 
 def _pool(path, leaf: jax.Array, layout: CacheLayout, span: int) -> jax.Array:
-    """Paged leaves become page pools [pages + 1, entries per page, d]; ring positions get a slot axis."""
-    kind = _kind(path)
-    if kind == "paged":
+    """Paged leaves become page pools [pages + 1, entries per page, d]; the others keep their slot axis."""
+    if _paged(path):
         per_page = leaf.shape[1] * layout.page_tokens // span
         return jnp.zeros((layout.num_pages + 1, per_page, leaf.shape[2]), leaf.dtype)
-    if kind == "unbatched":
-        return jnp.broadcast_to(leaf, (layout.max_slots + 1, *leaf.shape))
     return leaf
 
 
 def gather_rows(cache: dict, slots: Int[Array, " r"], empty: dict, reset) -> dict:
-    """Per-row reference states (batch axis 1 per row, stacked on a leading row axis) for `slots`;
-    rows flagged in `reset` start from the empty state `empty` (a fresh request in a reused slot)."""
+    """The batched reference state of `slots` (row axis first); rows flagged in `reset` start from the
+    one-sequence empty state `empty` (a fresh request in a reused slot)."""
     tables = cache["block_tables"][slots]  # [r, pages]
 
     def one(path, leaf, empty_leaf):
-        kind = _kind(path)
-        if kind == "paged":  # stale entries of reused pages are never visible: no reset needed
-            return leaf[tables].reshape(slots.shape[0], 1, -1, leaf.shape[-1])
-        rows = leaf[slots] if kind == "unbatched" else leaf[slots][:, None]
-        fresh = jnp.broadcast_to(empty_leaf[None], rows.shape)
-        return jnp.where(reset.reshape((-1,) + (1,) * (rows.ndim - 1)), fresh, rows)
+        if _paged(path):  # stale entries of reused pages are never visible: no reset needed
+            return leaf[tables].reshape(slots.shape[0], -1, leaf.shape[-1])
+        rows = leaf[slots]
+        return jnp.where(reset.reshape((-1,) + (1,) * (rows.ndim - 1)), empty_leaf, rows)
 
     return jax.tree.map_with_path(one, cache["layers"], empty)
 
 
 def scatter_rows(cache: dict, slots: Int[Array, " r"], rows: dict) -> dict:
-    """Write per-row states back: slot leaves by slot, paged leaves page by page through the block tables."""
+    """Write batched states back: slot leaves by slot, paged leaves page by page through the block tables."""
     tables = cache["block_tables"][slots]
 
     def one(path, leaf, row):
-        kind = _kind(path)
-        if kind == "paged":
+        if _paged(path):
             pages = row.reshape(slots.shape[0] * tables.shape[1], leaf.shape[1], leaf.shape[2])
             return leaf.at[tables.reshape(-1)].set(pages)
-        return leaf.at[slots].set(row if kind == "unbatched" else row[:, 0])
+        return leaf.at[slots].set(row)
 
     return {**cache, "layers": jax.tree.map_with_path(one, cache["layers"], rows)}
 

@@ -1,8 +1,9 @@
 """The engine's compiled step: `(params, cache, batch) -> (outputs, cache)` for one static (rows, tokens) bucket.
 
-Each row is one request's chunk: a prefill chunk, one decode token, or (later) a verify block. Rows run the
-model's reference cached path independently (vmapped), so a row's numbers depend only on its own inputs
-and the bucket shape. The first token of a decode row comes from the previous step's sampled token on the
+Each row is one request's chunk: a prefill chunk, one decode token, or (later) a verify block. The model runs
+all rows as one batch, each at its own position: the weight-heavy parts (projections, MoE, mHC) as batched
+matmuls, the attention against each row's own state as vmapped one-row calls, so a row's numbers depend only
+on its own inputs and the bucket shape. The first token of a decode row comes from the previous step's sampled token on the
 device (`from_prev`), so the host can dispatch step N+1 before it has read step N.
 """
 
@@ -16,7 +17,6 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from model.moe import ROW_AXIS
 from serving.kv_cache import CacheLayout, gather_rows, scatter_rows
 from serving.sampling import SamplingBatch, sample
 
@@ -75,14 +75,9 @@ def build_step(graphdef, empty_layers: dict, num_top: int, return_logits: bool):
         first = jnp.where(batch.from_prev, cache["last_token"][slots], batch.tokens[:, 0])
         tokens = batch.tokens.at[:, 0].set(first)
 
-        def one_row(row_tokens, state, start, count, engram_rows):
-            extra = {"engram_rows": tuple(r[None] for r in engram_rows)} if engram_rows else {}
-            logits, new = module(row_tokens[None], {"pos": start, "layers": state}, count=count, **extra)
-            return logits[0], new["layers"]
-
-        logits, states = jax.vmap(one_row, axis_name=ROW_AXIS)(tokens, states, batch.starts, counts,
-                                                              batch.engram_rows)
-        cache = scatter_rows(cache, slots, states)
+        extra = {"engram_rows": batch.engram_rows} if batch.engram_rows else {}
+        logits, new = module(tokens, {"pos": batch.starts, "layers": states}, count=counts, **extra)
+        cache = scatter_rows(cache, slots, new["layers"])
         last = jnp.take_along_axis(logits, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
 
         scratch = cache["last_token"].shape[0] - 1

@@ -77,7 +77,7 @@ def test_sink_attention_equals_dense_numpy():
 def test_window_ids_cover_exactly_the_last_w_positions():
     window = 4
     ring_pos = jnp.array([8, 9, 6, 7])  # positions 6..9 in slots (pos % 4)
-    ids, ok = map(np.asarray, window_ids(ring_pos, jnp.arange(10, 13), window))
+    ids, ok = (np.asarray(a)[0] for a in window_ids(ring_pos[None], jnp.arange(10, 13), window))
     pool_pos = np.concatenate([np.asarray(ring_pos), np.arange(10, 13)])
     for i, t in enumerate(range(10, 13)):
         assert sorted(pool_pos[ids[i][ok[i]]]) == list(range(t - window + 1, t + 1))
