@@ -37,7 +37,7 @@ class HyperConnection(nnx.Module):
         """(pre [b,s,n], post [b,s,n], comb [b,s,n,n]) for these streams."""
         n = self.n
         flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32), self.norm_eps)
-        mix = flat @ self.fn[...].T
+        mix = jnp.einsum("...k,ok->...o", flat, self.fn[...])
         base, scale = self.base[...], self.scale[...]
         pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + self.hc_eps
         post = 2 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
@@ -71,5 +71,5 @@ class HyperHead(nnx.Module):
 
     def __call__(self, streams: Float[Array, "b s n d"]) -> Float[Array, "b s d"]:
         flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32), self.norm_eps)
-        pre = jax.nn.sigmoid(flat @ self.fn[...].T * self.scale[0] + self.base[...]) + self.hc_eps
+        pre = jax.nn.sigmoid(jnp.einsum("...k,ok->...o", flat, self.fn[...]) * self.scale[0] + self.base[...]) + self.hc_eps
         return collapse(streams, pre)

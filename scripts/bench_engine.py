@@ -250,7 +250,7 @@ def host_overhead(engine: Engine, prompts: list[list[int]], steps: int, rounds: 
     if len(captured) != 1:
         raise RuntimeError(f"expected one decode dispatch of bucket {bucket}, saw {len(captured)}")
     step_batch = jax.device_put(captured[0])
-    params = engine.model.params
+    params = engine.weights
 
     def device_loop(n: int) -> float:
         cache = jax.tree.map(lambda x: x.copy(), engine.cache)  # private copy: the engine's cache is untouched

@@ -67,9 +67,9 @@ class Engine:
             t for t in (8, 32, 128, 512) if t < prefill_chunk) + (prefill_chunk,)
         module = model.module()
         self.cache = init_engine_cache(module, self.layout)
-        self._step_fn = build_step(model.graphdef, module.init_cache(1, self.layout.pages_per_slot *
-                                                                     self.layout.page_tokens,
-                                                                     self.layout.ring)["layers"],
+        self.weights = jax.tree.leaves(model.params)  # what the compiled steps take (flattened once)
+        empty = module.init_cache(1, self.layout.pages_per_slot * self.layout.page_tokens, self.layout.ring)
+        self._step_fn = build_step(model.graphdef, jax.tree.structure(model.params), empty["layers"],
                                    num_top_logprobs, return_logits)
         self.compiled: dict[tuple[int, int], Callable] = {}
         self.requests: dict[str, Request] = {}
@@ -92,7 +92,7 @@ class Engine:
 
     def _executable(self, bucket: tuple[int, int]):
         if bucket not in self.compiled:
-            self.compiled[bucket] = compile_step(self._step_fn, self.model.params, self.cache,
+            self.compiled[bucket] = compile_step(self._step_fn, self.weights, self.cache,
                                                  empty_batch(self.layout, *bucket, self._engram_shapes()))
         return self.compiled[bucket]
 
@@ -184,7 +184,7 @@ class Engine:
         """Build the batch of a bucket, launch its compiled step (async) and do the host bookkeeping."""
         bucket_rows = next(r for r in row_buckets if r >= len(rows))
         batch = self._batch(rows, bucket_rows, width)
-        outputs, self.cache = self._executable((bucket_rows, width))(self.model.params, self.cache, batch)
+        outputs, self.cache = self._executable((bucket_rows, width))(self.weights, self.cache, batch)
         for row in rows:
             request = row.request
             if row.kinds == [COUNTED]:  # a decode row

@@ -190,26 +190,27 @@ def request_key(seed: UInt32[Array, "2"], position: Int[Array, ""], purpose: int
     return jax.random.fold_in(jax.random.fold_in(key, position), purpose)
 
 
-def _processed_row(logits, row: SamplingBatch, prompt_mask, counts):
+def _processed_row(logits, row: SamplingBatch, prompt_mask, counts, truncate: bool):
     """One row: penalties, temperature, top-k, top-p, min-p; dropped tokens are -inf. Greedy rows keep the
-    penalised logits unscaled and untruncated."""
+    penalised logits unscaled and untruncated. `truncate=False` skips the top-k / top-p sort: the same result
+    for rows with neither."""
     seen = prompt_mask | (counts > 0)
     p = row.repetition_penalty
     logits = jnp.where(seen, jnp.where(logits > 0, logits / p, logits * p), logits)
     logits = logits - row.presence_penalty * (counts > 0) - row.frequency_penalty * counts
     greedy = row.temperature < GREEDY_BELOW
     scaled = logits / jnp.where(greedy, 1.0, row.temperature)
-
-    vocab = logits.shape[-1]
-    ordered = -jnp.sort(-scaled)  # descending
-    kth = ordered[jnp.clip(row.top_k, 1, vocab) - 1]
-    keep = (row.top_k == 0) | (scaled >= kth)
-    ordered = jnp.where((row.top_k == 0) | (ordered >= kth), ordered, -jnp.inf)
-    probs = jax.nn.softmax(ordered)
-    before = jnp.cumsum(probs) - probs  # probability of the strictly more likely tokens
-    last_kept = ordered[jnp.sum(before < row.top_p) - 1]
-    keep &= (row.top_p >= 1) | (scaled >= last_kept)
-    keep &= jnp.exp(scaled - ordered[0]) >= row.min_p
+    keep = jnp.exp(scaled - jnp.max(scaled)) >= row.min_p
+    if truncate:
+        vocab = logits.shape[-1]
+        ordered = -jnp.sort(-scaled)  # descending
+        kth = ordered[jnp.clip(row.top_k, 1, vocab) - 1]
+        keep &= (row.top_k == 0) | (scaled >= kth)
+        ordered = jnp.where((row.top_k == 0) | (ordered >= kth), ordered, -jnp.inf)
+        probs = jax.nn.softmax(ordered)
+        before = jnp.cumsum(probs) - probs  # probability of the strictly more likely tokens
+        last_kept = ordered[jnp.sum(before < row.top_p) - 1]
+        keep &= (row.top_p >= 1) | (scaled >= last_kept)
     return jnp.where(greedy, logits, jnp.where(keep, scaled, -jnp.inf))
 
 
@@ -223,14 +224,22 @@ def processed_logits(
     probability reaches p; the top token is always kept), min-p (drop tokens with probability < min_p * the
     top probability). Dropped tokens are -inf, and tokens tied with a boundary token are kept. Greedy rows
     return the penalised logits: their token is the argmax."""
-    return jax.vmap(_processed_row)(logits, batch, prompt_mask, output_counts)
+    truncating = (batch.temperature >= GREEDY_BELOW) & ((batch.top_k > 0) | (batch.top_p < 1))
+
+    def rows(truncate: bool):
+        return lambda: jax.vmap(functools.partial(_processed_row, truncate=truncate))(
+            logits, batch, prompt_mask, output_counts)
+
+    return jax.lax.cond(jnp.any(truncating), rows(True), rows(False))
 
 
-def _sample_row(logits, row: SamplingBatch, position, prompt_mask, counts, num_top_logprobs: int):
-    processed = _processed_row(logits, row, prompt_mask, counts)
-    gumbel = jax.random.gumbel(request_key(row.seed, position, PURPOSE_SAMPLE), logits.shape, jnp.float32)
-    greedy = row.temperature < GREEDY_BELOW
-    token = jnp.argmax(jnp.where(greedy, processed, processed + gumbel)).astype(jnp.int32)
+def _noisy_argmax(processed, row: SamplingBatch, position):
+    """Gumbel-max draw of one row (greedy rows: the plain argmax)."""
+    gumbel = jax.random.gumbel(request_key(row.seed, position, PURPOSE_SAMPLE), processed.shape, jnp.float32)
+    return jnp.argmax(jnp.where(row.temperature < GREEDY_BELOW, processed, processed + gumbel))
+
+
+def _logprobs_row(logits, token, num_top_logprobs: int):
     logprobs = jax.nn.log_softmax(logits)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
     return SampleOutput(token, logprobs[token], top_ids.astype(jnp.int32), top_logprobs)
@@ -248,5 +257,8 @@ def sample(
     logits, before penalties, temperature and truncation (vLLM's default). Pure and jit-able:
     `num_top_logprobs` must be static.
     """
-    row_fn = functools.partial(_sample_row, num_top_logprobs=num_top_logprobs)
-    return jax.vmap(row_fn)(logits, batch, positions, prompt_mask, output_counts)
+    processed = processed_logits(logits, batch, prompt_mask, output_counts)
+    tokens = jax.lax.cond(jnp.any(batch.temperature >= GREEDY_BELOW),
+                          lambda: jax.vmap(_noisy_argmax)(processed, batch, positions),
+                          lambda: jnp.argmax(processed, axis=-1)).astype(jnp.int32)
+    return jax.vmap(functools.partial(_logprobs_row, num_top_logprobs=num_top_logprobs))(logits, tokens)

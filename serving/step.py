@@ -63,15 +63,18 @@ def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=()) -
         engram_rows=tuple(np.zeros((rows, tokens, *shape), np.float32) for shape in engram_shapes))
 
 
-def build_step(graphdef, empty_layers: dict, num_top: int, return_logits: bool):
-    """The pure step function (jit it with the cache donated); `empty_layers` is a fresh one-row state."""
+def build_step(graphdef, param_tree, empty_layers: dict, num_top: int, return_logits: bool):
+    """The pure step function (jit it with the cache donated). It takes the parameters as the flat list of
+    leaves of the tree structure `param_tree` (flattening the nnx state on every call costs host time);
+    `empty_layers` is a fresh one-row state."""
 
-    def step(params, cache: dict, batch: StepBatch) -> tuple[StepOutput, dict]:
-        module = nnx.merge(graphdef, params)
+    def step(weights: list, cache: dict, batch: StepBatch) -> tuple[StepOutput, dict]:
+        module = nnx.merge(graphdef, jax.tree.unflatten(param_tree, weights))
         slots, counts = batch.slots, batch.counts
         rows, width = batch.tokens.shape
         cache = {**cache, "block_tables": cache["block_tables"].at[slots].set(batch.block_tables)}
-        states = gather_rows(cache, slots, empty_layers, batch.reset)
+        # materialised before use, so the slot buffers are no longer read when they are updated in place
+        states = jax.lax.optimization_barrier(gather_rows(cache, slots, empty_layers, batch.reset))
         first = jnp.where(batch.from_prev, cache["last_token"][slots], batch.tokens[:, 0])
         tokens = batch.tokens.at[:, 0].set(first)
 
@@ -101,8 +104,8 @@ def build_step(graphdef, empty_layers: dict, num_top: int, return_logits: bool):
     return step
 
 
-def compile_step(step_fn, params, cache: dict, batch: StepBatch):
+def compile_step(step_fn, weights: list, cache: dict, batch: StepBatch):
     """Ahead-of-time compile for one bucket (the cache is donated); calling it never recompiles."""
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
     return jax.jit(step_fn, donate_argnums=1).lower(
-        jax.tree.map(spec, params), jax.tree.map(spec, cache), jax.tree.map(spec, batch)).compile()
+        jax.tree.map(spec, weights), jax.tree.map(spec, cache), jax.tree.map(spec, batch)).compile()
