@@ -71,7 +71,7 @@ class Engine:
         empty = module.init_cache(1, self.layout.pages_per_slot * self.layout.page_tokens, self.layout.ring)
         self._step_fn = build_step(model.graphdef, jax.tree.structure(model.params), empty["layers"],
                                    num_top_logprobs, return_logits)
-        self.compiled: dict[tuple[int, int], Callable] = {}
+        self.compiled: dict[tuple[int, int, int], Callable] = {}
         self.requests: dict[str, Request] = {}
         self.pending: list[tuple[list[Row], object]] = []
         self._cancelled: list[RequestOutput] = []
@@ -80,17 +80,17 @@ class Engine:
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
 
     # ---- compilation --------------------------------------------------------------------------------------
-    def buckets(self) -> list[tuple[int, int]]:
-        """Every (rows, tokens) shape the engine may run."""
-        return sorted({(r, 1) for r in self.decode_rows}
-                      | {(r, t) for r in self.prefill_rows for t in self.prefill_tokens})
+    def buckets(self) -> list[tuple[int, int, int]]:
+        """Every (rows, tokens, verify length) shape the engine may run."""
+        return sorted({(r, 1, 1) for r in self.decode_rows}
+                      | {(r, t, 1) for r in self.prefill_rows for t in self.prefill_tokens})
 
     def warmup(self) -> None:
         """Compile every bucket ahead of time (afterwards no step ever compiles)."""
         for bucket in self.buckets():
             self._executable(bucket)
 
-    def _executable(self, bucket: tuple[int, int]):
+    def _executable(self, bucket: tuple[int, int, int]):
         if bucket not in self.compiled:
             self.compiled[bucket] = compile_step(self._step_fn, self.weights, self.cache,
                                                  empty_batch(self.layout, *bucket, self._engram_shapes()))
@@ -184,7 +184,7 @@ class Engine:
         """Build the batch of a bucket, launch its compiled step (async) and do the host bookkeeping."""
         bucket_rows = next(r for r in row_buckets if r >= len(rows))
         batch = self._batch(rows, bucket_rows, width)
-        outputs, self.cache = self._executable((bucket_rows, width))(self.weights, self.cache, batch)
+        outputs, self.cache = self._executable((bucket_rows, width, 1))(self.weights, self.cache, batch)
         for row in rows:
             request = row.request
             if row.kinds == [COUNTED]:  # a decode row
@@ -199,14 +199,14 @@ class Engine:
         return rows, outputs
 
     def _batch(self, rows: list[Row], num_rows: int, width: int) -> StepBatch:
-        b = empty_batch(self.layout, num_rows, width, self._engram_shapes())
+        b = empty_batch(self.layout, num_rows, width, 1, self._engram_shapes())
         for i, row in enumerate(rows):
             n = len(row.tokens)
             if self.engram is not None:
                 self._engram_row(b, i, row)
             b.tokens[i, :n], b.kinds[i, :n] = row.tokens, row.kinds
             b.slots[i], b.starts[i], b.counts[i] = row.request.slot, row.start, n
-            b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset, row.sample
+            b.from_prev[i], b.reset[i], b.sample[i, -1] = row.from_prev, row.reset, row.sample
             b.block_tables[i] = self.scheduler.block_table(row.request)
         sampling = SamplingBatch.from_params([r.request.params for r in rows], num_rows)
         return b._replace(sampling=sampling)
@@ -226,9 +226,9 @@ class Engine:
         """Apply the results of dispatched steps to their requests; returns those that finished."""
         finished = []
         for rows, outputs in dispatched:
-            tokens, logprob = np.asarray(outputs.tokens), np.asarray(outputs.logprob)
-            top_ids, top_lp = np.asarray(outputs.top_ids), np.asarray(outputs.top_logprobs)
-            logits = np.asarray(outputs.logits)
+            last = jax.tree.map(lambda x: np.asarray(x)[:, -1], outputs)  # v = 1: the one sampled position
+            tokens, logprob, top_ids, top_lp, logits = (last.tokens, last.logprob, last.top_ids, last.top_logprobs,
+                                                        last.logits)
             for i, row in enumerate(rows):
                 request = row.request
                 if not row.sample or request.status is Status.FINISHED:

@@ -30,33 +30,35 @@ class StepBatch(NamedTuple):
     counts: Int[Array, " r"]  # real tokens in the row (0: padding row)
     from_prev: Bool[Array, " r"]  # token 0 is the slot's last sampled token (on the device)
     reset: Bool[Array, " r"]  # the slot starts a new request: clear its state first
-    sample: Bool[Array, " r"]  # the row emits a token (decode rows, and the last chunk of a prompt)
-    kinds: Int[Array, "r t"]  # PROMPT, RECOMPUTED (a generated token replayed after preemption) or COUNTED
+    sample: Bool[Array, "r v"]  # the row emits a token after each of its last v real positions (v: verify length)
+    kinds: Int[Array, "r t"]  # PROMPT, RECOMPUTED (a generated token replayed after preemption), COUNTED or DRAFT
     block_tables: Int[Array, "r p"]
     sampling: SamplingBatch
     engram_rows: tuple  # V4.1: per Engram layer, looked-up table rows [r, t, n_lookups, head_dim]
 
 
 # What a token of a row is, for the penalty statistics: prompt tokens join the prompt mask, replayed
-# generated tokens count again as outputs, and a decode row's input was counted when it was sampled.
-PROMPT, RECOMPUTED, COUNTED = 0, 1, 2
+# generated tokens count again as outputs, and a decode row's input was counted when it was sampled. A DRAFT
+# token (speculative, under verification) counts as an output only for the verify positions after it.
+PROMPT, RECOMPUTED, COUNTED, DRAFT = 0, 1, 2, 3
 
 
 class StepOutput(NamedTuple):
-    tokens: Int[Array, " r"]
-    logprob: Float[Array, " r"]
-    top_ids: Int[Array, "r n"]
-    top_logprobs: Float[Array, "r n"]
-    logits: Float[Array, "r v"]  # the last real position's logits ([r, 0] unless the engine asks for them)
+    tokens: Int[Array, "r v"]
+    logprob: Float[Array, "r v"]
+    top_ids: Int[Array, "r v n"]
+    top_logprobs: Float[Array, "r v n"]
+    logits: Float[Array, "r v vocab"]  # the sampled positions' logits ([r, v, 0] unless the engine asks for them)
 
 
-def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=()) -> StepBatch:
-    """An all-padding batch of this bucket (used to compile ahead of time and to fill unused rows);
-    `engram_shapes` gives (n_lookups, head_dim) per Engram layer."""
+def empty_batch(layout: CacheLayout, rows: int, tokens: int, verify: int = 1, engram_shapes=()) -> StepBatch:
+    """An all-padding batch of the bucket (rows, tokens, verify) (used to compile ahead of time and to fill
+    unused rows); `engram_shapes` gives (n_lookups, head_dim) per Engram layer."""
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     return StepBatch(
         tokens=z(rows, tokens), slots=np.full(rows, layout.scratch_slot, np.int32), starts=z(rows),
-        counts=z(rows), from_prev=z(rows, dtype=bool), reset=z(rows, dtype=bool), sample=z(rows, dtype=bool),
+        counts=z(rows), from_prev=z(rows, dtype=bool), reset=z(rows, dtype=bool),
+        sample=z(rows, verify, dtype=bool),
         kinds=z(rows, tokens), block_tables=np.full((rows, layout.pages_per_slot),
                                                                      layout.scratch_page, np.int32),
         sampling=SamplingBatch.from_params([], rows),
@@ -81,7 +83,9 @@ def build_step(graphdef, param_tree, empty_layers: dict, num_top: int, return_lo
         extra = {"engram_rows": batch.engram_rows} if batch.engram_rows else {}
         logits, new = module(tokens, {"pos": batch.starts, "layers": states}, count=counts, **extra)
         cache = scatter_rows(cache, slots, new["layers"])
-        last = jnp.take_along_axis(logits, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+        verify, vocab = batch.sample.shape[1], logits.shape[-1]
+        at = jnp.clip(counts[:, None] - verify + jnp.arange(verify), 0, width - 1)  # the sampled positions [r, v]
+        picked = jnp.take_along_axis(logits, at[:, :, None], axis=1)  # [r, v, vocab]
 
         scratch = cache["last_token"].shape[0] - 1
         real = jnp.arange(width)[None, :] < counts[:, None]
@@ -92,13 +96,23 @@ def build_step(graphdef, param_tree, empty_layers: dict, num_top: int, return_lo
         prompt_mask = prompt_mask.at[as_prompt, tokens].set(True)
         output_counts = output_counts.at[slots[:, None], tokens].add(
             (real & (batch.kinds == RECOMPUTED)).astype(jnp.int32))
+        counts_at = jnp.broadcast_to(output_counts[slots][:, None], (rows, verify, vocab))
+        if verify > 1:  # drafts up to each verify position count as its outputs
+            drafted = (jnp.arange(width) <= at[:, :, None]) & (real & (batch.kinds == DRAFT))[:, None, :]
+            counts_at = counts_at.at[jnp.arange(rows)[:, None, None], jnp.arange(verify)[None, :, None],
+                                     tokens[:, None, :]].add(drafted.astype(jnp.int32))
 
-        out = sample(last, batch.sampling, batch.starts + counts, prompt_mask[slots], output_counts[slots], num_top)
-        emit = jnp.where(batch.sample, slots, scratch)
+        flat = lambda x: x.reshape(rows * verify, *x.shape[2:])  # noqa: E731
+        per_position = jax.tree.map(lambda x: jnp.repeat(x, verify, axis=0), batch.sampling)
+        out = sample(flat(picked), per_position, flat(batch.starts[:, None] + at + 1),
+                     jnp.repeat(prompt_mask[slots], verify, axis=0), flat(counts_at), num_top)
+        out = jax.tree.map(lambda x: x.reshape(rows, verify, *x.shape[1:]), out)
+        # a decode or prefill row (v = 1) commits its token; a verify row commits nothing: acceptance decides
+        emit = jnp.where(batch.sample[:, -1] & (verify == 1), slots, scratch)
         cache = {**cache, "prompt_mask": prompt_mask,
-                 "output_counts": output_counts.at[emit, out.tokens].add(batch.sample.astype(jnp.int32)),
-                 "last_token": cache["last_token"].at[emit].set(out.tokens)}
-        kept_logits = last if return_logits else jnp.zeros((rows, 0), last.dtype)
+                 "output_counts": output_counts.at[emit, out.tokens[:, -1]].add(1),
+                 "last_token": cache["last_token"].at[emit].set(out.tokens[:, -1])}
+        kept_logits = picked if return_logits else jnp.zeros((rows, verify, 0), picked.dtype)
         return StepOutput(out.tokens, out.logprob, out.top_ids, out.top_logprobs, kept_logits), cache
 
     return step

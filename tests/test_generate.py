@@ -180,7 +180,7 @@ def test_stderr_says_random_model_shows_progress_and_summary(run):
     assert "requests: 20 (12 failed)" in err
     assert f"tokens: {sum(len(p.encode()) for p in prompts)} prompt, {generated} generated" in err
     assert "prefill" in err and "decode" in err and "tokens/s" in err
-    assert "compiled buckets (rows, tokens): 2 [(2, 1), (2, 16)]" in err  # batch-invariant: one per step kind
+    assert "compiled buckets (rows, tokens, verify): 2 [(2, 1, 1), (2, 16, 1)]" in err  # batch-invariant: one per step kind
 
 
 def test_txt_input_to_stdout_with_a_checkpoint(model, tmp_path, capsys):
@@ -196,7 +196,7 @@ def test_txt_input_to_stdout_with_a_checkpoint(model, tmp_path, capsys):
     assert [r["custom_id"] for r in records] == ["request-0", "request-1"]
     assert "exceeds the engine's max_len=64" in records[0]["error"]["message"]
     assert "prompts.txt line 4 is not valid UTF-8" in records[1]["error"]["message"]
-    assert "randomly initialised" not in err and "requests: 2 (2 failed)" in err and "buckets (rows, tokens): 0" in err
+    assert "randomly initialised" not in err and "requests: 2 (2 failed)" in err and "buckets (rows, tokens, verify): 0" in err
 
 
 # ---- without the engine ---------------------------------------------------------------------------------------
