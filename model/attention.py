@@ -15,6 +15,7 @@ from model.config import CSA, HCA, ModelConfig
 from model.linear import GroupedLinear, Linear
 from model.norms import RMSNorm, rms_normalize
 from model.rope import apply_rope, layer_frequencies
+from pallas_kernels import registry
 
 
 def sink_attention(
@@ -28,6 +29,19 @@ def sink_attention(
     sink_logit = jnp.broadcast_to(sink[:, None], (*scores.shape[:-1], 1))
     probs = jax.nn.softmax(jnp.concatenate([scores, sink_logit], axis=-1), axis=-1)[..., :-1]
     return jnp.einsum("bchk,bckd->bchd", probs.astype(keys.dtype), keys)
+
+
+def hca_attention(
+    q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
+    valid: Bool[Array, "b c k"], sink: Float[Array, " h"], tail_start: int, tail_len: Int[Array, " c"],
+) -> Float[Array, "b c h d"]:
+    """`sink_attention` over the given keys plus pool rows tail_start.. (the HCA entries), of which each
+    query sees its first `tail_len`."""
+    (b, c), n = ids.shape[:2], pool.shape[1] - tail_start
+    tail_ok = jnp.broadcast_to(jnp.arange(n)[None, :] < tail_len[:, None], (b, c, n))
+    tail_ids = jnp.broadcast_to(tail_start + jnp.arange(n), (b, c, n))
+    return sink_attention(q, pool, jnp.concatenate([ids, tail_ids], -1), jnp.concatenate([valid, tail_ok], -1),
+                          sink)
 
 
 def window_ids(
@@ -146,18 +160,17 @@ class Attention(LatentAttention):
             new_state["compressor"] = comp
             entries = comp["entries"].astype(kv.dtype)
             base = cfg.sliding_window + c
+            pools.append(entries)
             if self.kind == CSA:
                 idx_state = self.indexer.compressor(x, start, state["indexer"], freqs, count)
                 new_state["indexer"] = idx_state
                 picks = self.indexer.select(x, q_lat, positions, idx_state["entries"], freqs)
-                comp_ids, comp_ok = base + picks, picks >= 0
-            else:
-                n = entries.shape[1]
-                comp_ok = jnp.arange(n)[None, :] < ((positions + 1) // self.compressor.ratio)[:, None]
-                comp_ok = jnp.broadcast_to(comp_ok, (b, c, n))
-                comp_ids = jnp.broadcast_to(base + jnp.arange(n), (b, c, n))
-            ids, valid = jnp.concatenate([ids, comp_ids], -1), jnp.concatenate([valid, comp_ok], -1)
-            pools.append(entries)
-        out = sink_attention(q, jnp.concatenate(pools, axis=1), ids, valid, self.attn_sink[...])
+                ids, valid = jnp.concatenate([ids, base + picks], -1), jnp.concatenate([valid, picks >= 0], -1)
+        pool, sink = jnp.concatenate(pools, axis=1), self.attn_sink[...]
+        if self.kind == HCA:  # every visible entry: the kernel reads them as one contiguous run per query
+            visible = (positions + 1) // self.compressor.ratio
+            out = registry.op("hca_attention")(q, pool, ids, valid, sink, base, visible)
+        else:
+            out = registry.op("sink_attention")(q, pool, ids, valid, sink)
         new_state["ring_kv"], new_state["ring_pos"] = push_window(state, kv, positions, count)
         return self.output(out, positions, freqs), new_state

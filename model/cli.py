@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 
+from sharding.platform import PlatformError
+
 
 def _load(args):
     from model.api import init_model
@@ -121,6 +123,26 @@ def _int_at_least(low: int):
     return parse
 
 
+def _add_platform_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("platform")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda", "ascend"],
+                   help="where to run: cpu, cuda (needs the cuda13 extra) or ascend (needs --pjrt-plugin)")
+    g.add_argument("--pjrt-plugin", metavar="PATH",
+                   help="the Ascend PJRT plugin: its shared library or a Python module with initialize() "
+                        "(default: $JAXSEEK_PJRT_PLUGIN)")
+    g.add_argument("--kernels", choices=["reference", "pallas"],
+                   help="force the pure-jnp references or the Pallas kernels (interpret mode off GPU); default: "
+                        "Pallas on NVIDIA GPUs, references elsewhere")
+
+
+def _setup_platform(args) -> None:
+    from pallas_kernels import registry
+    from sharding.platform import setup
+
+    setup(args.device, args.pjrt_plugin)
+    registry.set_implementation(args.kernels)
+
+
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
@@ -174,15 +196,19 @@ def main(argv=None) -> int:
                                      help="print the Engram canonical vocabulary size of a tokenizer.json")
     sub.choices["forward"].add_argument("--tokens", default="0,5,17,42,7,99,3,12", help="comma-separated ids")
     sub.choices["forward"].add_argument("--seed", type=int, default=0)
+    _add_platform_args(sub.choices["forward"])
     generate = sub.add_parser("generate", help=cmd_generate.__doc__, description=cmd_generate.__doc__ + (
         " Without --model the model is a randomly initialised preset. Exit status 1 if some request failed "
         "(its record holds the error; the others still ran), 2 on bad flags."))
     generate.set_defaults(fn=cmd_generate, parser=generate)
     _add_generate_args(generate)
+    _add_platform_args(generate)
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "kernels"):
+            _setup_platform(args)
         return args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, PlatformError) as e:
         print(f"jaxseek {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -15,6 +15,7 @@ from model.config import CSA_RATIO, ModelConfig
 from model.linear import Linear
 from model.norms import RMSNorm
 from model.rope import apply_rope
+from pallas_kernels import registry
 
 
 class Compressor(nnx.Module):
@@ -109,9 +110,8 @@ class Indexer(nnx.Module):
         """Indices of the selected entries; -1 where fewer than k are visible."""
         b, c, _ = x.shape
         q = apply_rope(self.wq_b(q_lat).reshape(b, c, self.n_heads, self.head_dim), positions, freqs)
-        scores = index_scores(q, keys, self.weights_proj(x))
-        visible = jnp.arange(keys.shape[1]) < ((positions + 1) // self.compressor.ratio)[:, None]
-        return top_visible(jnp.where(visible, scores, -jnp.inf), self.topk)
+        visible = (positions + 1) // self.compressor.ratio
+        return top_visible(registry.op("index_scores")(q, keys, self.weights_proj(x), visible), self.topk)
 
 
 def index_scores(
@@ -120,6 +120,15 @@ def index_scores(
     """Lightning-indexer score: sum over heads of w_h * h^-1/2 * d^-1/2 * ReLU(q_h . k)."""
     per_head = jax.nn.relu(jnp.einsum("bchd,btd->bcht", q, keys)) * q.shape[-1] ** -0.5
     return jnp.einsum("bcht,bch->bct", per_head, head_weights * q.shape[-2] ** -0.5)
+
+
+def visible_index_scores(
+    q: Float[Array, "b c h d"], keys: Float[Array, "b t d"], head_weights: Float[Array, "b c h"],
+    visible: Int[Array, " c"],
+) -> Float[Array, "b c t"]:
+    """`index_scores` where each query sees its first `visible` keys; -inf for the rest."""
+    scores = index_scores(q, keys, head_weights)
+    return jnp.where(jnp.arange(keys.shape[1]) < visible[:, None], scores, -jnp.inf)
 
 
 def top_visible(scores: Float[Array, "b c t"], k: int) -> Int[Array, "b c k"]:

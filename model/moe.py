@@ -8,6 +8,7 @@ from jaxtyping import Array, Float, Int
 
 from model.config import ModelConfig
 from model.linear import Linear, normal_init
+from pallas_kernels import registry
 
 
 def clamped_swiglu(gate: Float[Array, "..."], up: Float[Array, "..."], limit: float) -> Float[Array, "..."]:
@@ -84,28 +85,36 @@ class Experts(nnx.Module):
         self.limit = config.swiglu_limit
 
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"]):
-        """Sum over each token's chosen experts of weight * expert(x).
+        """Sum over each token's chosen experts of weight * expert(x) (the kernel registry's `routed_experts`)."""
+        return registry.op("routed_experts")(x, ids, weights, self.w1[...], self.w2[...], self.w3[...], self.limit)
 
-        With fewer (token, expert) pairs than experts (decode of a few tokens), each pair switches to its
-        expert's branch, which reads only that expert's weights (a dynamic slice would copy them); otherwise every expert runs on every token and a dense combine keeps each token's
-        share (on CPU this beats sorting pairs into `lax.ragged_dot`, which measured 2x slower). Weights are
-        only ever contracted on their last axis, as stored, so no weight is copied or transposed.
-        """
-        w1, w2, w3 = self.w1[...], self.w2[...], self.w3[...]
-        n_exp, inter, dim = w1.shape
-        xc = x.astype(w1.dtype)
-        if ids.size < n_exp:
-            experts = [lambda v, e=e: w2[e] @ clamped_swiglu(w1[e] @ v, w3[e] @ v, self.limit)
-                       for e in range(n_exp)]
-            out = jnp.zeros(x.shape, jnp.float32)
-            for t, k in np.ndindex(ids.shape):
-                out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, xc[t]).astype(jnp.float32))
-            return out
-        combine = jnp.sum(jax.nn.one_hot(ids, n_exp, dtype=jnp.float32) * weights[..., None], axis=1)
-        flat = lambda w: jnp.einsum("td,od->to", xc, w.reshape(-1, dim)).reshape(-1, n_exp, inter)  # noqa: E731
-        h = clamped_swiglu(flat(w1), flat(w3), self.limit)
-        y = jnp.einsum("tei,edi->etd", h, w2).astype(jnp.float32)
-        return jnp.einsum("te,etd->td", combine, y)
+
+def routed_experts(
+    x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Float[Array, "e i d"],
+    w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float,
+) -> Float[Array, "t d"]:
+    """Sum over each token's chosen experts of weight * expert(x).
+
+    With fewer (token, expert) pairs than experts (decode of a few tokens), each pair switches to its
+    expert's branch, which reads only that expert's weights (a dynamic slice would copy them); otherwise
+    every expert runs on every token and a dense combine keeps each token's share (on CPU this beats
+    sorting pairs into `lax.ragged_dot`, which measured 2x slower). Weights are only ever contracted on
+    their last axis, as stored, so no weight is copied or transposed. The Pallas form is
+    `pallas_kernels.moe.routed_experts` (grouped matmul over pairs sorted by expert)."""
+    n_exp, inter, dim = w1.shape
+    xc = x.astype(w1.dtype)
+    if ids.size < n_exp:
+        experts = [lambda v, e=e: w2[e] @ clamped_swiglu(w1[e] @ v, w3[e] @ v, limit)
+                   for e in range(n_exp)]
+        out = jnp.zeros(x.shape, jnp.float32)
+        for t, k in np.ndindex(ids.shape):
+            out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, xc[t]).astype(jnp.float32))
+        return out
+    combine = jnp.sum(jax.nn.one_hot(ids, n_exp, dtype=jnp.float32) * weights[..., None], axis=1)
+    flat = lambda w: jnp.einsum("td,od->to", xc, w.reshape(-1, dim)).reshape(-1, n_exp, inter)  # noqa: E731
+    h = clamped_swiglu(flat(w1), flat(w3), limit)
+    y = jnp.einsum("tei,edi->etd", h, w2).astype(jnp.float32)
+    return jnp.einsum("te,etd->td", combine, y)
 
 
 class MoE(nnx.Module):

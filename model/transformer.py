@@ -6,7 +6,7 @@ from jaxtyping import Array, Float, Int
 
 from model.attention import Attention, attend_rows
 from model.config import ModelConfig
-from model.hyper import HyperConnection, HyperHead, collapse, expand
+from model.hyper import HyperConnection, HyperHead, expand
 from model.linear import Linear, normal_init
 from model.moe import MoE
 from model.norms import RMSNorm
@@ -54,11 +54,11 @@ class Block(HyperBlock):
         self, streams: Float[Array, "b c n d"], tokens: Int[Array, "b c"], start: Int[Array, ""], state: dict,
         count=None,
     ) -> tuple[Float[Array, "b c n d"], dict]:
-        pre, post, comb = self.hc_attn.weights(streams)
-        y, state = attend_rows(self.attn, self.attn_norm(collapse(streams, pre)), start, count, state)
+        _, post, comb, h = self.hc_attn.site(streams)
+        y, state = attend_rows(self.attn, self.attn_norm(h), start, count, state)
         streams = expand(streams, y, post, comb)
-        pre, post, comb = self.hc_ffn.weights(streams)
-        y = self.ffn(self.ffn_norm(collapse(streams, pre)), tokens)
+        _, post, comb, h = self.hc_ffn.site(streams)
+        y = self.ffn(self.ffn_norm(h), tokens)
         return expand(streams, y, post, comb), state
 
 

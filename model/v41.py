@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from model.attention import LatentAttention, attend_rows, push_window, ring_state, sink_attention, window_ids
-from model.compressor import index_scores, open_slot, stage_windows, store_complete, top_visible
+from model.attention import LatentAttention, attend_rows, push_window, ring_state, window_ids
+from model.compressor import open_slot, stage_windows, store_complete, top_visible
 from model.config_v41 import V41Config
 from model.engram import Engram
 from model.fake_quant import fake_quant_fp4, fake_quant_fp8
@@ -23,6 +23,7 @@ from model.moe import MoE
 from model.norms import RMSNorm
 from model.rope import apply_rope, layer_frequencies
 from model.transformer import Embedding, HyperBlock, empty_cache
+from pallas_kernels import registry
 
 
 def candidate_pool(
@@ -83,13 +84,13 @@ class SharedIndexer(nnx.Module):
         k = apply_rope(self.k_norm(self.wk(latents))[:, :, None], positions, freqs)[:, :, 0]
         return fake_quant_fp4(k, 32) if quant else k
 
-    def scores(self, x, q_lat, positions, keys, freqs, quant: bool) -> Float[Array, "b c t"]:
-        """Weighted ReLU scores of this chunk's queries against every key (visibility not applied)."""
+    def scores(self, x, q_lat, positions, keys, visible_count, freqs, quant: bool) -> Float[Array, "b c t"]:
+        """Weighted ReLU scores of this chunk's queries against the keys each sees (-inf past `visible_count`)."""
         b, c, _ = x.shape
         q = apply_rope(self.wq_b(q_lat).reshape(b, c, self.n_heads, self.head_dim), positions, freqs)
         if quant:
             q = fake_quant_fp4(q, 32)
-        return index_scores(q, keys.astype(jnp.float32), self.weights_proj(x))
+        return registry.op("index_scores")(q, keys.astype(jnp.float32), self.weights_proj(x), visible_count)
 
 
 class AttentionV41(LatentAttention):
@@ -149,7 +150,7 @@ class AttentionV41(LatentAttention):
                 ids = jnp.concatenate([ids, base + picks], -1)
                 valid = jnp.concatenate([valid, picks >= 0], -1)
                 pools.append(shared["entries"].astype(kv.dtype))
-        out = sink_attention(q, jnp.concatenate(pools, axis=1), ids, valid, self.attn_sink[...])
+        out = registry.op("sink_attention")(q, jnp.concatenate(pools, axis=1), ids, valid, self.attn_sink[...])
         new_state["ring_kv"], new_state["ring_pos"] = push_window(state, kv, positions, count)
         return self.output(out, positions, freqs), new_state, shared
 
@@ -172,9 +173,8 @@ class AttentionV41(LatentAttention):
     def _select(self, x, q_lat, positions, shared: dict, freqs) -> None:
         """Top-k picks of this index source (inside the candidate pool when one was published)."""
         cfg, keys = self.config, shared["index_keys"]
-        scores = self.indexer.scores(x, q_lat, positions, keys, freqs, cfg.qat_fake_quant)
         visible_count = (positions + 1) // self.ratio
-        scores = jnp.where(jnp.arange(keys.shape[1]) < visible_count[:, None], scores, -jnp.inf)
+        scores = self.indexer.scores(x, q_lat, positions, keys, visible_count, freqs, cfg.qat_fake_quant)
         if self.is_candidate_source:
             shared["candidates"] = candidate_pool(scores, visible_count, cfg.candidate_topk_blocks,
                                                   cfg.candidate_block_size)
@@ -200,12 +200,11 @@ class BlockV41(HyperBlock):
         """(streams, the `pre` for the next site, state, shared) after Engram (if any), attention and MoE."""
         if self.has_engram:
             streams = self.engram(streams, engram_rows)
-        attn_pre, post, comb = self.hc_attn.weights(streams)
-        y, state, shared = attend_rows(self.attn, self.attn_norm(collapse(streams, pre_mix)), start, count, state,
-                                       shared)
+        attn_pre, post, comb, h = self.hc_attn.site(streams, pre_mix)
+        y, state, shared = attend_rows(self.attn, self.attn_norm(h), start, count, state, shared)
         streams = expand(streams, y, post, comb)
-        ffn_pre, post, comb = self.hc_ffn.weights(streams)
-        y = self.ffn(self.ffn_norm(collapse(streams, attn_pre)), tokens)
+        ffn_pre, post, comb, h = self.hc_ffn.site(streams, attn_pre)
+        y = self.ffn(self.ffn_norm(h), tokens)
         return expand(streams, y, post, comb), ffn_pre, state, shared
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from model.checkpoint import load_model, save_checkpoint
 from model.config import ModelConfig, YarnScaling, preset
+from pallas_kernels import registry
 from tests.oracle_client import hf_dump_native, hf_init, hf_logits
 
 TOL = 1e-4
@@ -62,6 +63,15 @@ def test_oracle_reads_our_checkpoint(oracle_case, tmp_path):
     _, tokens, hf_dir, expected = oracle_case
     save_checkpoint(load_model(hf_dir), tmp_path / "ours")
     assert _max_diff(hf_logits(tmp_path / "ours", tokens), expected) == 0.0
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("oracle_case", ["mixed"], indirect=True)  # interpret mode is slow: one config
+def test_pallas_kernels_match_oracle(oracle_case):
+    """`--kernels pallas`: every registry op on its Pallas kernel (interpret mode on CPU) still equals the oracle."""
+    _, tokens, hf_dir, expected = oracle_case
+    with registry.use("pallas"):
+        assert _max_diff(load_model(hf_dir).logits(tokens), expected) <= TOL
 
 
 def test_oracle_disagrees_with_a_perturbed_model(oracle_case, tmp_path):

@@ -1,0 +1,97 @@
+"""One mHC site fused: unweighted RMS norm of the flattened streams, the (2+n)*n-wide projection, sigmoids,
+Sinkhorn, and the collapse of the streams into the block input, in one pass over tiles of tokens (the
+normalised streams and the projection are never written). Reference: `model.hyper.hc_site`.
+
+Glossary: T tokens (rows x sequence), n streams, d hidden, w = (2+n)*n projection width.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float
+
+from model.hyper import hc_site as hc_site_reference
+from model.hyper import sinkhorn
+from pallas_kernels import tuning
+
+
+def hc_site(
+    streams: Float[Array, "b s n d"], fn: Float[Array, "w nd"], base: Float[Array, " w"], scale: Float[Array, " 3"],
+    collapse_pre: Float[Array, "b s n"] | None, iters: int, hc_eps: float, norm_eps: float,
+):
+    """Pallas form of `model.hyper.hc_site`: (pre, post, comb, block input)."""
+    *lead, n, d = streams.shape
+    tokens = math.prod(lead)
+    t = tuning.tiles()
+    tt, dc = t.hc_block_t, tuning.fit(t.hc_block_d, d)
+    kernel = functools.partial(_kernel, block_d=dc, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                               given_pre=collapse_pre is not None)
+    rows = lambda i: (i, 0)  # noqa: E731
+    in_specs = [pl.BlockSpec((tt, n, d), lambda i: (i, 0, 0)), pl.BlockSpec(fn.shape, lambda i: (0, 0)),
+                pl.BlockSpec(base.shape, lambda i: (0,)), pl.BlockSpec(scale.shape, lambda i: (0,))]
+    args = [streams.reshape(tokens, n, d), fn, base, scale]
+    if collapse_pre is not None:
+        in_specs.append(pl.BlockSpec((tt, n), rows))
+        args.append(collapse_pre.reshape(tokens, n).astype(jnp.float32))
+    pre, post, comb, h = pl.pallas_call(
+        kernel, grid=(pl.cdiv(tokens, tt),), in_specs=in_specs,
+        out_shape=(jax.ShapeDtypeStruct((tokens, n), jnp.float32), jax.ShapeDtypeStruct((tokens, n), jnp.float32),
+                   jax.ShapeDtypeStruct((tokens, n * n), jnp.float32),
+                   jax.ShapeDtypeStruct((tokens, d), streams.dtype)),
+        out_specs=(pl.BlockSpec((tt, n), rows), pl.BlockSpec((tt, n), rows), pl.BlockSpec((tt, n * n), rows),
+                   pl.BlockSpec((tt, d), rows)),
+        name="mhc_site", **tuning.call_options(),
+    )(*args)
+    return (pre.reshape(*lead, n), post.reshape(*lead, n), comb.reshape(*lead, n, n), h.reshape(*lead, d))
+
+
+def _kernel(x_ref, fn_ref, base_ref, scale_ref, *refs, block_d: int, iters: int, hc_eps: float, norm_eps: float,
+            given_pre: bool):
+    """One tile of tokens: the projection accumulated over column blocks, the weights, then the collapse."""
+    if given_pre:
+        cpre_ref, pre_ref, post_ref, comb_ref, h_ref = refs
+    else:
+        pre_ref, post_ref, comb_ref, h_ref = refs
+    tt, n, d = x_ref.shape
+    nn = n * n
+
+    def project(cb, acc):
+        sumsq, m_pre, m_post, m_comb = acc
+        for j in range(n):
+            xj = x_ref[:, j, pl.ds(cb * block_d, block_d)].astype(jnp.float32)
+            cols = pl.ds(j * d + cb * block_d, block_d)
+            sumsq = sumsq + jnp.sum(xj * xj, axis=1)
+            m_pre = m_pre + jnp.sum(xj[:, None, :] * fn_ref[pl.ds(0, n), cols][None], axis=2)
+            m_post = m_post + jnp.sum(xj[:, None, :] * fn_ref[pl.ds(n, n), cols][None], axis=2)
+            m_comb = m_comb + jax.lax.dot_general(xj, fn_ref[pl.ds(2 * n, nn), cols], (((1,), (1,)), ((), ())),
+                                                  precision=jax.lax.Precision.HIGHEST,
+                                                  preferred_element_type=jnp.float32)
+        return sumsq, m_pre, m_post, m_comb
+
+    zeros = jnp.zeros((tt, n), jnp.float32)
+    sumsq, m_pre, m_post, m_comb = jax.lax.fori_loop(
+        0, d // block_d, project, (jnp.zeros((tt,), jnp.float32), zeros, zeros, jnp.zeros((tt, nn), jnp.float32)))
+    inv = jax.lax.rsqrt(sumsq / (n * d) + norm_eps)[:, None]
+    pre = jax.nn.sigmoid(m_pre * inv * scale_ref[0] + base_ref[pl.ds(0, n)][None]) + hc_eps
+    pre_ref[...] = pre
+    post_ref[...] = 2 * jax.nn.sigmoid(m_post * inv * scale_ref[1] + base_ref[pl.ds(n, n)][None])
+    logits = m_comb * inv * scale_ref[2] + base_ref[pl.ds(2 * n, nn)][None]
+    comb_ref[...] = sinkhorn(logits.reshape(tt, n, n), iters, hc_eps).reshape(tt, nn)
+
+    weights = cpre_ref[...] if given_pre else pre
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
+    per_stream = [jnp.sum(jnp.where(lanes == j, weights, 0.0), axis=1)[:, None] for j in range(n)]
+
+    def collapse(cb, carry):
+        cols = pl.ds(cb * block_d, block_d)
+        h = sum(per_stream[j] * x_ref[:, j, cols].astype(jnp.float32) for j in range(n))
+        h_ref[:, cols] = h.astype(h_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, d // block_d, collapse, 0)
+
+
+OPS = {"hc_site": (hc_site_reference, hc_site)}

@@ -1,0 +1,64 @@
+"""Lightning-indexer scores with causal visibility, tiled over (query block, key block): the per-head ReLU
+products never leave the kernel, and key blocks no query of the tile can see are skipped (written as -inf).
+Reference: `model.compressor.visible_index_scores`. Top-k selection stays `model.compressor.top_visible`
+(XLA's stable `top_k`: ties go to the lower entry) for both implementations.
+
+Glossary: b rows, c queries, h index heads, d index head dim, t index keys.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from model.compressor import visible_index_scores as visible_index_scores_reference
+from pallas_kernels import tuning
+
+QUERY_BLOCK = 8  # queries sharing one key block read
+
+
+def visible_index_scores(
+    q: Float[Array, "b c h d"], keys: Float[Array, "b t d"], head_weights: Float[Array, "b c h"],
+    visible: Int[Array, " c"],
+) -> Float[Array, "b c t"]:
+    """Pallas form of `model.compressor.visible_index_scores`."""
+    b, c, h, d = q.shape
+    t = keys.shape[1]
+    if t == 0:  # no complete window yet
+        return jnp.zeros((b, c, 0), jnp.float32)
+    bt = min(tuning.tiles().index_block_t, t)
+    tq = tuning.fit(QUERY_BLOCK, c)
+    kernel = functools.partial(_kernel, queries=tq, block_t=bt, scale=d ** -0.5 * h ** -0.5)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((b, c, t), jnp.float32), grid=(b, c // tq, pl.cdiv(t, bt)),
+        in_specs=[pl.BlockSpec((None, tq, h, d), lambda i, j, k: (i, j, 0, 0)),
+                  pl.BlockSpec((None, bt, d), lambda i, j, k: (i, k, 0)),
+                  pl.BlockSpec((None, tq, h), lambda i, j, k: (i, j, 0)),
+                  pl.BlockSpec((tq,), lambda i, j, k: (j,))],
+        out_specs=pl.BlockSpec((None, tq, bt), lambda i, j, k: (i, j, k)),
+        name="index_scores", **tuning.call_options(),
+    )(q, keys, head_weights.astype(jnp.float32), visible.astype(jnp.int32))
+
+
+def _kernel(q_ref, k_ref, w_ref, vis_ref, o_ref, *, queries: int, block_t: int, scale: float):
+    """Scores of `queries` queries against one key block; blocks past every query's visible count skip work."""
+    first = pl.program_id(2) * block_t
+    cols = first + jax.lax.broadcasted_iota(jnp.int32, (block_t,), 0)
+    visible = vis_ref[...]
+
+    @pl.when(first < jnp.max(visible))
+    def _():
+        keys = k_ref[...]
+        for i in range(queries):
+            s = jax.lax.dot_general(q_ref[i], keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            score = jnp.sum(jax.nn.relu(s) * w_ref[i][:, None], axis=0) * scale
+            o_ref[i, :] = jnp.where(cols < vis_ref[i], score, -jnp.inf)
+
+    @pl.when(first >= jnp.max(visible))
+    def _():
+        o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, o_ref.dtype)
+
+
+OPS = {"index_scores": (visible_index_scores_reference, visible_index_scores)}

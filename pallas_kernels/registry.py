@@ -1,0 +1,67 @@
+"""Operations the model calls by name, each with a pure-jnp reference and a Pallas kernel of the same signature.
+
+The choice is made when a function is traced: `use(...)` forces `reference` or `pallas` (the `--kernels`
+flag), otherwise the platform decides: NVIDIA GPUs run the Pallas kernels, CPU and Ascend the references.
+Pallas on CPU runs in interpret mode (tests). Set the choice before compiling: jitted functions keep what
+they were traced with.
+"""
+
+import contextlib
+import importlib
+from collections.abc import Callable
+
+import jax
+
+IMPLEMENTATIONS = ("reference", "pallas")
+KERNEL_MODULES = ("pallas_kernels.sparse_attention", "pallas_kernels.indexer", "pallas_kernels.moe",
+                  "pallas_kernels.hyper")
+_chosen: list[str] = []
+
+
+def ops() -> dict[str, tuple[Callable, Callable]]:
+    """Every operation: name -> (reference, pallas)."""
+    table = {}
+    for name in KERNEL_MODULES:  # imported on first use: the kernel modules import the model's references
+        table.update(importlib.import_module(name).OPS)
+    return table
+
+
+def default_implementation() -> str:
+    """What the platform runs when nothing is forced: Pallas on an NVIDIA GPU, else the references."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def implementation() -> str:
+    """The implementation that functions traced now will use."""
+    return _chosen[-1] if _chosen else default_implementation()
+
+
+def _check(impl: str) -> str:
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"kernels must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    return impl
+
+
+def set_implementation(impl: str | None) -> None:
+    """Force `reference` or `pallas` from now on (None: back to the platform default)."""
+    _chosen.clear()
+    if impl is not None:
+        _chosen.append(_check(impl))
+
+
+@contextlib.contextmanager
+def use(impl: str):
+    """Force `reference` or `pallas` for functions traced inside this block."""
+    _chosen.append(_check(impl))
+    try:
+        yield
+    finally:
+        _chosen.pop()
+
+
+def op(name: str) -> Callable:
+    """The implementation of operation `name` chosen for the current trace."""
+    table = ops()
+    if name not in table:
+        raise KeyError(f"no kernel operation {name!r}; known: {sorted(table)}")
+    return table[name][IMPLEMENTATIONS.index(implementation())]

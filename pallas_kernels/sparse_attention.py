@@ -1,0 +1,130 @@
+"""Sparse sink attention: each query reads only its own key rows (window ids, CSA picks) or, for HCA, the
+visible prefix of the compressed entries; one online softmax per query with the head's sink in the
+denominator. References: `model.attention.sink_attention` and `model.attention.hca_attention`.
+
+Glossary: b rows, c queries per row, h heads, d head dim (K = V), n pool rows, k key ids per query.
+Decode form (c <= DECODE_MAX_QUERIES): programs over (row, query, head block, key split); each split keeps a
+partial softmax state (max, sum, weighted values) that a small combine merges, so a few queries still fill
+the device. Prefill form: one program per (row, query) with all heads, so each gathered key row is read once
+for every head. Invalid ids (-1 or `valid` false) are never used: their rows read as zeros.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Bool, Float, Int
+
+from model.attention import hca_attention as hca_attention_reference
+from model.attention import sink_attention as sink_attention_reference
+from pallas_kernels import tuning
+
+
+def sink_attention(
+    q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
+    valid: Bool[Array, "b c k"], sink: Float[Array, " h"],
+) -> Float[Array, "b c h d"]:
+    """Pallas form of `model.attention.sink_attention`: the keys are gathered rows of `pool`."""
+    return _attend(q, pool, jnp.where(valid, ids, -1), sink, 0, None)
+
+
+def hca_attention(
+    q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
+    valid: Bool[Array, "b c k"], sink: Float[Array, " h"], tail_start: int, tail_len: Int[Array, " c"],
+) -> Float[Array, "b c h d"]:
+    """Pallas form of `model.attention.hca_attention`: gathered window rows plus pool rows
+    tail_start .. tail_start + tail_len[query] - 1, read block by block up to each query's visible count."""
+    return _attend(q, pool, jnp.where(valid, ids, -1), sink, tail_start, tail_len.astype(jnp.int32))
+
+
+def _attend(q, pool, ids, sink, tail_start: int, tail_len):
+    b, c, h, d = q.shape
+    t = tuning.tiles()
+    decode = c <= tuning.DECODE_MAX_QUERIES
+    bk = t.attn_block_k
+    ids = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, 0), (0, -ids.shape[-1] % bk)), constant_values=-1)
+    n_tail = pool.shape[1] - tail_start if tail_len is not None else 0
+    blocks = ids.shape[-1] // bk + pl.cdiv(n_tail, bk)
+    splits = max(1, min(t.attn_decode_splits, blocks)) if decode else 1
+    hb = tuning.fit(t.attn_decode_heads, h) if decode else h
+    tail_len = jnp.zeros((c,), jnp.int32) if tail_len is None else tail_len
+    grid = (b, c, h // hb, splits)
+    kernel = functools.partial(_kernel, block_k=bk, splits=splits, tail_start=tail_start, has_tail=n_tail > 0,
+                               scale=d ** -0.5)
+    in_specs = [
+        pl.BlockSpec((None, None, hb, d), lambda i, j, g, s: (i, j, g, 0)),
+        pl.BlockSpec((None, pool.shape[1], d), lambda i, j, g, s: (i, 0, 0)),
+        pl.BlockSpec((None, None, ids.shape[-1]), lambda i, j, g, s: (i, j, 0)),
+        pl.BlockSpec((1,), lambda i, j, g, s: (j,)),
+        pl.BlockSpec((hb,), lambda i, j, g, s: (g,)),
+    ]
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        out_specs = pl.BlockSpec((None, None, hb, d), lambda i, j, g, s: (i, j, g, 0))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((b, c, splits, h, d), jnp.float32),
+                     jax.ShapeDtypeStruct((b, c, splits, h), jnp.float32),
+                     jax.ShapeDtypeStruct((b, c, splits, h), jnp.float32))
+        out_specs = (pl.BlockSpec((None, None, None, hb, d), lambda i, j, g, s: (i, j, s, g, 0)),
+                     pl.BlockSpec((None, None, None, hb), lambda i, j, g, s: (i, j, s, g)),
+                     pl.BlockSpec((None, None, None, hb), lambda i, j, g, s: (i, j, s, g)))
+    out = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                         name="sparse_sink_attention", **tuning.call_options())(
+        q, pool, ids, tail_len, sink.astype(jnp.float32))
+    if splits == 1:
+        return out
+    acc, m, l = out
+    top = jnp.max(m, axis=2)  # >= sink: every split starts its running max there
+    w = jnp.exp(m - top[:, :, None])
+    den = jnp.exp(sink.astype(jnp.float32) - top) + jnp.sum(w * l, axis=2)
+    return (jnp.sum(w[..., None] * acc, axis=2) / den[..., None]).astype(q.dtype)
+
+
+def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *out_refs, block_k: int, splits: int,
+            tail_start: int, has_tail: bool, scale: float):
+    """One (row, query, head block, split): online softmax over its share of key blocks."""
+    q = q_ref[...]
+    sink = sink_ref[...]
+    split = pl.program_id(3)
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+
+    def attend(carry, rows, ok):
+        m, l, acc = carry
+        keys = pool_ref[jnp.where(ok, rows, 0), :]
+        keys = jnp.where(ok[:, None], keys, jnp.zeros_like(keys))
+        s = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = jnp.where(ok[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        pv = jnp.dot(p.astype(keys.dtype), keys, preferred_element_type=jnp.float32)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    def gathered(i, carry):
+        rows = ids_ref[pl.ds((split + i * splits) * block_k, block_k)]
+        return attend(carry, rows, rows >= 0)
+
+    carry = (sink, jnp.zeros_like(sink), jnp.zeros(q.shape, jnp.float32))
+    n_blocks = ids_ref.shape[0] // block_k
+    carry = jax.lax.fori_loop(0, (n_blocks - split + splits - 1) // splits, gathered, carry)
+    if has_tail:
+        tail_len = tail_ref[0]
+
+        def tail(i, carry):
+            offset = (split + i * splits) * block_k + lanes
+            return attend(carry, tail_start + offset, offset < tail_len)
+
+        tail_blocks = (tail_len + block_k - 1) // block_k
+        carry = jax.lax.fori_loop(0, jnp.maximum(tail_blocks - split + splits - 1, 0) // splits, tail, carry)
+    m, l, acc = carry
+    if splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = (acc / (l + jnp.exp(sink - m))[:, None]).astype(o_ref.dtype)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+OPS = {"sink_attention": (sink_attention_reference, sink_attention),
+       "hca_attention": (hca_attention_reference, hca_attention)}

@@ -1,0 +1,243 @@
+"""Every Pallas kernel equals its reference (interpret mode on CPU; compiled on a GPU by scripts/gpu_check.sh).
+
+Unused pool rows, unchosen experts and unread pages hold NaN, so a kernel that reads past what it may use
+shows NaN in its output; the references see zeros there.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import hyper, indexer, moe, registry, sparse_attention, tuning
+
+pytestmark = pytest.mark.kernels
+ON_GPU = jax.default_backend() == "gpu"
+TOL = 2e-2 if ON_GPU else 1e-5  # compiled GPU kernels use tensor-core (tf32 / bf16) matmuls
+
+
+def close(actual, expected, tol=TOL):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    assert np.isfinite(actual).all() == np.isfinite(expected).all() or np.isfinite(actual[np.isfinite(expected)]).all()
+    np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol)
+
+
+def attention_case(rng, b, c, h, d, n_window, n_entries, k_picks, nan=True):
+    """q, pools (NaN-filled where unused, zero-filled), ids, valid, sink for window + picked entries.
+
+    Pool rows: [window slots | entries]; only valid ids point at finite rows."""
+    n = n_window + n_entries
+    q = rng.normal(size=(b, c, h, d)).astype(np.float32)
+    pool = rng.normal(size=(b, n, d)).astype(np.float32)
+    win = rng.integers(0, n_window, size=(b, c, n_window))
+    win_ok = rng.random((b, c, n_window)) < 0.7
+    win_ok[:, :, 0] = True
+    picks = rng.integers(0, max(n_entries, 1), size=(b, c, k_picks)) + n_window
+    picks_ok = rng.random((b, c, k_picks)) < 0.6
+    picks = np.where(picks_ok, picks, -1)  # invalid picks are -1, as the indexer emits them
+    ids = np.concatenate([win, picks], -1).astype(np.int32)
+    valid = np.concatenate([win_ok, picks_ok], -1)
+    used = np.zeros((b, n), bool)
+    for row in range(b):
+        used[row, ids[row][valid[row]]] = True
+    unused_nan = np.where(used[..., None], pool, np.nan if nan else 0.0).astype(np.float32)
+    unused_zero = np.where(used[..., None], pool, 0.0).astype(np.float32)
+    sink = rng.normal(size=(h,)).astype(np.float32)
+    return tuple(map(jnp.asarray, (q, unused_nan, unused_zero, ids, valid, sink)))
+
+
+@pytest.mark.parametrize("c", [1, 3, 12])  # decode, decode with MTP (gamma + 1 = 3), prefill
+def test_sparse_attention_equals_reference(c):
+    rng = np.random.default_rng(c)
+    q, pool_nan, pool, ids, valid, sink = attention_case(rng, 2, c, 4, 16, 9, 14, 7)
+    expected = sparse_attention.sink_attention_reference(q, pool, ids, valid, sink)
+    close(sparse_attention.sink_attention(q, pool_nan, ids, valid, sink), expected)
+
+
+def test_sparse_attention_rows_with_nothing_visible_give_zero():
+    rng = np.random.default_rng(0)
+    q, pool_nan, pool, ids, valid, sink = attention_case(rng, 1, 2, 4, 16, 5, 6, 5)
+    valid = valid.at[:, 1].set(False)
+    out = sparse_attention.sink_attention(q, jnp.nan_to_num(pool_nan), ids, valid, sink)
+    close(out, sparse_attention.sink_attention_reference(q, pool, ids, valid, sink))
+    assert float(jnp.abs(out[:, 1]).max()) == 0.0
+
+
+def test_sparse_attention_under_vmap_per_row():
+    """The engine runs the attention core per row under vmap: the kernel batches."""
+    rng = np.random.default_rng(1)
+    q, pool_nan, pool, ids, valid, sink = attention_case(rng, 3, 2, 4, 16, 7, 9, 5)
+
+    def per_row(fn, pool):
+        return jax.vmap(lambda *a: fn(*(x[None] for x in a), sink)[0])(q, pool, ids, valid)
+
+    close(per_row(sparse_attention.sink_attention, pool_nan), per_row(sparse_attention.sink_attention_reference, pool))
+
+
+@pytest.mark.parametrize("c", [1, 12])
+def test_hca_attention_reads_only_visible_entries(c):
+    """Window edges and HCA prefixes: 0 visible entries, a partial block, all of them; the rest are NaN."""
+    rng = np.random.default_rng(10 + c)
+    n_window, n_entries = 9, 11
+    q, pool_nan, pool, ids, valid, sink = attention_case(rng, 2, c, 4, 16, n_window, 0, 0, nan=False)
+    entries = rng.normal(size=(2, n_entries, 16)).astype(np.float32)
+    tail_len = jnp.asarray(rng.integers(0, n_entries + 1, size=c).astype(np.int32).clip(0, n_entries))
+    tail_len = tail_len.at[0].set(0).at[-1].set(n_entries if c > 1 else 3)
+    seen = np.arange(n_entries) < int(tail_len.max())
+    entries_nan = np.where(seen[None, :, None], entries, np.nan).astype(np.float32)
+    entries_zero = np.where(seen[None, :, None], entries, 0.0).astype(np.float32)
+    window = jnp.nan_to_num(pool_nan, nan=0.0)
+    expected = sparse_attention.hca_attention_reference(
+        q, jnp.concatenate([window, jnp.asarray(entries_zero)], 1), ids, valid, sink, n_window, tail_len)
+    out = sparse_attention.hca_attention(
+        q, jnp.concatenate([window, jnp.asarray(entries_nan)], 1), ids, valid, sink, n_window, tail_len)
+    close(out, expected)
+
+
+@pytest.mark.parametrize("c", [1, 6])
+def test_index_scores_equal_reference(c):
+    rng = np.random.default_rng(20 + c)
+    b, h, d, t = 2, 4, 16, 21  # t is not a whole number of key blocks
+    q = jnp.asarray(rng.normal(size=(b, c, h, d)), jnp.float32)
+    keys = rng.normal(size=(b, t, d)).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=(b, c, h)), jnp.float32)
+    visible = jnp.asarray(np.sort(rng.integers(0, t, size=c)).astype(np.int32)).at[0].set(0)
+    unread = np.arange(t) >= int(visible.max())
+    keys_nan = jnp.asarray(np.where(unread[None, :, None], np.nan, keys).astype(np.float32))
+    keys = jnp.asarray(np.where(unread[None, :, None], 0.0, keys).astype(np.float32))
+    expected = indexer.visible_index_scores_reference(q, keys, w, visible)
+    out = indexer.visible_index_scores(q, keys_nan, w, visible)
+    assert bool((jnp.isneginf(out) == jnp.isneginf(expected)).all())
+    close(jnp.where(jnp.isneginf(out), 0, out), jnp.where(jnp.isneginf(expected), 0, expected))
+
+
+def test_index_top_k_ties_go_to_the_lower_entry():
+    """Equal keys give equal scores; both implementations pick the lower entries, and -1 past the visible."""
+    from model.compressor import top_visible
+
+    q = jnp.ones((1, 2, 4, 16), jnp.float32)
+    keys = jnp.ones((1, 10, 16), jnp.float32)
+    w = jnp.ones((1, 2, 4), jnp.float32)
+    visible = jnp.asarray([3, 9], jnp.int32)
+    for impl in registry.IMPLEMENTATIONS:
+        with registry.use(impl):
+            picks = top_visible(registry.op("index_scores")(q, keys, w, visible), 5)
+        np.testing.assert_array_equal(picks[0], [[0, 1, 2, -1, -1], [0, 1, 2, 3, 4]])
+
+
+def moe_case(rng, t, k, e, d=32, i=48, unused=()):
+    x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+    choices = [x for x in range(e) if x not in unused]
+    ids = jnp.asarray(np.stack([rng.choice(choices, k, replace=False) for _ in range(t)]), jnp.int32)
+    weights = jnp.asarray(rng.random((t, k)), jnp.float32)
+    ws = [rng.normal(size=shape).astype(np.float32) * 0.3 for shape in ((e, i, d), (e, d, i), (e, i, d))]
+    return x, ids, weights, ws
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 2, 8), (13, 2, 4), (40, 3, 6)])  # decode, ragged groups, more experts
+def test_routed_experts_equal_reference(t, k, e):
+    rng = np.random.default_rng(t)
+    x, ids, weights, ws = moe_case(rng, t, k, e, unused=(e - 1,))  # one expert gets no token
+    expected = moe.routed_experts_reference(x, ids, weights, *map(jnp.asarray, ws), 10.0)
+    unchosen = ~np.isin(np.arange(e), np.asarray(ids))
+    ws_nan = [np.where(unchosen.reshape(-1, 1, 1), np.nan, w) for w in ws]  # experts nobody chose: never read
+    close(moe.routed_experts(x, ids, weights, *map(jnp.asarray, ws_nan), 10.0), expected)
+
+
+def test_routed_experts_all_tokens_on_one_expert():
+    rng = np.random.default_rng(5)
+    x, _, weights, ws = moe_case(rng, 9, 1, 4)
+    ids = jnp.full((9, 1), 2, jnp.int32)
+    ws = list(map(jnp.asarray, ws))
+    close(moe.routed_experts(x, ids, weights, *ws, 10.0), moe.routed_experts_reference(x, ids, weights, *ws, 10.0))
+
+
+def test_sort_pairs_tiles_hold_one_expert():
+    ids = jnp.asarray([[3, 0], [0, 1], [3, 0]], jnp.int32)
+    rows, row_pair, tile_expert, slot = moe.sort_pairs(ids, 5, 2)
+    assert tile_expert.shape == (6 // 2 + 5,)
+    for pair, row in enumerate(np.asarray(slot).reshape(-1)):
+        assert int(row_pair[row]) == pair and int(rows[row]) == pair // 2
+        assert int(tile_expert[row // 2]) == int(ids.reshape(-1)[pair])
+    assert int((tile_expert >= 0).sum()) == 4  # expert 0: 3 pairs -> 2 tiles; experts 1, 3: 1 tile each
+
+
+@pytest.mark.parametrize("shape,given_pre", [((1, 1), False), ((2, 7), False), ((2, 7), True)])
+def test_hc_site_equals_reference(shape, given_pre):
+    rng = np.random.default_rng(len(shape) + given_pre)
+    n, d = 4, 32
+    streams = jnp.asarray(rng.normal(size=(*shape, n, d)), jnp.float32)
+    fn = jnp.asarray(rng.normal(size=((2 + n) * n, n * d)), jnp.float32) * 0.1
+    base = jnp.asarray(rng.normal(size=((2 + n) * n,)), jnp.float32)
+    scale = jnp.asarray(rng.random(3) + 0.5, jnp.float32)
+    pre = jnp.asarray(rng.random((*shape, n)), jnp.float32) if given_pre else None
+    expected = hyper.hc_site_reference(streams, fn, base, scale, pre, 20, 1e-6, 1e-6)
+    for a, b in zip(hyper.hc_site(streams, fn, base, scale, pre, 20, 1e-6, 1e-6), expected):
+        close(a, b)
+
+
+def test_registry_picks_and_forces_implementations():
+    from model.attention import sink_attention as model_sink_attention
+
+    assert registry.default_implementation() == ("pallas" if ON_GPU else "reference")
+    with registry.use("reference"):
+        assert registry.op("sink_attention") is model_sink_attention
+        with registry.use("pallas"):
+            assert registry.op("sink_attention") is sparse_attention.sink_attention
+        assert registry.implementation() == "reference"
+    assert set(registry.ops()) == {"sink_attention", "hca_attention", "index_scores", "routed_experts", "hc_site"}
+    with pytest.raises(ValueError, match="reference"):
+        registry.set_implementation("triton")
+    with pytest.raises(KeyError, match="no kernel operation"):
+        registry.op("dense_attention")
+
+
+def _lower_for(device_kind: str, variant: str, fn, *args) -> str:
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                        abstract_device=AbstractDevice(device_kind=device_kind, num_cores=132, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(mesh), tuning.target(variant):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check for machines without a GPU")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("device_kind,variant", [("NVIDIA H200", "sm90"), ("NVIDIA B200", "sm100")])
+def test_kernels_lower_to_triton_for_nvidia(device_kind, variant):
+    """Without a GPU: each kernel lowers to a Triton kernel for SM90 and SM100 at V4-like (small) shapes."""
+    z, bf16 = jnp.zeros, jnp.bfloat16
+    cases = {
+        "decode attention": (sparse_attention.sink_attention,
+                             (z((2, 2, 16, 64), bf16), z((2, 200, 64), bf16), z((2, 2, 40), jnp.int32),
+                              z((2, 2, 40), bool), z((16,)))),
+        "prefill hca": (lambda *a: sparse_attention.hca_attention(*a, 100, jnp.arange(16)),
+                        (z((2, 16, 16, 64), bf16), z((2, 200, 64), bf16), z((2, 16, 40), jnp.int32),
+                         z((2, 16, 40), bool), z((16,)))),
+        "index scores": (lambda q, k, w: indexer.visible_index_scores(q, k, w, jnp.arange(4)),
+                         (z((2, 4, 16, 128)), z((2, 300, 128)), z((2, 4, 16)))),
+        "moe": (lambda *a: moe.routed_experts(*a, 10.0),
+                (z((40, 256), bf16), z((40, 6), jnp.int32), z((40, 6)), z((8, 128, 256), bf16),
+                 z((8, 256, 128), bf16), z((8, 128, 256), bf16))),
+        "mhc": (lambda s, f, b, sc: hyper.hc_site(s, f, b, sc, z((2, 8, 4)), 20, 1e-6, 1e-6),
+                (z((2, 8, 4, 256), bf16), z((24, 1024)), z((24,)), z((3,)))),
+    }
+    for name, (fn, args) in cases.items():
+        assert "__gpu$xla.gpu.triton" in _lower_for(device_kind, variant, fn, *args), name
+
+
+def test_v41_model_with_pallas_kernels_equals_reference():
+    """V4.1 (shared KV, two-level selection, single-pass mHC) through the registry: one 6-token step (the
+    decode form, as MTP verification runs it), Pallas in interpret mode == reference. The prefill form runs
+    in the V4 oracle test with `pallas` (tests/test_parity.py)."""
+    from model.api import init_model
+    from model.config import preset
+
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 6))
+    logits = {}
+    for impl in registry.IMPLEMENTATIONS:
+        with registry.use(impl):
+            model = init_model(preset("tiny-v41"), seed=1)
+            logits[impl] = model.step(tokens, model.init_cache(2, 16))[0]
+    close(logits["pallas"], logits["reference"], 1e-4)
