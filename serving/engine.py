@@ -70,7 +70,7 @@ class Engine:
         self.weights = jax.tree.leaves(model.params)  # what the compiled steps take (flattened once)
         empty = module.init_cache(1, self.layout.pages_per_slot * self.layout.page_tokens, self.layout.ring)
         self._step_fn = build_step(model.graphdef, jax.tree.structure(model.params), empty["layers"],
-                                   num_top_logprobs, return_logits)
+                                   self.layout.page_tokens, num_top_logprobs, return_logits)
         self.compiled: dict[tuple[int, int, int], Callable] = {}
         self.requests: dict[str, Request] = {}
         self.pending: list[tuple[list[Row], object]] = []

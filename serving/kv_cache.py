@@ -104,14 +104,19 @@ def gather_rows(cache: dict, slots: Int[Array, " r"], empty: dict, reset) -> dic
     return jax.tree.map_with_path(one, cache["layers"], empty)
 
 
-def scatter_rows(cache: dict, slots: Int[Array, " r"], rows: dict) -> dict:
-    """Write batched states back: slot leaves by slot, paged leaves page by page through the block tables."""
+def scatter_rows(cache: dict, slots: Int[Array, " r"], rows: dict, first_page: Int[Array, " r"],
+                 num_pages: int) -> dict:
+    """Write batched states back: slot leaves by slot; of the paged leaves only the `num_pages` pages from
+    each row's `first_page` on (the pages its chunk can have completed entries in), through the block tables."""
     tables = cache["block_tables"][slots]
+    touched = jnp.minimum(first_page[:, None] + jnp.arange(num_pages), tables.shape[1] - 1)  # [r, n]
 
     def one(path, leaf, row):
         if _paged(path):
-            pages = row.reshape(slots.shape[0] * tables.shape[1], leaf.shape[1], leaf.shape[2])
-            return leaf.at[tables.reshape(-1)].set(pages)
+            pages = row.reshape(slots.shape[0], tables.shape[1], *leaf.shape[1:])
+            pages = jnp.take_along_axis(pages, touched[:, :, None, None], axis=1)
+            targets = jnp.take_along_axis(tables, touched, axis=1)
+            return leaf.at[targets.reshape(-1)].set(pages.reshape(-1, *leaf.shape[1:]))
         return leaf.at[slots].set(row)
 
     return {**cache, "layers": jax.tree.map_with_path(one, cache["layers"], rows)}

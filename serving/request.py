@@ -90,7 +90,7 @@ class Request:
         p = self.params
         if token in p.stop_token_ids or (token == eos and not p.ignore_eos):
             self.finish("stop")
-        elif p.stop and detokenize is not None:
+        elif p.stop and detokenize is not None and self._stop_in_tail(detokenize):
             text = detokenize(self.output)
             hits = [text.find(s) for s in p.stop if s in text]
             if hits:
@@ -98,6 +98,15 @@ class Request:
                 self.finish("stop")
         if self.status is not Status.FINISHED and len(self.output) >= p.max_tokens:
             self.finish("length")
+
+    def _stop_in_tail(self, detokenize: Callable[[list[int]], str]) -> bool:
+        """Whether a stop string shows in the text of the newest tokens: a stop string of L characters that
+        ends in the newest token spans at most 4L bytes, so at most 4L + 4 tokens (one more each side for a
+        character split between tokens). Decoding only this tail keeps each check independent of the output
+        length; a hit is then confirmed on the whole text."""
+        tail = 4 * max(len(s) for s in self.params.stop) + 4
+        text = detokenize(self.output[-tail:])
+        return any(s in text for s in self.params.stop)
 
     def result(self, detokenize: Callable[[list[int]], str] | None) -> RequestOutput:
         now = time.perf_counter()

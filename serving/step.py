@@ -65,10 +65,10 @@ def empty_batch(layout: CacheLayout, rows: int, tokens: int, verify: int = 1, en
         engram_rows=tuple(np.zeros((rows, tokens, *shape), np.float32) for shape in engram_shapes))
 
 
-def build_step(graphdef, param_tree, empty_layers: dict, num_top: int, return_logits: bool):
+def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_top: int, return_logits: bool):
     """The pure step function (jit it with the cache donated). It takes the parameters as the flat list of
     leaves of the tree structure `param_tree` (flattening the nnx state on every call costs host time);
-    `empty_layers` is a fresh one-row state."""
+    `empty_layers` is a fresh one-row state, `page_tokens` the cache layout's page size."""
 
     def step(weights: list, cache: dict, batch: StepBatch) -> tuple[StepOutput, dict]:
         module = nnx.merge(graphdef, jax.tree.unflatten(param_tree, weights))
@@ -82,7 +82,8 @@ def build_step(graphdef, param_tree, empty_layers: dict, num_top: int, return_lo
 
         extra = {"engram_rows": batch.engram_rows} if batch.engram_rows else {}
         logits, new = module(tokens, {"pos": batch.starts, "layers": states}, count=counts, **extra)
-        cache = scatter_rows(cache, slots, new["layers"])
+        pages = min(batch.block_tables.shape[1], (width - 1) // page_tokens + 2)  # a chunk spans at most these
+        cache = scatter_rows(cache, slots, new["layers"], batch.starts // page_tokens, pages)
         verify, vocab = batch.sample.shape[1], logits.shape[-1]
         at = jnp.clip(counts[:, None] - verify + jnp.arange(verify), 0, width - 1)  # the sampled positions [r, v]
         picked = jnp.take_along_axis(logits, at[:, :, None], axis=1)  # [r, v, vocab]

@@ -26,8 +26,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    eng = Engine(model, max_slots=4, max_len=64, prefill_chunk=16, max_prefill_rows=2, num_top_logprobs=2,
-                 return_logits=True)
+    eng = Engine(model, max_slots=4, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=2,
+                 num_top_logprobs=2, return_logits=True)
     eng.warmup()
     return eng
 

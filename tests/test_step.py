@@ -17,10 +17,11 @@ PENALTY = -2.0  # a frequency *bonus*: drafted tokens win the later positions, s
 @pytest.fixture(scope="module")
 def setup():
     model = random_model(CONFIG, seed=5, noise=0.05)
-    layout = CacheLayout.for_model(CONFIG, max_slots=2, max_len=64)
+    layout = CacheLayout.for_model(CONFIG, max_slots=2, max_len=64, page_tokens=16)
     module = model.module()
     empty = module.init_cache(1, layout.pages_per_slot * layout.page_tokens, layout.ring)["layers"]
-    step = jax.jit(build_step(model.graphdef, jax.tree.structure(model.params), empty, 2, True), donate_argnums=1)
+    step = jax.jit(build_step(model.graphdef, jax.tree.structure(model.params), empty, layout.page_tokens, 2,
+                              True), donate_argnums=1)
     pages = PageAllocator(layout)
     pages.grow(0, layout.max_len)
     return model, layout, step, jax.tree.leaves(model.params), pages.table(0)
