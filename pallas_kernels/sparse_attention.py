@@ -3,8 +3,9 @@ visible prefix of the compressed entries; one online softmax per query with the 
 denominator. References: `model.attention.sink_attention` and `model.attention.hca_attention`.
 
 Glossary: b rows, c queries per row, h heads, d head dim (K = V), n pool rows, k key ids per query.
-Decode form (c <= DECODE_MAX_QUERIES): programs over (row, query, head block, key split); each split keeps a
-partial softmax state (max, sum, weighted values) that a small combine merges, so a few queries still fill
+Decode form (c <= DECODE_MAX_QUERIES): programs over (row, query, head block, key split); a long key list is
+split (at least SPLIT_MIN_BLOCKS key blocks a split) and each split writes its normalised partial output
+(in the query dtype) with its softmax max and sum, which a small combine merges, so few queries still fill
 the device. Prefill form: one program per (row, query) with all heads, so each gathered key row is read once
 for every head. Invalid ids (-1 or `valid` false) are never used: their rows read as zeros.
 """
@@ -19,6 +20,8 @@ from jaxtyping import Array, Bool, Float, Int
 from model.attention import hca_attention as hca_attention_reference
 from model.attention import sink_attention as sink_attention_reference
 from pallas_kernels import tuning
+
+SPLIT_MIN_BLOCKS = 4  # a split's partial output costs about as much traffic as this many key blocks
 
 
 def sink_attention(
@@ -46,7 +49,7 @@ def _attend(q, pool, ids, sink, tail_start: int, tail_len):
     ids = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, 0), (0, -ids.shape[-1] % bk)), constant_values=-1)
     n_tail = pool.shape[1] - tail_start if tail_len is not None else 0
     blocks = ids.shape[-1] // bk + pl.cdiv(n_tail, bk)
-    splits = max(1, min(t.attn_decode_splits, blocks)) if decode else 1
+    splits = max(1, min(t.attn_decode_splits, blocks // SPLIT_MIN_BLOCKS)) if decode else 1
     hb = tuning.fit(t.attn_decode_heads, h) if decode else h
     tail_len = jnp.zeros((c,), jnp.int32) if tail_len is None else tail_len
     grid = (b, c, h // hb, splits)
@@ -63,7 +66,7 @@ def _attend(q, pool, ids, sink, tail_start: int, tail_len):
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
         out_specs = pl.BlockSpec((None, None, hb, d), lambda i, j, g, s: (i, j, g, 0))
     else:
-        out_shape = (jax.ShapeDtypeStruct((b, c, splits, h, d), jnp.float32),
+        out_shape = (jax.ShapeDtypeStruct((b, c, splits, h, d), q.dtype),
                      jax.ShapeDtypeStruct((b, c, splits, h), jnp.float32),
                      jax.ShapeDtypeStruct((b, c, splits, h), jnp.float32))
         out_specs = (pl.BlockSpec((None, None, None, hb, d), lambda i, j, g, s: (i, j, s, g, 0)),
@@ -74,11 +77,11 @@ def _attend(q, pool, ids, sink, tail_start: int, tail_len):
         q, pool, ids, tail_len, sink.astype(jnp.float32))
     if splits == 1:
         return out
-    acc, m, l = out
+    part, m, l = out
     top = jnp.max(m, axis=2)  # >= sink: every split starts its running max there
-    w = jnp.exp(m - top[:, :, None])
-    den = jnp.exp(sink.astype(jnp.float32) - top) + jnp.sum(w * l, axis=2)
-    return (jnp.sum(w[..., None] * acc, axis=2) / den[..., None]).astype(q.dtype)
+    w = jnp.exp(m - top[:, :, None]) * l  # each split's share of the softmax mass
+    den = jnp.exp(sink.astype(jnp.float32) - top) + jnp.sum(w, axis=2)
+    return (jnp.sum(w[..., None] * part.astype(jnp.float32), axis=2) / den[..., None]).astype(q.dtype)
 
 
 def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *out_refs, block_k: int, splits: int,
@@ -122,8 +125,9 @@ def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *out_refs, block_k: in
         (o_ref,) = out_refs
         o_ref[...] = (acc / (l + jnp.exp(sink - m))[:, None]).astype(o_ref.dtype)
     else:
-        acc_ref, m_ref, l_ref = out_refs
-        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+        part_ref, m_ref, l_ref = out_refs
+        part_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(part_ref.dtype)
+        m_ref[...], l_ref[...] = m, l
 
 
 OPS = {"sink_attention": (sink_attention_reference, sink_attention),

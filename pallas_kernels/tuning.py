@@ -31,7 +31,7 @@ class Tiles:
 
 
 VARIANTS = {
-    "interpret": Tiles(attn_block_k=4, attn_decode_heads=2, attn_decode_splits=2, index_block_t=8,
+    "interpret": Tiles(attn_block_k=2, attn_decode_heads=2, attn_decode_splits=2, index_block_t=8,
                        moe_block_m=4, moe_block_n=16, moe_block_k=16, hc_block_t=4, hc_block_d=16),
     "sm90": Tiles(attn_block_k=32, attn_decode_heads=16, attn_decode_splits=4, index_block_t=64,
                   moe_block_m=16, moe_block_n=64, moe_block_k=64, hc_block_t=16, hc_block_d=128,
