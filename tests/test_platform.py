@@ -88,10 +88,10 @@ def test_cli_flags_select_kernels_and_report_missing_plugins(capsys, monkeypatch
     from pallas_kernels import registry
 
     monkeypatch.delenv(platform.PLUGIN_ENV, raising=False)
-    assert cli.main(["forward", "--device", "ascend", "--tokens", "1,2"]) == 2
+    assert cli.main(["forward", "--config", "tiny", "--device", "ascend", "--tokens", "1,2"]) == 2
     assert "--pjrt-plugin PATH" in capsys.readouterr().err
     try:
-        assert cli.main(["forward", "--kernels", "pallas", "--tokens", "1,2,3"]) == 0
+        assert cli.main(["forward", "--config", "tiny", "--kernels", "pallas", "--tokens", "1,2,3"]) == 0
         assert registry.implementation() == "pallas"
         assert json.loads(capsys.readouterr().out)["logits_shape"] == [1, 3, 256]
     finally:
