@@ -47,9 +47,11 @@ def hca_attention(
 def window_ids(
     ring_pos: Int[Array, "b w"], positions: Int[Array, " c"], window: int
 ) -> tuple[Int[Array, "b c k"], Bool[Array, "b c k"]]:
-    """Pool indices and validity of each query's sliding window: W ring slots, then W in-chunk tokens."""
+    """Pool indices and validity of each query's sliding window: W ring slots, then W in-chunk tokens. Ring
+    slots at or past the chunk's first position are stale (rolled-back speculative tokens) and never valid."""
     (b, w), c = ring_pos.shape, positions.shape[0]
     ring_ok = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > positions[None, :, None] - window)
+    ring_ok &= ring_pos[:, None, :] < positions[0]
     back = jnp.arange(c)[:, None] - jnp.arange(window)[None, :]  # chunk offsets i, i-1, ..., i-W+1
     ids = jnp.concatenate([jnp.broadcast_to(jnp.arange(w), (c, w)), w + back], axis=1)
     valid = jnp.concatenate([ring_ok, jnp.broadcast_to(back >= 0, (b, c, window))], axis=2)
@@ -130,10 +132,11 @@ class Attention(LatentAttention):
         """Empty per-sequence state: the window ring (`ring` >= window slots, so rejected speculative tokens
         can roll back) and, where present, compressor and indexer states."""
         state = ring_state(self.config, batch, ring)
+        backtrack = state["ring_kv"].shape[1] - self.config.sliding_window
         if self.kind in (CSA, HCA):
-            state["compressor"] = self.compressor.init_state(batch, max_len)
+            state["compressor"] = self.compressor.init_state(batch, max_len, backtrack)
         if self.kind == CSA:
-            state["indexer"] = self.indexer.compressor.init_state(batch, max_len)
+            state["indexer"] = self.indexer.compressor.init_state(batch, max_len, backtrack)
         return state
 
     def __call__(
@@ -159,7 +162,7 @@ class Attention(LatentAttention):
             comp = self.compressor(x, start, state["compressor"], freqs, count)
             new_state["compressor"] = comp
             entries = comp["entries"].astype(kv.dtype)
-            base = cfg.sliding_window + c
+            base = state["ring_kv"].shape[1] + c
             pools.append(entries)
             if self.kind == CSA:
                 idx_state = self.indexer.compressor(x, start, state["indexer"], freqs, count)

@@ -2,8 +2,10 @@
 
 A compressor pools every `ratio` consecutive tokens into one entry with a per-channel softmax gate. CSA
 (ratio 4) pools 2*ratio slots: the `a` half of window w-1 and the `b` half of window w. State carried between
-calls: the open window's projected slots (`buf_*`), for CSA the last complete window's `a` half (`prev_*`),
-and the emitted entries. The same update serves a whole sequence (empty state) and chunked decoding.
+calls: the projected slots of the most recent tokens in a ring indexed by position (`recent_*`: the windows
+still open or still needed as an `a` half, plus `backtrack` slots), and the emitted entries. Because slots are
+addressed by position, a caller may roll back up to `backtrack` tokens (rejected speculative drafts) by simply
+restarting at an earlier position. The same update serves a whole sequence (empty state) and chunked decoding.
 """
 
 import jax
@@ -29,17 +31,12 @@ class Compressor(nnx.Module):
         self.norm = RMSNorm(dim, config.rms_norm_eps)
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
 
-    def init_state(self, batch: int, max_len: int) -> dict[str, jax.Array]:
-        """Empty state for sequences of at most `max_len` tokens."""
+    def init_state(self, batch: int, max_len: int, backtrack: int = 0) -> dict[str, jax.Array]:
+        """Empty state for sequences of at most `max_len` tokens that may roll back `backtrack` tokens."""
         r, d = self.ratio, self.dim
         width = 2 * d if self.overlap else d
-        state = {"entries": jnp.zeros((batch, max_len // r, d), jnp.float32),
-                 "buf_kv": jnp.zeros((batch, r, width), jnp.float32),
-                 "buf_gate": jnp.zeros((batch, r, width), jnp.float32)}
-        if self.overlap:
-            state["prev_kv"] = jnp.zeros((batch, r, d), jnp.float32)
-            state["prev_gate"] = jnp.full((batch, r, d), -jnp.inf, jnp.float32)
-        return state
+        return {"entries": jnp.zeros((batch, max_len // r, d), jnp.float32),
+                **recent_slots(batch, (2 if self.overlap else 1) * r + backtrack, width)}
 
     def __call__(
         self, x: Float[Array, "b c d"], start: Int[Array, ""], state: dict, freqs, count=None
@@ -49,38 +46,48 @@ class Compressor(nnx.Module):
         r, d = self.ratio, self.dim
         count = x.shape[1] if count is None else count
         positions = start + jnp.arange(x.shape[1])
-        kv_w = stage_windows(state["buf_kv"], self.wkv(x), start, r)
-        gate_w = stage_windows(state["buf_gate"], self.wgate(x) + self.ape[...][positions % r], start, r)
-        new_state = {"buf_kv": open_slot(kv_w, start, count, r),
-                     "buf_gate": open_slot(gate_w, start, count, r)}
-        if self.overlap:
-            # a-halves of windows w0-1 .. w0+n_win-1; slot i+1 belongs to staged window i
-            a_kv = jnp.concatenate([state["prev_kv"][:, None], kv_w[..., :d]], axis=1)
-            a_gate = jnp.concatenate([state["prev_gate"][:, None], gate_w[..., :d]], axis=1)
-            n_win = kv_w.shape[1]
-            kv_w = jnp.concatenate([a_kv[:, :n_win], kv_w[..., d:]], axis=2)
-            gate_w = jnp.concatenate([a_gate[:, :n_win], gate_w[..., d:]], axis=2)
-            new_state["prev_kv"] = open_slot(a_kv, start, count, r)
-            new_state["prev_gate"] = open_slot(a_gate, start, count, r)
+        kv, gate = self.wkv(x), self.wgate(x) + self.ape[...][positions % r]
+        back = 1 if self.overlap else 0  # CSA also stages the window before the first (its `a` half)
+        kv_w = stage_windows(state["recent_kv"], kv, start, r, back)
+        gate_w = stage_windows(state["recent_gate"], gate, start, r, back, -jnp.inf)
+        if self.overlap:  # window w pools the a half of window w-1 and its own b half
+            kv_w = jnp.concatenate([kv_w[:, :-1, :, :d], kv_w[:, 1:, :, d:]], axis=2)
+            gate_w = jnp.concatenate([gate_w[:, :-1, :, :d], gate_w[:, 1:, :, d:]], axis=2)
         pooled = jnp.sum(jax.nn.softmax(gate_w, axis=2) * kv_w, axis=2)  # [b, n_win, d]
         window_ids = start // r + jnp.arange(pooled.shape[1])
         pooled = apply_rope(self.norm(pooled)[:, :, None], window_ids * r, freqs)[:, :, 0]
-        new_state["entries"] = store_complete(state["entries"], pooled, start, count, r)
-        return new_state
+        return {"entries": store_complete(state["entries"], pooled, start, count, r),
+                "recent_kv": push_recent(state["recent_kv"], kv, positions, count),
+                "recent_gate": push_recent(state["recent_gate"], gate, positions, count)}
 
 
-def stage_windows(buffer: Float[Array, "b r w"], new: Float[Array, "b c w"], start, ratio: int):
-    """[b, c//ratio + 2, ratio, w]: the open window's buffered slots followed by the new tokens, by window."""
-    b, c, w = new.shape
-    n_win = c // ratio + 2  # windows a chunk can touch, plus the one left open after it
-    staged = jnp.zeros((b, n_win * ratio, w), new.dtype).at[:, :ratio].set(buffer.astype(new.dtype))
-    staged = jax.lax.dynamic_update_slice(staged, new, (0, start % ratio, 0))
-    return staged.reshape(b, n_win, ratio, w)
+def recent_slots(batch: int, size: int, width: int) -> dict[str, jax.Array]:
+    """An empty ring of `size` projected token slots (kv and gate) addressed by position mod size."""
+    return {"recent_kv": jnp.zeros((batch, size, width), jnp.float32),
+            "recent_gate": jnp.zeros((batch, size, width), jnp.float32)}
 
 
-def open_slot(staged: Float[Array, "b n ..."], start, count, ratio: int) -> Float[Array, "b ..."]:
-    """The staged window left open after `count` tokens from `start` (the next call's buffer)."""
-    return jax.lax.dynamic_index_in_dim(staged, (start + count) // ratio - start // ratio, axis=1, keepdims=False)
+def stage_windows(
+    recent: Float[Array, "b s w"], new: Float[Array, "b c w"], start, ratio: int, back: int = 0, empty: float = 0.0
+):
+    """[b, c//ratio + 2 + back, ratio, w]: the slots of windows start//ratio - back onwards, by window: positions
+    before `start` from the ring of recent slots, the rest from the new tokens; slots before position 0 hold
+    `empty` (-inf for gates: such a slot weighs nothing in the pooling softmax)."""
+    c, size = new.shape[1], recent.shape[1]
+    n_win = c // ratio + 2 + back  # windows a chunk can touch, plus the one left open after it
+    pos = (start // ratio - back) * ratio + jnp.arange(n_win * ratio)
+    staged = jnp.where((pos >= start)[None, :, None], jnp.take(new, jnp.clip(pos - start, 0, c - 1), axis=1),
+                       jnp.take(recent.astype(new.dtype), pos % size, axis=1))
+    staged = jnp.where((pos < 0)[None, :, None], jnp.asarray(empty, new.dtype), staged)
+    return staged.reshape(new.shape[0], n_win, ratio, -1)
+
+
+def push_recent(recent: Float[Array, "b s w"], new: Float[Array, "b c w"], positions: Int[Array, " c"], count):
+    """The ring after the chunk's first `count` tokens: the last min(count, size) overwrite their slots."""
+    size = recent.shape[1]
+    i = jnp.arange(new.shape[1])
+    slots = jnp.where((i < count) & (i >= count - size), positions % size, size)  # out of range: dropped
+    return recent.at[:, slots].set(new.astype(recent.dtype), mode="drop")
 
 
 def store_complete(

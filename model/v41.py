@@ -13,7 +13,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from model.attention import LatentAttention, attend_rows, push_window, ring_state, window_ids
-from model.compressor import open_slot, stage_windows, store_complete, top_visible
+from model.compressor import push_recent, recent_slots, stage_windows, store_complete, top_visible
 from model.config_v41 import V41Config
 from model.engram import Engram
 from model.fake_quant import fake_quant_fp4, fake_quant_fp8
@@ -60,11 +60,13 @@ class SharedCompressor(nnx.Module):
         """(pre-RoPE latents [b, n, hd] of groups start//r + i, new buffer state); incomplete groups included."""
         if self.ratio == 1:
             return self.norm(self.wkv(x)), {}
-        kv_w = stage_windows(state["buf_kv"], self.wkv(x), start, self.ratio)
-        gate_w = stage_windows(state["buf_gate"], self.wgate(x), start, self.ratio)
+        kv, gate = self.wkv(x), self.wgate(x)
+        kv_w = stage_windows(state["recent_kv"], kv, start, self.ratio)
+        gate_w = stage_windows(state["recent_gate"], gate, start, self.ratio)
         pooled = jnp.sum(jax.nn.softmax(gate_w, axis=2) * kv_w, axis=2)
-        return self.norm(pooled), {"buf_kv": open_slot(kv_w, start, count, self.ratio),
-                                   "buf_gate": open_slot(gate_w, start, count, self.ratio)}
+        positions = start + jnp.arange(x.shape[1])
+        return self.norm(pooled), {"recent_kv": push_recent(state["recent_kv"], kv, positions, count),
+                                   "recent_gate": push_recent(state["recent_gate"], gate, positions, count)}
 
 
 class SharedIndexer(nnx.Module):
@@ -118,8 +120,8 @@ class AttentionV41(LatentAttention):
             n = max_len // self.ratio
             state["entries"] = jnp.zeros((batch, n, cfg.head_dim), jnp.float32)
             if self.ratio > 1:
-                state["buf_kv"] = jnp.zeros((batch, self.ratio, cfg.head_dim), jnp.float32)
-                state["buf_gate"] = jnp.zeros((batch, self.ratio, cfg.head_dim), jnp.float32)
+                state.update(recent_slots(batch, self.ratio + state["ring_kv"].shape[1] - cfg.sliding_window,
+                                          cfg.head_dim))
             if self.is_index_source:
                 state["index_keys"] = jnp.zeros((batch, n, cfg.index_head_dim), jnp.float32)
         return state
@@ -146,7 +148,7 @@ class AttentionV41(LatentAttention):
                 self._select(x, q_lat, positions, shared, freqs)
             picks = shared.get("picks")
             if picks is not None:  # without an index source no compressed entry is attended
-                base = cfg.sliding_window + c
+                base = state["ring_kv"].shape[1] + c
                 ids = jnp.concatenate([ids, base + picks], -1)
                 valid = jnp.concatenate([valid, picks >= 0], -1)
                 pools.append(shared["entries"].astype(kv.dtype))
@@ -223,11 +225,15 @@ class DeepseekV41(nnx.Module):
         """An empty cache for `batch` sequences of up to `max_len` tokens (window rings of `ring` slots)."""
         return empty_cache(self.config, self.layers, batch, max_len, ring)
 
-    def streams(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None):
-        """(residual streams, the last site's `pre` weights, new cache) for the next chunk of tokens.
+    def streams(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None, collect=()):
+        """(residual streams, the last site's `pre` weights, new cache) for the next chunk of tokens, plus the
+        taps [b, c, len(collect) * hidden] when `collect` names layers: each one's output streams averaged over
+        the hc copies, concatenated in `collect` order (the target features a DSpark drafter reads).
 
         `engram_rows` holds, per Engram layer in order, the looked-up table rows [b, c, n_lookups, head_dim].
         """
+        if any(not 0 <= i < len(self.layers) for i in collect):
+            raise ValueError(f"collect={list(collect)} names layers outside [0, {len(self.layers)})")
         start = cache["pos"]
         x = self.embed(tokens)
         n = self.config.hc_mult
@@ -238,14 +244,18 @@ class DeepseekV41(nnx.Module):
                              f"got {len(engram_rows)} arrays")
         rows = dict(zip(self.config.engram_layer_ids, engram_rows))
         count = tokens.shape[1] if count is None else count
-        states, shared = [], {}
+        states, shared, taps = [], {}, {}
         for i, (blk, state) in enumerate(zip(self.layers, cache["layers"])):
             streams, pre_mix, state, shared = blk(streams, pre_mix, tokens, start, state, shared, rows.get(i), count)
             states.append(state)
-        return streams, pre_mix, {**cache, "pos": start + count, "layers": states}
+            if i in collect:
+                taps[i] = jnp.mean(streams.astype(jnp.float32), axis=2)
+        cache = {**cache, "pos": start + count, "layers": states}
+        if collect:
+            return streams, pre_mix, cache, jnp.concatenate([taps[i] for i in collect], axis=-1)
+        return streams, pre_mix, cache
 
-    def __call__(
-        self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None
-    ) -> tuple[Float[Array, "b c v"], dict]:
-        streams, pre_mix, cache = self.streams(tokens, cache, engram_rows, count)
-        return self.head(self.norm(collapse(streams, pre_mix)).astype(jnp.float32)), cache
+    def __call__(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None, collect=()):
+        """(fp32 logits [b, c, vocab], new cache), plus the taps of `streams` when `collect` names layers."""
+        streams, pre_mix, cache, *taps = self.streams(tokens, cache, engram_rows, count, collect)
+        return self.head(self.norm(collapse(streams, pre_mix)).astype(jnp.float32)), cache, *taps

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-PURPOSE_SAMPLE = 0  # the token a request emits
-PURPOSE_DRAFT = 1  # reserved: a speculative draft token
-PURPOSE_ACCEPT = 2  # reserved: the uniform of a speculative accept / reject test
+PURPOSE_SAMPLE = 0  # the token a request emits (also a speculative bonus token)
+PURPOSE_DRAFT = 1  # a speculative draft token
+PURPOSE_ACCEPT = 2  # the uniform of a speculative accept / reject test
+PURPOSE_RESIDUAL = 3  # the token drawn from the residual after a rejected draft
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 MAX_STOP = 16

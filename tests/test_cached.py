@@ -61,3 +61,25 @@ def test_mtp_block_cached_equals_whole(model):
         logits, cache = main_then_mtp(model.params, tokens[:, t:t + 1], tokens[:, t + 1:t + 2], cache)
         pieces.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), np.asarray(whole), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("accepted", [0, 3, 6])
+def test_rolling_back_rejected_drafts_keeps_the_cache_exact(model, accepted):
+    """A verify block of 6 tokens of which only the first `accepted` are the real continuation, then a restart
+    at the first rejected position (window ring and compressors sized for 6 tokens of backtracking): every
+    later logit equals the full forward of the real sequence."""
+    tokens = np.random.default_rng(6).integers(0, CONFIG.vocab_size, (1, 80))
+    junk = np.random.default_rng(7).integers(0, CONFIG.vocab_size, (1, 6))
+    full = np.asarray(model.logits(tokens))
+    cache = {**model.module().init_cache(1, 80, ring=CONFIG.sliding_window + 6),
+             "capacity": jnp.asarray(80, jnp.int32)}
+    _, cache = model.step(tokens[:, :30], cache)
+    block = np.concatenate([tokens[:, 30:30 + accepted], junk[:, accepted:]], axis=1)
+    logits, cache = model.step(block, cache)
+    np.testing.assert_allclose(np.asarray(logits)[:, :accepted], full[:, 30:30 + accepted], atol=1e-5, rtol=0)
+    cache = {**cache, "pos": jnp.asarray(30 + accepted, jnp.int32)}
+    pieces = []
+    for start in range(30 + accepted, 80, 5):
+        logits, cache = model.step(tokens[:, start:start + 5], cache)
+        pieces.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full[:, 30 + accepted:], atol=1e-5, rtol=0)

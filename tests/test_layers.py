@@ -83,6 +83,14 @@ def test_window_ids_cover_exactly_the_last_w_positions():
         assert sorted(pool_pos[ids[i][ok[i]]]) == list(range(t - window + 1, t + 1))
 
 
+def test_window_ignores_ring_slots_of_rolled_back_positions():
+    ring_pos = jnp.array([6, 7, 8, 9, 10, 11])  # 10, 11: speculative tokens, rolled back; the chunk restarts at 10
+    ids, ok = (np.asarray(a)[0] for a in window_ids(ring_pos[None], jnp.arange(10, 12), 4))
+    pool_pos = np.concatenate([np.asarray(ring_pos), np.arange(10, 12)])
+    for i, t in enumerate(range(10, 12)):
+        assert sorted(pool_pos[ids[i][ok[i]]]) == list(range(t - 3, t + 1))
+
+
 def _compressor_reference(x, wkv, wgate, ape, norm_w, eps, ratio, overlap, freqs):
     """Entries of every complete window, straight from the formula (numpy, no state)."""
     kv, gate = x @ wkv.T, x @ wgate.T
@@ -121,6 +129,27 @@ def test_compressor_matches_formula_whole_and_chunked(ratio, overlap, chunks):
     for c in chunks:
         state = comp(x[:, start:start + c], jnp.asarray(start), state, freqs)
         start += c
+    ref = _compressor_reference(np.asarray(x[0], np.float64), *(np.asarray(a, np.float64) for a in (
+        comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])),
+        cfg.rms_norm_eps, ratio, overlap, freqs.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(state["entries"][0]), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("ratio, overlap", [(4, True), (16, False)])
+@pytest.mark.parametrize("accepted", [0, 2, 5])
+def test_compressor_rolls_back_rejected_tokens(ratio, overlap, accepted):
+    """Feed 6 tokens of which only the first `accepted` are the real ones (a verify block with rejected
+    drafts), restart after the accepted ones, go on: the entries equal the formula on the real sequence."""
+    cfg = preset("tiny")
+    comp = Compressor(cfg, ratio, 32, overlap, jnp.float32, nnx.Rngs(3))
+    comp.ape[...] = jax.random.normal(jax.random.key(4), comp.ape.shape)
+    x = jax.random.normal(jax.random.key(6), (1, 37, cfg.hidden_size))
+    junk = jax.random.normal(jax.random.key(7), (1, 6, cfg.hidden_size))
+    freqs = inv_frequencies(8, 160000.0, cfg.rope_scaling)
+    state = comp(x[:, :14], jnp.asarray(0), comp.init_state(1, 37, backtrack=6), freqs)
+    block = jnp.concatenate([x[:, 14:14 + accepted], junk[:, accepted:]], axis=1)
+    state = comp(block, jnp.asarray(14), state, freqs)
+    state = comp(x[:, 14 + accepted:], jnp.asarray(14 + accepted), state, freqs)
     ref = _compressor_reference(np.asarray(x[0], np.float64), *(np.asarray(a, np.float64) for a in (
         comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])),
         cfg.rms_norm_eps, ratio, overlap, freqs.astype(np.float64))

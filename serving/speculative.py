@@ -1,0 +1,68 @@
+"""Lossless verification of speculative drafts: greedy matching and rejection sampling with a residual.
+
+A verify row holds the last committed token and up to v-1 draft tokens; the target's processed logits at its
+v positions give p_0 .. p_{v-1}, where p_j is the target's distribution of the token after row position j.
+Draft j+1 (sampled by the drafter from q_j) is accepted with probability min(1, p_j(d) / q_j(d)); at the first
+rejection the emitted token is drawn from the residual max(0, p_j - q_j) (normalised) and the rest of the row
+is discarded; when every draft survives, a bonus token is drawn from p at the position after the last draft.
+Each emitted token is then distributed exactly as the target's own sample. Greedy rows accept while the draft
+equals the target's argmax and emit the argmax where they stop.
+
+Randomness is a pure function of (request seed, position, purpose): the accept test's uniform uses
+PURPOSE_ACCEPT, the residual draw PURPOSE_RESIDUAL, and the bonus token PURPOSE_SAMPLE, the purpose of plain
+decoding, so a bonus token is the very token non-speculative decoding would have sampled there.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, UInt32
+
+from serving.sampling import PURPOSE_ACCEPT, PURPOSE_RESIDUAL, PURPOSE_SAMPLE, request_key
+
+
+class Verdict(NamedTuple):
+    """Per row: accepted drafts, the emitted tokens (accepted drafts, then the final token; -1 past them),
+    and the analytic acceptance probability of each draft, sum_v min(p, q) (for calibration metrics)."""
+
+    accepted: Int[Array, " r"]
+    tokens: Int[Array, "r v"]
+    accept_prob: Float[Array, "r g"]
+
+
+def _draw(probs: Float[Array, " V"], key) -> Int[Array, ""]:
+    """A sample of a categorical distribution by the Gumbel-max trick (zero-probability tokens never win)."""
+    return jnp.argmax(jnp.log(probs) + jax.random.gumbel(key, probs.shape, jnp.float32))
+
+
+def _verify_row(logits, drafts, draft_probs, num_drafts, greedy, seed, positions):
+    v = logits.shape[0]
+    target = jax.nn.softmax(logits, axis=-1)  # [v, V]
+    j = jnp.arange(v - 1)
+    q = jnp.take_along_axis(draft_probs, drafts[:, None], axis=1)[:, 0]
+    p = jnp.take_along_axis(target[:-1], drafts[:, None], axis=1)[:, 0]
+    uniform = jax.vmap(lambda pos: jax.random.uniform(request_key(seed, pos, PURPOSE_ACCEPT)))(positions[:-1])
+    ok = jnp.where(greedy, drafts == jnp.argmax(logits[:-1], axis=-1), uniform * q < p) & (j < num_drafts)
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+    rejected = accepted < num_drafts
+    residual = jnp.maximum(target[accepted] - jnp.where(rejected, draft_probs[jnp.minimum(accepted, v - 2)], 0), 0)
+    residual = jnp.where(jnp.sum(residual) > 0, residual, target[accepted])
+    sampled = jnp.where(rejected, _draw(residual, request_key(seed, positions[accepted], PURPOSE_RESIDUAL)),
+                        _draw(target[accepted], request_key(seed, positions[accepted], PURPOSE_SAMPLE)))
+    final = jnp.where(greedy, jnp.argmax(logits[accepted]), sampled).astype(jnp.int32)
+    slots = jnp.arange(v)
+    tokens = jnp.where(slots < accepted, jnp.pad(drafts, (0, 1)), jnp.where(slots == accepted, final, -1))
+    return accepted, tokens, jnp.sum(jnp.minimum(target[:-1], draft_probs), axis=-1)
+
+
+def verify(
+    logits: Float[Array, "r v V"], drafts: Int[Array, "r g"], draft_probs: Float[Array, "r g V"],
+    num_drafts: Int[Array, " r"], greedy: Bool[Array, " r"], seeds: UInt32[Array, "r 2"],
+    positions: Int[Array, "r v"],
+) -> Verdict:
+    """Verify each row's first `num_drafts` drafts (g = v - 1 slots) against the target's processed logits at
+    its v positions; `positions[:, j]` is the sequence position of the token emitted after row position j."""
+    return Verdict(*jax.vmap(_verify_row)(logits, drafts, draft_probs, num_drafts, greedy, seeds, positions))
