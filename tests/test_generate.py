@@ -92,7 +92,7 @@ def run(model, tmp_path_factory):
     out = path.with_name("out.jsonl")
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        status = main(["generate", "--input", str(path), "--output", str(out), "--seed", str(SEED),
+        status = main(["generate", "--config", "tiny", "--input", str(path), "--output", str(out), "--seed", str(SEED),
                        "--max-tokens", "4", "--temperature", "0.8", "--max-slots", "2", "--max-len", str(MAX_LEN),
                        "--prefill-chunk", "16", "--batch-invariant", "--no-warmup"])
     records = [json.loads(x) for x in out.read_text().splitlines()]

@@ -1,0 +1,1 @@
+"""Training the bundled default model: the corpus, token batches and the training loop."""
