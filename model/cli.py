@@ -3,9 +3,11 @@ inference over the serving engine (`generate`), training the bundled default mod
 
 import argparse
 import json
+import os
 import sys
 import time
 
+import jax
 import numpy as np
 
 from sharding.platform import PlatformError
@@ -61,12 +63,15 @@ def cmd_forward(args) -> int:
 
 def cmd_generate(args) -> int:
     """Offline batch inference: prompts in, one JSON result per request out (in input order)."""
-    from serving.batch import from_prompts, read_input, resolve_params, run_batch, submit, summary_lines
+    from serving.batch import (encode_prompts, engine_shape, from_prompts, read_input, resolve_params, run_batch,
+                               submit, summary_lines)
     from serving.engine import Engine
     from serving.sampling import SamplingParams
     from serving.tokenizer import tokenizer_for
 
     start = time.perf_counter()
+    if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:  # a configured cache wins
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
     defaults = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
                 if getattr(args, name) is not None}
     try:
@@ -85,11 +90,15 @@ def cmd_generate(args) -> int:
               f"{args.seed}); its text is noise", file=sys.stderr)
     model = _load(args)
     tokenizer = tokenizer_for(model)
+    encode_prompts(tokenizer, requests)
     num_top = max([r.params.logprobs for r in requests if r.params and r.params.logprobs] + [1])
-    engine = Engine(model, max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+    # batch-invariant runs keep the flags' shapes: a request's numbers must not depend on the batch's size
+    slots, chunk = ((args.max_slots, args.prefill_chunk) if args.batch_invariant
+                    else engine_shape(requests, args.max_slots, args.prefill_chunk))
+    engine = Engine(model, max_slots=slots, max_len=args.max_len, prefill_chunk=chunk,
                     batch_invariant=args.batch_invariant, zero_overhead=not args.no_zero_overhead,
                     num_top_logprobs=num_top, seed=args.seed, detokenize=tokenizer.decode)
-    submit(engine, tokenizer, requests)
+    submit(engine, requests)
     loaded = time.perf_counter()
     if not args.no_warmup and engine.has_work:
         engine.warmup()
@@ -187,6 +196,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="read each step's results before dispatching the next")
     e.add_argument("--no-warmup", action="store_true",
                    help="compile step buckets when first used instead of all up front")
+    e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
+                   metavar="DIR", help="keep compiled steps on disk, so a later run of the same shapes starts "
+                   "at once ($JAXSEEK_COMPILE_CACHE, default ~/.cache/jaxseek/xla; 'off' disables)")
 
 
 def main(argv=None) -> int:

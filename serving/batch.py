@@ -222,17 +222,32 @@ class OrderedWriter:
             self.next += 1
 
 
-def submit(engine, tokenizer, requests: list[BatchRequest]) -> None:
-    """Encode each valid request's prompt and queue it on the engine (its id is its index); a prompt the engine
-    refuses (empty, too long, ids outside the vocabulary) becomes the request's error."""
+def encode_prompts(tokenizer, requests: list[BatchRequest]) -> None:
+    """Token ids of each valid request's prompt (a prompt that cannot be encoded becomes the request's error)."""
     for r in requests:
-        if r.error is not None:
-            continue
-        try:
-            r.prompt_ids = list(r.prompt) if isinstance(r.prompt, list) else tokenizer.encode(r.prompt)
-            engine.add_request(r.prompt_ids, r.params, request_id=str(r.index))
-        except ValueError as e:
-            r.error = str(e)
+        if r.error is None:
+            try:
+                r.prompt_ids = list(r.prompt) if isinstance(r.prompt, list) else tokenizer.encode(r.prompt)
+            except ValueError as e:
+                r.error = str(e)
+
+
+def engine_shape(requests: list[BatchRequest], max_slots: int, prefill_chunk: int) -> tuple[int, int]:
+    """(slots, prefill chunk) for a batch known up front: no more slots than requests, and a chunk no wider than
+    the bucket of the longest prompt (at least 8), so start-up compiles only buckets the batch can use."""
+    lengths = [len(r.prompt_ids) for r in requests if r.error is None] or [1]
+    return min(max_slots, len(lengths)), min(prefill_chunk, max(8, 1 << (max(lengths) - 1).bit_length()))
+
+
+def submit(engine, requests: list[BatchRequest]) -> None:
+    """Queue each encoded request on the engine (its id is its index); a prompt the engine refuses (empty, too
+    long, ids outside the vocabulary) becomes the request's error."""
+    for r in requests:
+        if r.error is None:
+            try:
+                engine.add_request(r.prompt_ids, r.params, request_id=str(r.index))
+            except ValueError as e:
+                r.error = str(e)
 
 
 def run_batch(engine, requests: list[BatchRequest], emit: Callable[[dict], None], progress: bool = True) -> dict:

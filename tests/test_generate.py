@@ -289,3 +289,14 @@ def test_tokenizer_choice():
     small = SimpleNamespace(tokenizer=None, config=SimpleNamespace(vocab_size=100, eos_token_id=1))
     with pytest.raises(ValueError, match=r"vocabulary \(100 ids\) is too small for the byte-level fallback"):
         tokenizer_for(small)
+
+
+def test_a_known_batch_compiles_only_the_shapes_it_can_use():
+    """No more slots than requests, and a prefill chunk no wider than the longest prompt's bucket."""
+    from serving.batch import BatchRequest, engine_shape
+
+    requests = [BatchRequest(i, str(i), prompt_ids=[1] * n) for i, n in enumerate((3, 20))]
+    assert engine_shape(requests, max_slots=8, prefill_chunk=64) == (2, 32)
+    assert engine_shape(requests[:1], max_slots=8, prefill_chunk=64) == (1, 8)
+    assert engine_shape(requests, max_slots=1, prefill_chunk=16) == (1, 16)
+    assert engine_shape([BatchRequest(0, "0", error="bad")], max_slots=8, prefill_chunk=64) == (1, 8)
