@@ -5,7 +5,7 @@ knows that probability exactly, accept_prob = sum_v min(p_target, q_draft). `cal
 |accept_prob - c| that DeepInfer logs online; `prefix_ece` the binned calibration error of the running products
 prod_{i<=k} c_i (what a confidence-scheduled verifier ranks drafts by); `fit_sts` fits DSpark's sequential
 temperature scaling: one temperature per block position, left to right, each minimising the prefix ECE at its
-position given the temperatures before it.
+position given the temperatures before it (or, as an alternative objective, the mean absolute error).
 """
 
 from __future__ import annotations
@@ -39,17 +39,24 @@ def prefix_ece(accept_prob: Float[np.ndarray, "n g"], confidence: Float[np.ndarr
     return np.array([binned_ece(predicted[:, k], target[:, k], bins) for k in range(predicted.shape[1])])
 
 
-def fit_sts(conf_logits: Float[np.ndarray, "n g"], accept_prob: Float[np.ndarray, "n g"], bins: int = 10,
-            grid: np.ndarray = STS_GRID) -> tuple[float, ...]:
-    """Per-position temperatures T_k (confidence = sigmoid(logit / T_k)), chosen left to right on `grid`:
-    T_k minimises the prefix ECE at position k given T_1..T_{k-1}."""
+def fit_sts(conf_logits: Float[np.ndarray, "n g"], accept_prob: Float[np.ndarray, "n g"],
+            objective: str = "prefix_ece", bins: int = 10, grid: np.ndarray = STS_GRID) -> tuple[float, ...]:
+    """Per-position temperatures T_k (confidence = sigmoid(logit / T_k)), chosen left to right on `grid`.
+
+    `prefix_ece` (DSpark's STS): T_k minimises the prefix ECE at position k given T_1..T_{k-1}; `abs_error`:
+    T_k minimises the mean |accept_prob_k - confidence_k| (the error DeepInfer monitors online)."""
+    if objective not in ("prefix_ece", "abs_error"):
+        raise ValueError(f"objective must be 'prefix_ece' or 'abs_error', got {objective!r}")
     conf_logits, accept_prob = np.asarray(conf_logits, np.float64), np.asarray(accept_prob, np.float64)
     temps, product = [], np.ones(conf_logits.shape[0])
     target = np.cumprod(accept_prob, axis=1)
     for k in range(conf_logits.shape[1]):
-        candidates = product[None] / (1 + np.exp(-conf_logits[None, :, k] / grid[:, None]))  # [grid, n]
-        errors = [binned_ece(c, target[:, k], bins) for c in candidates]
+        conf = 1 / (1 + np.exp(-conf_logits[None, :, k] / grid[:, None]))  # [grid, n]
+        if objective == "abs_error":
+            errors = np.mean(np.abs(conf - accept_prob[None, :, k]), axis=1)
+        else:
+            errors = [binned_ece(c, target[:, k], bins) for c in product[None] * conf]
         best = int(np.argmin(errors))
         temps.append(float(grid[best]))
-        product = candidates[best]
+        product = product * conf[best]
     return tuple(temps)

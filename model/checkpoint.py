@@ -8,6 +8,7 @@ mHC sites are modules (`hc_attn.fn` is stored as `hc_attn_fn`) and routed expert
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import warnings
 from pathlib import Path
@@ -17,15 +18,17 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from model.api import Model, abstract_model, engram_table
+from model.api import Model, abstract_model, engram_table, resolve_dtype
 from model.config import ModelConfig, config_from_dict, read_config_json
 from model.config_v41 import V41Config
+from model.dspark import DSparkConfig, DSparkDrafter, Drafter, checkpoint_name
 from model.engram import EngramMemory, canonical_vocab, table_names
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks
-from model.safetensors_io import read_tensors, write_sharded
+from model.safetensors_io import INDEX_NAME, read_tensors, write_sharded, write_tensors
 from model.tokenizer import TextTokenizer
 
 BUNDLED = Path(__file__).with_name("bundled")  # the bundled default model's checkpoint directory
+DSPARK_CONFIG, DSPARK_FILE = "dspark.json", "dspark.safetensors"  # a drafter saved beside a checkpoint
 
 _HC_SITE = re.compile(r"(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
 _EXPERTS = re.compile(r"^(.*\.experts)\.(w[123])$")
@@ -34,6 +37,7 @@ _EXPERT_FILE = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
 _HF_RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
 _HF_KV_NORM = re.compile(r"^((?:mtp|layers)\.\d+)\.attn\.norm\.weight$")
+_SHARED_COPY = re.compile(r"mtp\.\d+\.(embed|head)\.weight")
 
 
 class CheckpointError(ValueError):
@@ -45,16 +49,18 @@ def native_name(path: tuple) -> str:
     return _HC_SITE.sub(r"\1_\2", ".".join(str(p) for p in path))
 
 
-def _expected(model: Model) -> dict[str, tuple[tuple, tuple[int, ...], np.dtype]]:
-    """name -> (param path, shape, dtype) for every parameter of an (abstract) model."""
-    return {native_name(path): (path, tuple(v.shape), v.dtype) for path, v in nnx.to_flat_state(model.params)}
+def _expected(params, rename=lambda name: name) -> dict[str, tuple[tuple, tuple[int, ...], np.dtype]]:
+    """name -> (param path, shape, dtype) for every parameter of an (abstract) parameter state; `rename` maps
+    native names to the checkpoint's (a drafter's `mtp.*`)."""
+    return {rename(native_name(path)): (path, tuple(v.shape), v.dtype) for path, v in nnx.to_flat_state(params)}
 
 
-def to_native(model: Model) -> dict[str, np.ndarray]:
-    """The model's parameters as a dict of native tensor names to host arrays (experts split per expert)."""
+def to_native(model: Model | Drafter) -> dict[str, np.ndarray]:
+    """The parameters as a dict of checkpoint tensor names to host arrays (experts split per expert)."""
+    rename = _drafter_name(model.config) if isinstance(model, Drafter) else lambda name: name
     out = {}
     for path, var in nnx.to_flat_state(model.params):
-        name, value = native_name(path), np.asarray(var.get_value())
+        name, value = rename(native_name(path)), np.asarray(var.get_value())
         if m := _EXPERTS.match(name):
             for e in range(value.shape[0]):
                 out[f"{m[1]}.{e}.{m[2]}.weight"] = value[e]
@@ -159,10 +165,24 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", engram_pl
                                       f"{config.engram_head_dim}]")
             tables[layer] = (tensors.pop(names[0]), tensors.pop(names[1], None))
     tensors = _stack_experts(_dequantize(tensors, fp8_block_size(raw_config)))
+    drafter = None
     if isinstance(config, ModelConfig):
         config = _drop_missing_mtp(config, tensors)
+    else:
+        drafter = _load_drafter(config, path, {n: tensors.pop(n) for n in list(tensors) if n.startswith("mtp.")},
+                                dtype)
     model = abstract_model(config, dtype)
-    expected = _expected(model)
+    _fill(model.params, _expected(model.params), tensors, path)
+    engram = _engram_memory(config, path, tables, engram_placement) if tables else None
+    tokenizer = TextTokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} ids; the model's vocabulary "
+                              f"has {config.vocab_size}")
+    return Model(nnx.merge(model.graphdef, model.params), tokenizer=tokenizer, engram=engram, drafter=drafter)
+
+
+def _fill(params, expected: dict, tensors: dict[str, np.ndarray], path: Path) -> None:
+    """Set every parameter of an abstract parameter state from `tensors`, which must hold exactly `expected`."""
     missing = sorted(set(expected) - set(tensors))
     if missing:
         name = missing[0]
@@ -170,7 +190,7 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", engram_pl
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise CheckpointError(f"checkpoint {path} has {len(unexpected)} unexpected tensor(s): {unexpected[:5]}")
-    pure = nnx.to_pure_dict(model.params)
+    pure = nnx.to_pure_dict(params)
     for name, (param_path, shape, dtype_) in expected.items():
         value = tensors[name]
         if tuple(value.shape) != shape:
@@ -180,21 +200,54 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", engram_pl
             node = node[key]
         node[param_path[-1]] = jnp.asarray(np.asarray(value).astype(np.float32)
                                            if np.issubdtype(dtype_, np.floating) else np.asarray(value), dtype_)
-    nnx.replace_by_pure_dict(model.params, pure)
-    engram = _engram_memory(config, path, tables, engram_placement) if tables else None
-    tokenizer = TextTokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
-    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} ids; the model's vocabulary "
-                              f"has {config.vocab_size}")
-    return Model(nnx.merge(model.graphdef, model.params), tokenizer=tokenizer, engram=engram)
+    nnx.replace_by_pure_dict(params, pure)
 
 
 def _drop_unsupported_v41(tensors: dict) -> dict:
-    """V4.1 checkpoints also carry DSpark (`mtp.*`) and vision weights, which this text model does not run."""
-    skipped = [n for n in tensors if n.split(".")[0] in ("mtp", "vision", "aligner") or n.startswith("image_")]
+    """V4.1 checkpoints also carry vision weights, which this text model does not run."""
+    skipped = [n for n in tensors if n.split(".")[0] in ("vision", "aligner") or n.startswith("image_")]
     if skipped:
-        warnings.warn(f"skipping {len(skipped)} DSpark / vision tensors (e.g. {skipped[0]})", stacklevel=3)
+        warnings.warn(f"skipping {len(skipped)} vision tensors (e.g. {skipped[0]})", stacklevel=3)
     return {n: v for n, v in tensors.items() if n not in set(skipped)}
+
+
+def _drafter_name(config: DSparkConfig):
+    return lambda name: checkpoint_name(name, config.num_layers)
+
+
+def _load_drafter(config: V41Config, path: Path, tensors: dict[str, np.ndarray], dtype: str) -> Drafter | None:
+    """The checkpoint's DSpark drafter from its `mtp.*` tensors, sized by a `dspark.json` beside config.json
+    (a drafter added to a checkpoint, or STS temperatures) or else by config.json's `dspark_*` fields."""
+    if not tensors:
+        return None
+    if (path / DSPARK_CONFIG).exists():
+        dspark = DSparkConfig.from_json(path / DSPARK_CONFIG)
+    elif config.num_nextn_predict_layers and config.dspark_target_layer_ids:
+        dspark = DSparkConfig.from_v41(config)
+    else:
+        warnings.warn(f"skipping {len(tensors)} DSpark tensors: config.json describes no drafter "
+                      "(num_nextn_predict_layers, dspark_target_layer_ids)", stacklevel=3)
+        return None
+    # some exports repeat the shared embedding and head under mtp.*: the drafter uses the target's own
+    tensors = {n: v for n, v in tensors.items() if not _SHARED_COPY.fullmatch(n)}
+    module = nnx.eval_shape(lambda: DSparkDrafter(config, dspark, nnx.Rngs(0), resolve_dtype(dtype)))
+    graphdef, params = nnx.split(module)
+    _fill(params, _expected(params, _drafter_name(dspark)), tensors, path)
+    return Drafter(nnx.merge(graphdef, params))
+
+
+def save_drafter(drafter: Drafter, path: str | Path) -> None:
+    """Write a drafter beside a checkpoint: dspark.json (its config) and dspark.safetensors (`mtp.*` names)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    drafter.config.save_json(path / DSPARK_CONFIG)
+    tensors = to_native(drafter)
+    write_tensors(path / DSPARK_FILE, tensors)
+    index = path / INDEX_NAME
+    if index.exists():  # a sharded checkpoint reads only the files its index names
+        raw = json.loads(index.read_text())
+        raw["weight_map"] = {**raw["weight_map"], **dict.fromkeys(tensors, DSPARK_FILE)}
+        index.write_text(json.dumps(raw, indent=2) + "\n")
 
 
 def _engram_memory(config, path: Path, tables: dict, placement: str):
@@ -221,7 +274,8 @@ def _show(name: str, expected: dict) -> str:
 
 
 def save_checkpoint(model: Model, path: str | Path, max_shard_bytes: int = 4 << 30) -> None:
-    """Write config.json and the native-layout safetensors (sharded above `max_shard_bytes`)."""
+    """Write config.json and the native-layout safetensors (sharded above `max_shard_bytes`), and the model's
+    drafter, if any, beside them (`save_drafter`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.config.save_json(path)
@@ -233,3 +287,5 @@ def save_checkpoint(model: Model, path: str | Path, max_shard_bytes: int = 4 << 
             if table.scale is not None:
                 tensors[scale_name] = np.asarray(table.scale)
     write_sharded(path, tensors, max_shard_bytes)
+    if model.drafter is not None:
+        save_drafter(model.drafter, path)

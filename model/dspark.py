@@ -107,6 +107,7 @@ class DSparkConfig:
             raise ConfigError(f"{path}: incomplete DSpark config: {e}") from None
 
     def save_json(self, path: str | Path) -> None:
+        """Write a `dspark.json` (read back by `from_json`)."""
         fields = {k: getattr(self, f) for f, k in _JSON_KEYS.items()}
         Path(path).write_text(json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()},
                                          indent=2) + "\n")
