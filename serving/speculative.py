@@ -26,7 +26,8 @@ from serving.sampling import PURPOSE_ACCEPT, PURPOSE_RESIDUAL, PURPOSE_SAMPLE, r
 
 class Verdict(NamedTuple):
     """Per row: accepted drafts, the emitted tokens (accepted drafts, then the final token; -1 past them),
-    and the analytic acceptance probability of each draft, sum_v min(p, q) (for calibration metrics)."""
+    and each draft's acceptance probability given its prefix survived, for calibration metrics: sum_v min(p, q)
+    when sampling, 1 or 0 (draft == the target's argmax) for greedy rows."""
 
     accepted: Int[Array, " r"]
     tokens: Int[Array, "r v"]
@@ -55,7 +56,9 @@ def _verify_row(logits, drafts, draft_probs, num_drafts, greedy, seed, positions
     final = jnp.where(greedy, jnp.argmax(logits[accepted]), sampled).astype(jnp.int32)
     slots = jnp.arange(v)
     tokens = jnp.where(slots < accepted, jnp.pad(drafts, (0, 1)), jnp.where(slots == accepted, final, -1))
-    return accepted, tokens, jnp.sum(jnp.minimum(target[:-1], draft_probs), axis=-1)
+    overlap = jnp.sum(jnp.minimum(target[:-1], draft_probs), axis=-1)
+    return accepted, tokens, jnp.where(greedy, (drafts == jnp.argmax(logits[:-1], axis=-1)).astype(jnp.float32),
+                                       overlap)
 
 
 def verify(

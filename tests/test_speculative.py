@@ -61,6 +61,7 @@ def test_greedy_rows_follow_the_argmax(num_drafts):
                    jnp.ones(1, bool), seeds, jnp.arange(3)[None])
         accepted = min(expected_accepted, num_drafts)
         assert int(v.accepted[0]) == accepted
+        assert np.asarray(v.accept_prob[0]).tolist() == [float(d == a) for d, a in zip(drafts, [0, 2])]
         expected = ([0, 2, 0][:accepted] + [[0, 2, 0][accepted]] + [-1] * 3)[:3]
         assert np.asarray(v.tokens[0]).tolist() == expected
 
