@@ -43,28 +43,40 @@ class Compressor(nnx.Module):
     ) -> dict[str, jax.Array]:
         """Feed the first `count` (default all) tokens at positions start..; every window they complete is
         written to `entries`."""
-        r, d = self.ratio, self.dim
+        r = self.ratio
         count = x.shape[1] if count is None else count
         positions = start + jnp.arange(x.shape[1])
         kv, gate = self.wkv(x), self.wgate(x) + self.ape[...][positions % r]
-        back = 1 if self.overlap else 0  # CSA also stages the window before the first (its `a` half)
-        kv_w = stage_windows(state["recent_kv"], kv, start, r, back)
-        gate_w = stage_windows(state["recent_gate"], gate, start, r, back, -jnp.inf)
-        if self.overlap:  # window w pools the a half of window w-1 and its own b half
-            kv_w = jnp.concatenate([kv_w[:, :-1, :, :d], kv_w[:, 1:, :, d:]], axis=2)
-            gate_w = jnp.concatenate([gate_w[:, :-1, :, :d], gate_w[:, 1:, :, d:]], axis=2)
-        pooled = jnp.sum(jax.nn.softmax(gate_w, axis=2) * kv_w, axis=2)  # [b, n_win, d]
+        pooled, recent = gated_pool(state, kv, gate, start, count, r, self.overlap)
         window_ids = start // r + jnp.arange(pooled.shape[1])
         pooled = apply_rope(self.norm(pooled)[:, :, None], window_ids * r, freqs)[:, :, 0]
-        return {"entries": store_complete(state["entries"], pooled, start, count, r),
-                "recent_kv": push_recent(state["recent_kv"], kv, positions, count),
-                "recent_gate": push_recent(state["recent_gate"], gate, positions, count)}
+        return {"entries": store_complete(state["entries"], pooled, start, count, r), **recent}
 
 
 def recent_slots(batch: int, size: int, width: int) -> dict[str, jax.Array]:
     """An empty ring of `size` projected token slots (kv and gate) addressed by position mod size."""
     return {"recent_kv": jnp.zeros((batch, size, width), jnp.float32),
             "recent_gate": jnp.zeros((batch, size, width), jnp.float32)}
+
+
+def gated_pool(
+    state: dict, kv: Float[Array, "b c w"], gate: Float[Array, "b c w"], start, count, ratio: int,
+    overlap: bool = False,
+) -> tuple[Float[Array, "b n d"], dict[str, jax.Array]]:
+    """(per-channel softmax-gated pooling of every window the chunk touches, complete or not; the ring of recent
+    slots after the chunk's first `count` tokens). With `overlap` (CSA) window w pools the `a` half (first
+    width / 2 channels) of window w-1's slots and its own `b` half."""
+    back = 1 if overlap else 0  # CSA also stages the window before the first (its `a` half)
+    kv_w = stage_windows(state["recent_kv"], kv, start, ratio, back)
+    gate_w = stage_windows(state["recent_gate"], gate, start, ratio, back, -jnp.inf)
+    if overlap:
+        d = kv.shape[-1] // 2
+        kv_w = jnp.concatenate([kv_w[:, :-1, :, :d], kv_w[:, 1:, :, d:]], axis=2)
+        gate_w = jnp.concatenate([gate_w[:, :-1, :, :d], gate_w[:, 1:, :, d:]], axis=2)
+    positions = start + jnp.arange(kv.shape[1])
+    return jnp.sum(jax.nn.softmax(gate_w, axis=2) * kv_w, axis=2), {
+        "recent_kv": push_recent(state["recent_kv"], kv, positions, count),
+        "recent_gate": push_recent(state["recent_gate"], gate, positions, count)}
 
 
 def stage_windows(

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from model.attention import LatentAttention, attend_rows, push_window, ring_state, window_ids
-from model.compressor import push_recent, recent_slots, stage_windows, store_complete, top_visible
+from model.compressor import gated_pool, recent_slots, store_complete, top_visible
 from model.config_v41 import V41Config
 from model.engram import Engram
 from model.fake_quant import fake_quant_fp4, fake_quant_fp8
@@ -60,13 +60,8 @@ class SharedCompressor(nnx.Module):
         """(pre-RoPE latents [b, n, hd] of groups start//r + i, new buffer state); incomplete groups included."""
         if self.ratio == 1:
             return self.norm(self.wkv(x)), {}
-        kv, gate = self.wkv(x), self.wgate(x)
-        kv_w = stage_windows(state["recent_kv"], kv, start, self.ratio)
-        gate_w = stage_windows(state["recent_gate"], gate, start, self.ratio)
-        pooled = jnp.sum(jax.nn.softmax(gate_w, axis=2) * kv_w, axis=2)
-        positions = start + jnp.arange(x.shape[1])
-        return self.norm(pooled), {"recent_kv": push_recent(state["recent_kv"], kv, positions, count),
-                                   "recent_gate": push_recent(state["recent_gate"], gate, positions, count)}
+        pooled, recent = gated_pool(state, self.wkv(x), self.wgate(x), start, count, self.ratio)
+        return self.norm(pooled), recent
 
 
 class SharedIndexer(nnx.Module):

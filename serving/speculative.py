@@ -46,7 +46,8 @@ def _verify_row(logits, drafts, draft_probs, num_drafts, greedy, seed, positions
     q = jnp.take_along_axis(draft_probs, drafts[:, None], axis=1)[:, 0]
     p = jnp.take_along_axis(target[:-1], drafts[:, None], axis=1)[:, 0]
     uniform = jax.vmap(lambda pos: jax.random.uniform(request_key(seed, pos, PURPOSE_ACCEPT)))(positions[:-1])
-    ok = jnp.where(greedy, drafts == jnp.argmax(logits[:-1], axis=-1), uniform * q < p) & (j < num_drafts)
+    is_argmax = drafts == jnp.argmax(logits[:-1], axis=-1)
+    ok = jnp.where(greedy, is_argmax, uniform * q < p) & (j < num_drafts)
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
     rejected = accepted < num_drafts
     residual = jnp.maximum(target[accepted] - jnp.where(rejected, draft_probs[jnp.minimum(accepted, v - 2)], 0), 0)
@@ -57,8 +58,7 @@ def _verify_row(logits, drafts, draft_probs, num_drafts, greedy, seed, positions
     slots = jnp.arange(v)
     tokens = jnp.where(slots < accepted, jnp.pad(drafts, (0, 1)), jnp.where(slots == accepted, final, -1))
     overlap = jnp.sum(jnp.minimum(target[:-1], draft_probs), axis=-1)
-    return accepted, tokens, jnp.where(greedy, (drafts == jnp.argmax(logits[:-1], axis=-1)).astype(jnp.float32),
-                                       overlap)
+    return accepted, tokens, jnp.where(greedy, is_argmax.astype(jnp.float32), overlap)
 
 
 def verify(
