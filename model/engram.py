@@ -394,3 +394,7 @@ class EngramMemory:
         indices = self.hasher(canonical, history)
         rows = tuple(table.gather(idx) for table, idx in zip(self.tables, indices))
         return rows, self.hasher.next_history(canonical, history)
+
+    def advance(self, tokens: Int[np.ndarray, "b c"], history: Int[np.ndarray, "b n1"]) -> Int[np.ndarray, "b n1"]:
+        """The history after `tokens` (no lookup: e.g. the committed part of a speculative block)."""
+        return self.hasher.next_history(self.token_map[np.asarray(tokens)], history)
