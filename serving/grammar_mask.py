@@ -1,0 +1,261 @@
+"""Token masks of constrained requests: the host fills packed bitmasks, the compiled sampler applies them.
+
+A mask row is int32 `[W]`, W = ceil(V / 32): token i is allowed when bit `i % 32` of word `i // 32` is set
+(llguidance's layout); -1 in every word allows everything, the row of an unconstrained request.
+`RequestGrammar` is one request's matcher: it fills the mask of its next position, commits emitted tokens,
+offers grammar-forced tokens (jump-forward), holds the constraint off until a trigger token (the end of a
+reasoning block), and for speculative decoding fills one mask per verify position while tentatively taking
+the drafts, then settles on the number the verifier accepted. `fill_masks` / `speculate_masks` do a batch,
+computing the masks on llguidance's thread pool. `apply_token_bitmask` is the device side: pure jnp, for the
+jitted sampler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import llguidance as llg
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from serving.constraints import CompiledConstraint
+
+ALL_ALLOWED = -1  # a mask word with every bit set
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """Words of a mask row over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(logits: Float[Array, "*rows vocab"], bitmask: Int[Array, "*rows words"]
+                        ) -> Float[Array, "*rows vocab"]:
+    """The logits with every token the bitmask leaves out set to -inf (bit i % 32 of word i // 32 allows
+    token i). Pure and vectorised, for use inside the jitted sampler; the leading axes of the two match."""
+    vocab, words = logits.shape[-1], bitmask.shape[-1]
+    if words * 32 < vocab:
+        raise ValueError(f"a bitmask of {words} words covers {words * 32} tokens, fewer than the {vocab} logits")
+    bits = (bitmask[..., :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(*bitmask.shape[:-1], words * 32)[..., :vocab].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def _only(tokens: Sequence[int], row: np.ndarray) -> None:
+    """Fill a mask row that allows exactly `tokens`."""
+    row[:] = 0
+    words = row.view(np.uint32)
+    for t in tokens:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+
+
+@dataclasses.dataclass
+class _Taken:
+    """A draft taken tentatively: whether the matcher consumed it (a token of the constrained output), and
+    whether it switched the constraint on (the trigger)."""
+
+    consumed: bool
+    activated: bool
+
+
+class RequestGrammar:
+    """One request's constraint while it decodes.
+
+    Args: `constraint` from `ConstraintCompiler.compile`; `trigger`: a token id after which the constraint
+    starts (e.g. `</think>`: the reasoning before it is free), None to start at once.
+
+    The state follows the request's emitted tokens (`accept`). An end-of-sequence token ends the output: it
+    is allowed where the constraint is complete, and once it is taken, or the constraint admits no further
+    token (`finished`), the mask allows EOS only. A token the constraint refuses (a caller bug, or a stop
+    token the grammar does not contain) puts the request in `error` and its mask to EOS only; the engine
+    should then stop it.
+    """
+
+    def __init__(self, constraint: CompiledConstraint, trigger: int | None = None):
+        if trigger is not None and not 0 <= trigger < constraint.vocab_size:
+            raise ValueError(f"trigger token {trigger} is outside the vocabulary [0, {constraint.vocab_size})")
+        self.matcher = constraint.new_matcher()
+        self.eos_ids = constraint.eos_ids
+        self.words = bitmask_width(constraint.vocab_size)
+        self.trigger = trigger
+        self.active = trigger is None
+        self.ended = False  # an EOS was taken
+        self.error: str | None = None
+        self._taken: list[_Taken] | None = None  # drafts under verification (`speculate` .. `settle`)
+
+    @property
+    def finished(self) -> bool:
+        """The output is complete: only EOS may follow."""
+        return self.ended or self.error is not None or (self.active and self.matcher.is_stopped())
+
+    def fill(self, row: Int[np.ndarray, " words"]) -> None:
+        """Write the mask of the next token into `row` (int32 [W], C-contiguous)."""
+        self._check_row(row)
+        if self.ended or self.error is not None:
+            _only(self.eos_ids, row)
+        elif not self.active:
+            row[:] = ALL_ALLOWED
+        else:
+            self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            self._check_filled(row)
+
+    def accept(self, tokens: Sequence[int]) -> bool:
+        """Commit tokens the request emitted, in order; False (and `error` set) if the constraint refuses one."""
+        if self._taken is not None:
+            raise RuntimeError("settle() the drafts under verification before accepting tokens")
+        for t in tokens:
+            taken = self._take(int(t))
+            if taken is None:
+                if self.error is None:
+                    self.error = f"token {int(t)} breaks the constraint"
+                return False
+        return True
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens the constraint forces next (the only continuation, tokenised canonically; a trailing token
+        that could still merge with what follows is held back): what jump-forward decoding may append
+        without sampling. Empty when nothing is forced or the constraint is not active."""
+        if not self.active or self.finished:
+            return []
+        return list(self.matcher.compute_ff_tokens())
+
+    def speculate(self, drafts: Sequence[int], masks: Int[np.ndarray, "v words"]) -> int:
+        """Masks for a verify row: `masks[j]` is the mask of the token after the committed tokens and drafts
+        `d_1 .. d_j` (v >= len(drafts) + 1 rows). Drafts are taken tentatively up to the first one the
+        constraint refuses; returns how many were taken. Rows past that position repeat its mask (the verifier
+        rejects there, so they are never used). Follow with `settle`."""
+        self._check_row(masks[0])
+        if len(drafts) + 1 > masks.shape[0]:
+            raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} mask rows, got {masks.shape[0]}")
+        if self._taken is not None:
+            raise RuntimeError("settle() the previous drafts first")
+        self._taken = []
+        for j, t in enumerate(drafts):
+            self.fill(masks[j])
+            taken = self._take(int(t))
+            if taken is None:
+                break
+            self._taken.append(taken)
+        n = len(self._taken)
+        if n == len(drafts):
+            self.fill(masks[n])
+        masks[n + 1:] = masks[n]
+        return n
+
+    def settle(self, accepted: int) -> None:
+        """Keep the first `accepted` drafts taken by `speculate` and undo the rest; then `accept` the token the
+        verifier emitted after them."""
+        taken = self._taken
+        if taken is None:
+            raise RuntimeError("settle() without speculate()")
+        if not 0 <= accepted <= len(taken):
+            raise ValueError(f"accepted={accepted} drafts, but only {len(taken)} were allowed by the constraint")
+        self._taken = None
+        dropped = taken[accepted:]
+        self.matcher.rollback(sum(d.consumed for d in dropped))
+        if any(d.activated for d in dropped):
+            self.active = False
+        if self.ended and accepted < len(taken):
+            self.ended = False  # only the last taken draft can be an EOS
+
+    def _take(self, t: int) -> _Taken | None:
+        """Advance over one token; None (state unchanged) if the constraint refuses it."""
+        if self.ended or self.error is not None:
+            return None
+        if not self.active:
+            if t == self.trigger:
+                self.active = True
+                return _Taken(consumed=False, activated=True)
+            return _Taken(consumed=False, activated=False)
+        if t in self.eos_ids:
+            if not (self.matcher.is_stopped() or self.matcher.is_accepting()):
+                return None
+            self.ended = True  # EOS is not fed to the matcher: the output ends here
+            return _Taken(consumed=False, activated=False)
+        if self.matcher.try_consume_tokens([t]) != 1:
+            return None
+        return _Taken(consumed=True, activated=False)
+
+    def _check_row(self, row: np.ndarray) -> None:
+        if row.dtype != np.int32 or row.shape[-1] != self.words or not row.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"mask rows must be C-contiguous int32 [..., {self.words}], got {row.dtype} "
+                             f"{row.shape}")
+
+    def _check_filled(self, row: np.ndarray) -> None:
+        """A mask with no token left would make the sampler's distribution all -inf: end the output instead."""
+        if self.matcher.is_error() or not row.any():
+            self.error = self.matcher.get_error() or "the constraint allows no token here"
+            _only(self.eos_ids, row)
+
+
+def fill_masks(grammars: Sequence[RequestGrammar | None], masks: Int[np.ndarray, "r words"],
+               executor: llg.LLExecutor) -> None:
+    """Fill one mask row per batch row: row i from `grammars[i]` (None: unconstrained, all allowed; rows past
+    the list too). Active matchers run in parallel on `executor`."""
+    _check_batch(masks, len(grammars))
+    masks[len(grammars):] = ALL_ALLOWED
+    parallel = []
+    for i, g in enumerate(grammars):
+        if g is None:
+            masks[i] = ALL_ALLOWED
+        elif g.active and not g.finished:
+            parallel.append((g.matcher, i))
+        else:
+            g.fill(masks[i])
+    if parallel:
+        executor.unsafe_compute_mask_ptr(parallel, masks.ctypes.data, masks[0].nbytes, masks.shape[0])
+        for _, i in parallel:
+            grammars[i]._check_filled(masks[i])
+
+
+def speculate_masks(grammars: Sequence[RequestGrammar | None], drafts: Sequence[Sequence[int]],
+                    masks: Int[np.ndarray, "r v words"], executor: llg.LLExecutor) -> list[int]:
+    """`RequestGrammar.speculate` for a batch of verify rows: row i's v masks from `grammars[i]` and its
+    drafts (None: all allowed). Returns the drafts each row's constraint allows (len(drafts[i]) for an
+    unconstrained row). Active matchers compute their masks in parallel on `executor`; a row whose constraint
+    is not yet active (its drafts may cross the trigger) goes token by token."""
+    _check_batch(masks, len(grammars))
+    if len(drafts) != len(grammars):
+        raise ValueError(f"{len(grammars)} grammars but {len(drafts)} draft lists")
+    rows, verify, words = masks.shape
+    masks[len(grammars):] = ALL_ALLOWED
+    allowed, parallel = [], []
+    for i, (g, d) in enumerate(zip(grammars, drafts)):
+        if len(d) + 1 > verify:
+            raise ValueError(f"row {i}: {len(d)} drafts need {len(d) + 1} mask rows, got {verify}")
+        if g is None:
+            masks[i] = ALL_ALLOWED
+            allowed.append(len(d))
+        elif g.active and not g.finished:
+            parallel.append((g.matcher, i * verify, [int(t) for t in d]))
+            allowed.append(-1)  # taken below, after the parallel fill
+        else:
+            allowed.append(g.speculate(d, masks[i]))
+    if parallel:
+        flat = masks.reshape(rows * verify, words)
+        executor.unsafe_compute_mask_ptr_with_draft_token(parallel, flat.ctypes.data, flat[0].nbytes, rows * verify)
+        for _, at, d in parallel:
+            i = at // verify
+            g = grammars[i]
+            g._taken, n = [], 0
+            for t in d:
+                taken = g._take(t)
+                if taken is None:
+                    break
+                g._taken.append(taken)
+                n += 1
+            if g.ended:  # the last draft taken is an EOS: only EOS follows
+                _only(g.eos_ids, masks[i, n])
+            for j in range(n + 1):
+                g._check_filled(masks[i, j])
+            masks[i, n + 1:] = masks[i, n]
+            allowed[i] = n
+    return allowed
+
+
+def _check_batch(masks: np.ndarray, num_grammars: int) -> None:
+    if masks.dtype != np.int32 or not masks.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"masks must be a C-contiguous int32 array, got {masks.dtype}")
+    if num_grammars > masks.shape[0]:
+        raise ValueError(f"{num_grammars} grammars do not fit in {masks.shape[0]} mask rows")

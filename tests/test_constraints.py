@@ -1,0 +1,338 @@
+"""Structured outputs: constraints compiled with llguidance over the bundled model's vocabulary, driven by a
+random sampler under the masks until the output ends, then checked by independent parsers (`jsonschema`,
+Python `re`, `lark`); draft verification masks and rollback; request-body parsing and error messages; the jnp
+bitmask against llguidance's numpy kernel."""
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import lark
+import llguidance as llg
+import numpy as np
+import pytest
+from llguidance.numpy import apply_token_bitmask_inplace
+
+from model.checkpoint import BUNDLED
+from model.tokenizer import TextTokenizer
+from serving.constraints import ConstraintCompiler, ConstraintSpec, constraint_from_body, grammar_tokenizer
+from serving.grammar_mask import (RequestGrammar, apply_token_bitmask, bitmask_width, fill_masks,
+                                  speculate_masks)
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
+EOS, THINK_END = 1, 6  # the bundled tokenizer's <｜end▁of▁sentence｜> and </think>
+MAX_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return TextTokenizer.from_file(BUNDLED / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return ConstraintCompiler(grammar_tokenizer(tokenizer, tokenizer.vocab_size, [EOS]))
+
+
+@pytest.fixture(scope="module")
+def bias(tokenizer):
+    """Logit bonuses that make a random sampler end its outputs: EOS, and tokens that close strings,
+    arrays, objects or groups."""
+    v = tokenizer.vocab_size
+    texts = [tokenizer.tokenizer.decode([i], skip_special_tokens=False) for i in range(v)]
+    out = np.zeros(v)
+    out[[i for i, s in enumerate(texts) if any(c in s for c in '"]}),;')]] = 2.0
+    out[EOS] = 4.0
+    return out
+
+
+def allowed(row: np.ndarray, vocab: int) -> np.ndarray:
+    """The tokens a mask row allows (bit i % 32 of word i // 32), as bools."""
+    return np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+def sample(grammar: RequestGrammar, bias: np.ndarray, seed: int, prefix=()) -> list[int]:
+    """Random logits, masked argmax, token by token until the output ends with EOS."""
+    rng, vocab = np.random.default_rng(seed), len(bias)
+    row, out = np.empty(bitmask_width(vocab), np.int32), []
+    assert grammar.accept(prefix)
+    while not grammar.ended:
+        assert len(out) < MAX_TOKENS, "the constrained output did not end"
+        grammar.fill(row)
+        token = int(np.argmax(np.where(allowed(row, vocab), rng.standard_normal(vocab) + bias, -np.inf)))
+        assert grammar.accept([token])
+        out.append(token)
+    assert out[-1] == EOS
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_json_schema_outputs_validate(name, compiler, tokenizer, bias):
+    schema = SCHEMAS[name]
+    compiled = compiler.compile(ConstraintSpec.json_schema(schema))
+    for seed in range(3):
+        text = tokenizer.decode(sample(RequestGrammar(compiled), bias, seed))
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+def test_at_least_thirty_schemas_of_varied_features():
+    text = json.dumps(SCHEMAS)
+    assert len(SCHEMAS) >= 30
+    for feature in ('"$ref"', '"enum"', '"pattern"', '"minItems"', '"maxItems"', '"minimum"', '"maximum"',
+                    '"required"', '"anyOf"', '"oneOf"', '"format"', '"exclusiveMinimum"'):
+        assert feature in text, feature
+
+
+def test_json_object_gives_an_object(compiler, tokenizer, bias):
+    spec = constraint_from_body({"response_format": {"type": "json_object"}})
+    for seed in range(3):
+        text = tokenizer.decode(sample(RequestGrammar(compiler.compile(spec)), bias, seed))
+        assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("pattern", [r"[A-Z][a-z]{2,6} (is|was) [0-9]{1,3}", r"(yes|no|maybe)",
+                                     r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)", r"-?(0|[1-9][0-9]{0,4})(\.[0-9]{1,2})?",
+                                     r"\((a|b)\)( \((a|b)\)){0,3}"])
+def test_regex_outputs_full_match(pattern, compiler, tokenizer, bias):
+    compiled = compiler.compile(ConstraintSpec.regex(pattern))
+    for seed in range(3):
+        text = tokenizer.decode(sample(RequestGrammar(compiled), bias, seed))
+        assert re.fullmatch(pattern, text), (pattern, text)
+
+
+LARK_GRAMMARS = [
+    """start: expr
+expr: term (("+" | "-") term)*
+term: factor (("*" | "/") factor)*
+factor: NUMBER | "(" expr ")"
+NUMBER: /[0-9]{1,3}/
+""",
+    """start: pair (";" pair)*
+pair: KEY "=" value
+value: INT | STRING | "[" [INT ("," INT)*] "]"
+KEY: /[a-z]{1,6}/
+INT: /-?[0-9]{1,4}/
+STRING: /"[a-z ]{0,8}"/
+""",
+]
+
+
+@pytest.mark.parametrize("grammar", LARK_GRAMMARS)
+def test_lark_grammar_outputs_parse(grammar, compiler, tokenizer, bias):
+    compiled = compiler.compile(ConstraintSpec.grammar(grammar))
+    parser = lark.Lark(grammar, parser="earley")
+    for seed in range(3):
+        parser.parse(tokenizer.decode(sample(RequestGrammar(compiled), bias, seed)))
+
+
+def test_gbnf_grammar_is_converted(compiler, tokenizer, bias):
+    gbnf = 'root ::= item ("," item)*\nitem ::= [a-z] [a-z]? | "<" [0-9] ">"\n'
+    compiled = compiler.compile(constraint_from_body({"structured_outputs": {"grammar": gbnf}}))
+    for seed in range(3):
+        text = tokenizer.decode(sample(RequestGrammar(compiled), bias, seed))
+        assert re.fullmatch(r"([a-z]{1,2}|<[0-9]>)(,([a-z]{1,2}|<[0-9]>))*", text), text
+
+
+def test_choice_outputs_are_one_of_the_choices(compiler, tokenizer, bias):
+    choices = ["Romeo", "Juliet", "the Nurse", "Friar Laurence"]
+    compiled = compiler.compile(constraint_from_body({"structured_outputs": {"choice": choices}}))
+    seen = {tokenizer.decode(sample(RequestGrammar(compiled), bias, seed)) for seed in range(12)}
+    assert seen <= set(choices) and len(seen) > 1
+
+
+@pytest.fixture(scope="module")
+def point(compiler):
+    return compiler.compile(ConstraintSpec.json_schema(SCHEMAS["ref_defs"]))
+
+
+def masks_along(compiled, tokens, trigger=None) -> np.ndarray:
+    """Reference: the masks of a fresh matcher fed `tokens` one at a time ([len + 1, W])."""
+    g = RequestGrammar(compiled, trigger)
+    out = np.empty((len(tokens) + 1, g.words), np.int32)
+    for j, t in enumerate(tokens):
+        g.fill(out[j])
+        assert g.accept([t])
+    g.fill(out[-1])
+    return out
+
+
+def test_verify_masks_follow_the_drafts_and_settle(point, tokenizer):
+    text = tokenizer.encode('{"from":{"x":12,"y":3},"to":{"x":4,"y":5}}')
+    committed, drafts = text[:5], text[5:10]
+    g = RequestGrammar(point)
+    assert g.accept(committed)
+    masks = np.zeros((len(drafts) + 1, g.words), np.int32)
+    assert g.speculate(drafts, masks) == len(drafts)
+    np.testing.assert_array_equal(masks, masks_along(point, committed + drafts)[len(committed):])
+    g.settle(2)  # the verifier kept 2 drafts, then emitted its own token
+    assert g.accept([drafts[2]])
+    row = np.empty(g.words, np.int32)
+    g.fill(row)
+    np.testing.assert_array_equal(row, masks_along(point, committed + drafts[:3])[-1])
+
+
+def test_a_draft_that_breaks_the_grammar_is_refused_and_rolled_back(point, tokenizer):
+    committed = tokenizer.encode('{"from":{"x":')
+    bad = tokenizer.encode("7")[0], tokenizer.encode("}")[0], tokenizer.encode("7")[0]  # `}` cannot follow x
+    g = RequestGrammar(point)
+    assert g.accept(committed)
+    before = masks_along(point, committed)[-1]
+    masks = np.zeros((len(bad) + 1, g.words), np.int32)
+    assert g.speculate(list(bad), masks) == 1
+    assert not allowed(masks[1], tokenizer.vocab_size)[bad[1]]  # the verifier rejects it there
+    np.testing.assert_array_equal(masks[2], masks[1])  # unreachable rows repeat the refusing mask
+    with pytest.raises(ValueError, match="only 1 were allowed"):
+        g.settle(2)
+    g.settle(0)
+    row = np.empty(g.words, np.int32)
+    g.fill(row)
+    np.testing.assert_array_equal(row, before)
+    assert not g.accept([bad[1]]) and g.error  # committing it is refused too
+
+
+def test_batch_fills_match_one_request_at_a_time(point, compiler, tokenizer):
+    text = tokenizer.encode('{"from":{"x":12,"y":3},"to":{"x":4,"y":5}}')
+    choice = compiler.compile(ConstraintSpec.choice(["yes", "no"]))
+    executor = llg.LLExecutor(2)
+
+    def requests():  # active, before its trigger, unconstrained, complete (EOS next), refusing a draft
+        rows = [RequestGrammar(point), RequestGrammar(point, THINK_END), None, RequestGrammar(choice),
+                RequestGrammar(point)]
+        for g, tokens in zip(rows, [text[:3], [40, 41], [], tokenizer.encode("yes"), text[:5]]):
+            assert g is None or g.accept(tokens)
+        return rows
+
+    drafts = [text[3:7], [42, THINK_END] + text[:2], [5, 6, 7], [EOS], text[5:7] + [EOS, 9]]
+    batched, one_by_one = requests(), requests()
+    masks = np.zeros((6, 5, one_by_one[0].words), np.int32)
+    n = speculate_masks(batched, drafts, masks, executor)
+    expected = np.full_like(masks, -1)
+    m = [-1 if g is None else g.speculate(d, expected[i]) for i, (g, d) in enumerate(zip(one_by_one, drafts))]
+    assert n == [4, 4, 3, 1, 2] and m[:2] + m[3:] == [4, 4, 1, 2]
+    np.testing.assert_array_equal(masks, expected)
+    np.testing.assert_array_equal(masks[1, :2], -1)  # the constraint starts after </think>
+    np.testing.assert_array_equal(masks[1, 2:], masks_along(point, text[:2]))
+    for g, k in zip(batched, [2, 1, None, 1, 0]):
+        if g is not None:
+            g.settle(k)
+    assert batched[1].active is False  # the trigger was not kept
+    plain = np.zeros((6, one_by_one[0].words), np.int32)
+    fill_masks(batched, plain, executor)
+    for g, row in zip(batched, plain):
+        if g is None:
+            np.testing.assert_array_equal(row, -1)
+        else:
+            g2 = np.empty_like(row)
+            g.fill(g2)
+            np.testing.assert_array_equal(row, g2)
+    assert batched[3].ended and np.flatnonzero(allowed(plain[3], tokenizer.vocab_size)).tolist() == [EOS]
+
+
+def test_eos_ends_the_output_only_where_the_constraint_is_complete(compiler, tokenizer):
+    g = RequestGrammar(compiler.compile(ConstraintSpec.regex("ab+")))
+    row = np.empty(g.words, np.int32)
+    g.fill(row)
+    assert not allowed(row, 4096)[EOS]
+    assert g.accept(tokenizer.encode("ab")) and not g.finished
+    g.fill(row)
+    assert allowed(row, 4096)[EOS] and allowed(row, 4096)[tokenizer.encode("b")[0]]
+    assert g.accept([EOS]) and g.finished
+    g.fill(row)
+    assert np.flatnonzero(allowed(row, 4096)).tolist() == [EOS]
+    assert not g.accept(tokenizer.encode("b")) and g.error
+
+
+def test_forced_tokens_jump_forward(compiler, tokenizer):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes"]}, "n": {"type": "integer"}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    g = RequestGrammar(compiler.compile(ConstraintSpec.json_schema(schema)))
+    forced = g.forced_tokens()
+    assert tokenizer.decode(forced) == '{"answer":"yes","n":'
+    assert g.accept(forced) and g.forced_tokens() == []
+
+
+def test_constraint_starts_after_the_trigger(compiler, tokenizer, bias):
+    schema = SCHEMAS["enum_in_object"]
+    g = RequestGrammar(compiler.compile(ConstraintSpec.json_schema(schema)), trigger=THINK_END)
+    row = np.empty(g.words, np.int32)
+    g.fill(row)
+    np.testing.assert_array_equal(row, -1)  # reasoning is free
+    thinking = tokenizer.encode("I think, therefore") + [THINK_END]
+    out = sample(g, bias, seed=0, prefix=thinking)
+    jsonschema.validate(json.loads(tokenizer.decode(out)), schema)
+
+
+def test_compiles_once_and_refuses_bad_constraints_clearly(tokenizer):
+    compiler = ConstraintCompiler(grammar_tokenizer(tokenizer, tokenizer.vocab_size, [EOS]), cache_size=2,
+                                  max_source_bytes=300_000, max_grammar_symbols=2_000)
+    a, b, c = ConstraintSpec.regex("a+"), ConstraintSpec.regex("b+"), ConstraintSpec.regex("c+")
+    first = compiler.compile(a)
+    assert compiler.compile(ConstraintSpec.regex("a+")) is first  # cached
+    compiler.compile(b), compiler.compile(c)
+    assert compiler.compile(a) is not first  # evicted (least recently used), compiled again
+    cases = [
+        (ConstraintSpec.regex("a(b"), "invalid regex.*unclosed group"),
+        (ConstraintSpec.json_schema({"type": "nonsense"}), "invalid JSON Schema.*nonsense"),
+        (ConstraintSpec.json_schema({"type": "array", "uniqueItems": True}), "invalid JSON Schema.*uniqueItems"),
+        (ConstraintSpec.grammar("start: foo"), "invalid grammar.*unknown name"),
+        (ConstraintSpec.grammar("root ::= (unclosed"), "invalid grammar"),
+        (ConstraintSpec.grammar("start: " + " | ".join(f'"w{i}"' for i in range(3000))), "too big"),
+        (ConstraintSpec.regex("x" * 300_001), "over the limit of 300000"),
+    ]
+    for spec, message in cases:
+        for _ in range(2):  # a refusal is cached like a success
+            with pytest.raises(ValueError, match="(?s)" + message):
+                compiler.compile(spec)
+
+
+def test_compilation_has_a_time_limit(tokenizer):
+    compiler = ConstraintCompiler(grammar_tokenizer(tokenizer, tokenizer.vocab_size, [EOS]), timeout_s=0.02)
+    slow = ConstraintSpec.grammar("start: " + " | ".join(f'"w{i}"' for i in range(20_000)))  # ~0.5 s
+    with pytest.raises(ValueError, match="took over 0.02 s"):
+        compiler.compile(slow)
+
+
+def test_request_bodies_parse_into_specs():
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    spec = ConstraintSpec.json_schema(schema)
+    assert list(json.loads(spec.source)["properties"]) == ["b", "a"]  # schema order is the output order
+    assert constraint_from_body({"response_format": {"type": "json_schema",
+                                                     "json_schema": {"name": "x", "schema": schema}}}) == spec
+    assert constraint_from_body({"structured_outputs": {"json": json.dumps(schema)}}) == spec
+    assert constraint_from_body({"structured_outputs": {"json_object": True}}) == ConstraintSpec.json_object()
+    assert constraint_from_body({"response_format": {"type": "json_object"}}) == ConstraintSpec.json_object()
+    assert constraint_from_body({"structured_outputs": {"regex": "a+"}}) == ConstraintSpec("regex", "a+")
+    assert constraint_from_body({"structured_outputs": {"choice": ["x", "y"]}}).kind == "choice"
+    assert constraint_from_body({"response_format": {"type": "text"}, "prompt": "hi"}) is None
+    assert constraint_from_body({"response_format": None, "structured_outputs": None}) is None
+    bad = [
+        ({"response_format": {"type": "xml"}}, "not supported"),
+        ({"response_format": {"type": "json_schema"}}, "needs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "must be a JSON object"),
+        ({"response_format": "json"}, "must be an object"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "unsupported structured_outputs field"),
+        ({"structured_outputs": {"choice": []}}, "non-empty list"),
+        ({"structured_outputs": {"json": "{not json"}}, "not valid JSON"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
+    ]
+    for body, message in bad:
+        with pytest.raises(ValueError, match=message):
+            constraint_from_body(body)
+
+
+def test_apply_token_bitmask_matches_numpy():
+    rng = np.random.default_rng(0)
+    for shape, vocab in [((3,), 100), ((2, 4), 4096), ((5,), 65)]:
+        logits = rng.standard_normal((*shape, vocab)).astype(np.float32)
+        masks = rng.integers(-2**31, 2**31, (*shape, bitmask_width(vocab)), dtype=np.int64).astype(np.int32)
+        masks.reshape(-1, masks.shape[-1])[0] = -1  # an all-allowed row
+        got = np.asarray(jax.jit(apply_token_bitmask)(jnp.asarray(logits), jnp.asarray(masks)))
+        want = logits.reshape(-1, vocab).copy()
+        apply_token_bitmask_inplace(want, masks.reshape(-1, masks.shape[-1]))
+        np.testing.assert_array_equal(got.reshape(-1, vocab), want)
+    with pytest.raises(ValueError, match="fewer than"):
+        apply_token_bitmask(jnp.zeros((1, 65)), jnp.zeros((1, 2), jnp.int32))
