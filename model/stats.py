@@ -18,7 +18,7 @@ def _cache_elements(model, length: int) -> tuple[int, int]:
             sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves))
 
 
-def _param_counts(model, config) -> dict:
+def param_counts(model, config) -> dict:
     """Parameters of the main stack (total, and active per token: routed experts count k/E of theirs),
     of the MTP blocks, and bytes of all parameters."""
     counts = {"total": 0, "active": 0.0, "mtp": 0, "bytes": 0}
@@ -37,7 +37,7 @@ def _param_counts(model, config) -> dict:
 def model_stats(config: ModelConfig, dtype: str = "bfloat16") -> dict:
     """Parameter counts (total, active per token, MTP) and cache bytes per token / per sequence."""
     model = abstract_model(config, dtype)
-    counts = _param_counts(model, config)
+    counts = param_counts(model, config)
     period = math.lcm(*(r for r in config.compress_ratios if r), config.sliding_window)
     n = period * max(1, min(4096, config.max_position_embeddings // 2) // period)
     elems_1, bytes_1 = _cache_elements(model, n)
@@ -66,7 +66,7 @@ def v41_stats(config) -> dict:
     """V4.1 figures: backbone and Engram parameters, shared global KV bytes per token (as the reference
     stores it), and the per-layer sliding-window cost, all read off real shapes."""
     model = abstract_model(config, "bfloat16")
-    counts = _param_counts(model, config)
+    counts = param_counts(model, config)
     backbone, active = counts["total"], counts["active"]
     engram = sum(config.engram_num_embeddings) * config.engram_head_dim
     n = math.lcm(*(r for r in config.compress_ratios if r)) * 1024

@@ -1,0 +1,185 @@
+"""Device meshes from specs like `dp=8,ep=4`, the one logical-axis rules table, and sharded parameters.
+
+A spec names the size of each parallel role over the same devices (the SGLang / DeepInfer convention):
+`dp` attention data-parallel ranks (requests), `cp` context-parallel ranks (long prefill, zigzag split),
+`ep` expert shards. Devices = dp x cp; `ep` divides `dp` (expert shards sit inside one context rank's
+data-parallel group and are replicated dp/ep times), so `dp=64,ep=64` is DeepInfer's DEP64: 64 devices, each
+an attention rank holding 1/64 of the experts. The mesh has three axes `cp`, `dp`, `ep` of sizes
+cp, dp/ep, ep: attention's batch is sharded over (`dp`, `ep`) together, experts over `ep` alone.
+
+Every array carries logical axis names (`batch`, `seq`, `expert`, `table_rows`, or None); `RULES` maps
+them to mesh axes and `PARAM_AXES` names the parameters' axes by their path in the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+class MeshSpecError(ValueError):
+    """A mesh spec that names unknown axes, bad sizes, or a layout the devices cannot hold."""
+
+
+AXES = ("cp", "dp", "ep")  # physical mesh axes, outermost first
+
+# logical axis -> mesh axes (one table for parameters, caches and activations)
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("dp", "ep"),           # requests: attention data parallel over every rank of a context group
+    "seq": ("cp",),                  # sequence chunks of a long prefill (zigzag)
+    "expert": ("ep",),               # routed experts (physical slots when EPLB adds replicas)
+    "table_rows": ("cp", "dp", "ep"),  # Engram table rows: each device owns a contiguous range
+}
+
+# parameter path pattern (dot-joined path in the model's state) -> logical axes of its dimensions
+PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"(^|\.)experts\.w[123]$", ("expert", None, None)),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Role sizes: `dp` attention data-parallel ranks, `cp` context-parallel ranks, `ep` expert shards."""
+
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise MeshSpecError(f"mesh axis {name} must be a positive integer, got {value!r}")
+        if self.dp % self.ep:
+            raise MeshSpecError(f"ep={self.ep} must divide dp={self.dp}: expert shards live inside one context "
+                                f"rank's data-parallel group (e.g. dp=64,ep=64 or dp=8,ep=4)")
+
+    @classmethod
+    def parse(cls, text: str) -> MeshSpec:
+        """`"dp=8,ep=4"` -> MeshSpec(dp=8, ep=4); `ep` alone implies dp = ep; empty means one device."""
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            match = re.fullmatch(r"(\w+)\s*=\s*(\d+)", part)
+            if not match:
+                raise MeshSpecError(f"mesh spec entry {part!r} is not AXIS=SIZE (in {text!r})")
+            name, size = match.group(1), int(match.group(2))
+            if name not in ("dp", "cp", "ep"):
+                raise MeshSpecError(f"unknown mesh axis {name!r} in {text!r}; axes are dp, cp, ep")
+            if name in sizes:
+                raise MeshSpecError(f"mesh axis {name!r} given twice in {text!r}")
+            sizes[name] = size
+        if "ep" in sizes and "dp" not in sizes:
+            sizes["dp"] = sizes["ep"]
+        return cls(**sizes)
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.cp
+
+    @property
+    def axis_sizes(self) -> tuple[int, int, int]:
+        """Sizes of the mesh axes `AXES` (cp, dp / ep, ep)."""
+        return self.cp, self.dp // self.ep, self.ep
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}={getattr(self, n)}" for n in ("dp", "cp", "ep") if getattr(self, n) > 1) or "dp=1"
+
+
+def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
+    """A mesh of `spec` over the first dp x cp devices (Auto axes: XLA propagates the shardings)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if len(devices) < spec.num_devices:
+        raise MeshSpecError(f"mesh {spec} needs {spec.num_devices} devices, only {len(devices)} are available "
+                            f"(on CPU set jax_num_cpu_devices before any JAX operation)")
+    grid = np.asarray(devices[: spec.num_devices], dtype=object).reshape(spec.axis_sizes)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def abstract_mesh(spec: MeshSpec) -> AbstractMesh:
+    """The same mesh without devices, for lowering studies of layouts larger than this machine."""
+    return AbstractMesh(spec.axis_sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def logical_spec(*names: str | None) -> P:
+    """The PartitionSpec of logical axis names under `RULES` (None: replicated dimension)."""
+    out = []
+    for name in names:
+        if name is None:
+            out.append(None)
+        elif name not in RULES:
+            raise KeyError(f"no sharding rule for logical axis {name!r}; rules: {sorted(RULES)}")
+        else:
+            axes = RULES[name]
+            out.append(axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def param_logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of the parameter at dot-joined `path` (replicated unless `PARAM_AXES` names it)."""
+    for pattern, axes in PARAM_AXES:
+        if re.search(pattern, path):
+            if len(axes) != ndim:
+                raise ValueError(f"parameter {path} has {ndim} dims; PARAM_AXES gives {axes}")
+            return axes
+    return (None,) * ndim
+
+
+def _path_name(path) -> str:
+    """`layers.0.ffn.experts.w1` for a state leaf's key path (the Variable's `.value` dropped)."""
+    parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    return ".".join(parts[:-1] if parts and parts[-1] == "value" else parts)
+
+
+def param_shardings(params, mesh: Mesh | AbstractMesh):
+    """NamedShardings for every leaf of a parameter state (concrete or abstract), by `PARAM_AXES`."""
+    def one(path, leaf):
+        return NamedSharding(mesh, logical_spec(*param_logical_axes(_path_name(path), len(leaf.shape))))
+
+    return jax.tree.map_with_path(one, params)
+
+
+def check_divisible(tree, shardings) -> None:
+    """Refuse a layout whose sharded dimensions do not divide evenly (e.g. 384 experts over ep=256)."""
+    mesh_sizes = None
+    for (path, leaf), sharding in zip(jax.tree.leaves_with_path(tree), jax.tree.leaves(shardings)):
+        mesh_sizes = mesh_sizes or dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes))
+        for dim, axes in zip(leaf.shape, sharding.spec):
+            parts = math.prod(mesh_sizes[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+            if dim % parts:
+                raise MeshSpecError(f"{_path_name(path)} has a dimension of {dim}, which {parts} shards "
+                                    f"({axes}) do not divide")
+
+
+def shard_model(model, mesh: Mesh):
+    """The same Model with its parameters placed by the rules (experts split over `ep`, the rest replicated)."""
+    from model.api import Model
+
+    shardings = param_shardings(model.params, mesh)
+    check_divisible(model.params, shardings)
+    params = jax.device_put(model.params, shardings)
+    return Model(nnx.merge(model.graphdef, params), tokenizer=model.tokenizer, engram=model.engram,
+                 drafter=model.drafter)
+
+
+def init_sharded_model(config, mesh: Mesh, seed: int = 0, dtype: str = "float32"):
+    """`model.api.init_model` with every parameter created already sharded (no full copy on one device)."""
+    from model.api import Model, abstract_model, build_module, resolve_dtype
+
+    if getattr(config, "engram_layer_ids", ()):
+        raise ValueError("init_sharded_model makes no Engram tables; for a V4.1 model with Engram layers use "
+                         "shard_model(init_model(config))")
+    shapes = abstract_model(config, dtype)
+    shardings = param_shardings(shapes.params, mesh)
+    check_divisible(shapes.params, shardings)
+
+    def create():
+        return nnx.split(build_module(config, nnx.Rngs(seed), resolve_dtype(dtype)))[1]
+
+    params = jax.jit(create, out_shardings=shardings)()
+    return Model(nnx.merge(shapes.graphdef, params))

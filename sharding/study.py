@@ -1,0 +1,332 @@
+"""Layout studies (`jaxseek study`): what one device of a mesh holds and does, before owning the hardware.
+
+For a config, a mesh spec and a device profile the study builds the model abstractly (shapes only), places
+its parameters by the rules of `sharding.mesh`, and reports per device: parameter bytes (backbone
+replicated over attention ranks, routed experts split over `ep` with EPLB's redundant slots, Engram by
+placement), KV bytes per token from the model's own cache structure in a storage format
+(`sharding.storage`), the tokens of context that fit in what HBM is left, and, when compiled on emulated
+CPU devices, the collectives of the decode and prefill steps, their FLOPs per token and workspace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sharding.mesh import MeshSpec, MeshSpecError, make_mesh, param_logical_axes, param_shardings
+from sharding.platform import PROFILES, DeviceProfile
+from sharding.storage import PARAM_FORMATS, KV_FORMATS, kv_figures, param_element_bytes, v32
+
+DEVICE_ALIASES = {"h200": "H200", "sm90": "H200", "b200": "B200", "sm100": "B200", "gb300": "GB300",
+                  "b300": "GB300", "sm103": "GB300", "ascend950": "Ascend 950", "ascend": "Ascend 950"}
+ENGRAM_PLACEMENTS = ("host", "device", "sharded")
+ENGRAM_ROW_SCALE_BLOCK = 32  # FP8 rows with one UE8M0 scale per 32 channels (model.engram.SCALE_BLOCK)
+COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce", "reduce-scatter",
+               "collective-permute")
+STEPS = ("decode", "prefill")
+
+
+def device_profile(name: str) -> DeviceProfile:
+    """A profile by name (`B200`) or alias (`sm100`, `h200`, `gb300`, `ascend950`), case-insensitively."""
+    key = name.lower().replace(" ", "").replace("-", "")
+    for profile_name in PROFILES:
+        if profile_name.lower().replace(" ", "") == key:
+            return PROFILES[profile_name]
+    if key in DEVICE_ALIASES:
+        return PROFILES[DEVICE_ALIASES[key]]
+    raise ValueError(f"unknown device {name!r}; choose one of {sorted(PROFILES)} or {sorted(DEVICE_ALIASES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyOptions:
+    """What a study assumes beyond the config and mesh (the `jaxseek study` flags)."""
+
+    device: str = "sm100"
+    kv_format: str | None = None          # default: the config family's (sharding.storage)
+    param_format: str = "checkpoint"
+    redundant_experts: int = 0            # EPLB's extra physical expert slots per MoE layer
+    engram: str = "sharded"               # Engram table placement: host | device | sharded
+    hbm_utilization: float = 0.9          # fraction of HBM the engine may use
+    sequences_per_device: int = 1         # concurrent requests each attention rank holds
+    context: int | None = None            # context length the amortised KV per token refers to
+    compile_steps: tuple[str, ...] = ("decode",)
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        device_profile(self.device)
+        if self.kv_format is not None and self.kv_format not in KV_FORMATS:
+            raise ValueError(f"unknown KV format {self.kv_format!r}; choose one of {sorted(KV_FORMATS)}")
+        if self.param_format not in PARAM_FORMATS:
+            raise ValueError(f"unknown parameter format {self.param_format!r}; choose one of {PARAM_FORMATS}")
+        if self.engram not in ENGRAM_PLACEMENTS:
+            raise ValueError(f"Engram placement must be one of {ENGRAM_PLACEMENTS}, got {self.engram!r}")
+        if not 0 < self.hbm_utilization <= 1:
+            raise ValueError(f"hbm utilization must be in (0, 1], got {self.hbm_utilization}")
+        for name in ("redundant_experts",):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("sequences_per_device", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        bad = [s for s in self.compile_steps if s not in STEPS]
+        if bad:
+            raise ValueError(f"unknown steps to compile {bad}; choose from {STEPS}")
+
+
+def parameter_bytes(model, config, spec: MeshSpec, options: StudyOptions) -> dict:
+    """Per-device parameter bytes: backbone (replicated), routed experts (their `ep` share of the physical
+    slots, redundant ones included), Engram tables (by placement)."""
+    n_experts = config.n_routed_experts
+    slots = n_experts + options.redundant_experts
+    if slots % spec.ep:
+        raise MeshSpecError(f"{n_experts} experts + {options.redundant_experts} redundant slots do not divide "
+                            f"over ep={spec.ep}; choose --redundant-experts so the sum is a multiple of {spec.ep}")
+    backbone = experts = 0.0
+    for path, var in nnx.to_flat_state(model.params):
+        name = ".".join(map(str, path))
+        size = math.prod(var.shape) * param_element_bytes(name, var.shape, var.dtype, options.param_format)
+        if "expert" in param_logical_axes(name, len(var.shape)):
+            experts += size * slots / n_experts / spec.ep
+        else:
+            backbone += size
+    rows = sum(getattr(config, "engram_num_embeddings", ()))
+    table = rows * config.engram_head_dim * (1 + 1 / ENGRAM_ROW_SCALE_BLOCK) if rows else 0.0
+    share = {"host": 0.0, "device": 1.0, "sharded": 1 / spec.num_devices}[options.engram]
+    return {"param_bytes_backbone_per_device": backbone,
+            "param_bytes_experts_per_device": experts,
+            "experts_per_device": slots // spec.ep,
+            "param_bytes_engram_per_device": table * share,
+            "engram_host_bytes": table if options.engram == "host" and rows else 0.0,
+            "param_bytes_per_device": backbone + experts + table * share}
+
+
+def _batch_sharded(mesh, shapes):
+    """ShapeDtypeStructs of `shapes` with their leading axis over the attention ranks (scalars replicated)."""
+    def one(leaf):
+        spec = P() if not leaf.shape else P(("dp", "ep"), *([None] * (len(leaf.shape) - 1)))
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree.map(one, shapes)
+
+
+def _count_collectives(hlo: str) -> dict[str, int]:
+    return {op: len(re.findall(rf"= [^=\n]*? {op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
+
+
+def compile_steps(config_name: str, spec: MeshSpec, options: StudyOptions, max_len: int) -> dict:
+    """Lower and compile the decode step (one token per sequence) and/or the prefill step (one chunk per
+    sequence) on emulated CPU devices of `spec`; per step: collectives, FLOPs per token, workspace bytes.
+
+    A process with too few devices (JAX fixes the count when it starts) compiles in a child process with
+    `spec.num_devices` emulated CPU devices."""
+    if len(jax.devices()) < spec.num_devices:
+        return _compile_in_child(config_name, spec, options, max_len)
+    from model.api import abstract_model
+    from model.config import preset
+
+    config = preset(config_name)
+    model = abstract_model(config, "bfloat16")
+    mesh = make_mesh(spec)
+    params = jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
+                          model.params, param_shardings(model.params, mesh))
+    batch = spec.dp * options.sequences_per_device
+    graphdef, engram_ids = model.graphdef, getattr(config, "engram_layer_ids", ())
+
+    def forward(params, tokens, cache, *rows):
+        return nnx.merge(graphdef, params)(tokens, cache, *([tuple(rows)] if engram_ids else []))
+
+    out = {}
+    for step in options.compile_steps:
+        chunk = 1 if step == "decode" else min(options.prefill_chunk, max_len)
+        cache = _batch_sharded(mesh, jax.eval_shape(lambda: model.module().init_cache(batch, max_len)))
+        tokens = _batch_sharded(mesh, jax.ShapeDtypeStruct((batch, chunk), jnp.int32))
+        lookups = (getattr(config, "engram_max_ngram_size", 2) - 1) * getattr(config, "engram_n_heads", 0)
+        rows = [_batch_sharded(mesh, jax.ShapeDtypeStruct((batch, chunk, lookups, config.engram_head_dim),
+                                                          jnp.float32)) for _ in engram_ids]
+        start = time.perf_counter()
+        compiled = jax.jit(forward, donate_argnums=2).trace(params, tokens, cache, *rows).lower().compile()
+        memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
+        out[step] = {"tokens": batch * chunk,
+                     "compile_s": round(time.perf_counter() - start, 2),
+                     "collectives": _count_collectives(compiled.as_text()),
+                     "flops_per_token": cost.get("flops", 0.0) * spec.num_devices / (batch * chunk),
+                     "workspace_bytes_per_device": float(memory.temp_size_in_bytes)}
+    return out
+
+
+def _compile_in_child(config_name: str, spec: MeshSpec, options: StudyOptions, max_len: int) -> dict:
+    """`compile_steps` in a fresh Python process with `spec.num_devices` emulated CPU devices."""
+    request = {"config": config_name, "spec": dataclasses.asdict(spec), "options": dataclasses.asdict(options),
+               "max_len": max_len}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(spec.num_devices)}
+    done = subprocess.run([sys.executable, "-m", "sharding.study"], input=json.dumps(request), env=env,
+                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    if done.returncode:
+        raise RuntimeError(f"compiling on {spec} emulated devices failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def study(config_name: str, spec: MeshSpec, options: StudyOptions) -> dict:
+    """The per-device figures of one config on one mesh (see the module docstring)."""
+    from model.api import abstract_model
+    from model.config import preset
+    from model.stats import param_counts
+
+    config = preset(config_name)
+    profile = device_profile(options.device)
+    model = abstract_model(config, "bfloat16")
+    kv = kv_figures(config, options.kv_format, model.module())
+    context = options.context or config.max_position_embeddings
+    if context > config.max_position_embeddings:
+        raise ValueError(f"context {context} exceeds the model's {config.max_position_embeddings} positions")
+    params = parameter_bytes(model, config, spec, options)
+    report = {"config": config_name, "mesh": str(spec), "devices": spec.num_devices, "device": profile.name,
+              "hbm_bytes": profile.hbm_bytes, "param_format": options.param_format, **params,
+              "redundant_experts": options.redundant_experts, "engram_placement": options.engram, **kv,
+              "kv_bytes_per_token": kv["kv_bytes_per_token_global"] + kv["kv_fixed_bytes_per_sequence"] / context,
+              "context": context,
+              "kv_ratio_to_v32": kv["kv_bytes_per_token_global"]
+              / kv_figures(v32())["kv_bytes_per_token_global"],
+              "flops_per_token_params": 2 * param_counts(model, config)["active"]}
+    steps = compile_steps(config_name, spec, options, min(context, 8192)) if options.compile_steps else {}
+    workspace = max((s["workspace_bytes_per_device"] for s in steps.values()), default=0.0)
+    usable = profile.hbm_bytes * options.hbm_utilization
+    free = usable - params["param_bytes_per_device"] - workspace \
+        - kv["kv_fixed_bytes_per_sequence"] * options.sequences_per_device
+    per_token = kv["kv_bytes_per_token_global"] / spec.cp  # CP ranks each store their chunks' entries
+    report.update(steps=steps, workspace_bytes_per_device=workspace, hbm_usable_bytes=usable,
+                  hbm_free_for_kv_bytes=max(free, 0.0),
+                  context_tokens_fit_per_device=int(max(free, 0.0) // per_token) if per_token else None,
+                  sequences_per_device=options.sequences_per_device)
+    if free < 0:
+        report["note"] = "parameters and workspace exceed the usable HBM"
+    return report
+
+
+def chart(reports: list[dict], path: str) -> None:
+    """A PNG of memory per device for each studied mesh: stacked parameters, workspace and the KV that fits."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--chart needs matplotlib: pip install 'jaxseek[train]'") from None
+    gib = 2 ** 30
+    parts = (("backbone", "param_bytes_backbone_per_device"), ("experts", "param_bytes_experts_per_device"),
+             ("Engram", "param_bytes_engram_per_device"), ("workspace", "workspace_bytes_per_device"),
+             ("KV (fits)", "hbm_free_for_kv_bytes"))
+    labels = [f"{r['config']}\n{r['mesh']}" for r in reports]
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(reports), 4.5))
+    bottom = [0.0] * len(reports)
+    for name, key in parts:
+        values = [r[key] / gib for r in reports]
+        ax.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for i, r in enumerate(reports):
+        ax.hlines(r["hbm_bytes"] / gib, i - 0.4, i + 0.4, colors="black", linestyles="dashed")
+    ax.set_ylabel("GiB per device")
+    ax.set_title(f"memory per device ({reports[0]['device']}; dashed: HBM)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _human(value: float) -> str:
+    for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.1f} B"
+
+
+def print_table(reports: list[dict], out=sys.stdout) -> None:
+    """The main figures, one column per studied mesh."""
+    rows = (("mesh", "mesh", str), ("devices", "devices", str), ("device", "device", str),
+            ("params / device", "param_bytes_per_device", _human),
+            ("  backbone", "param_bytes_backbone_per_device", _human),
+            ("  experts", "param_bytes_experts_per_device", _human),
+            ("  experts (slots)", "experts_per_device", str),
+            ("  Engram", "param_bytes_engram_per_device", _human),
+            ("KV global / token", "kv_bytes_per_token_global", lambda v: f"{v:,.1f} B"),
+            ("KV SWA / window token", "kv_bytes_per_token_swa", lambda v: f"{v:,.0f} B"),
+            ("KV fixed / sequence", "kv_fixed_bytes_per_sequence", _human),
+            ("KV vs V3.2", "kv_ratio_to_v32", lambda v: f"{100 * v:.1f}%"),
+            ("workspace / device", "workspace_bytes_per_device", _human),
+            ("context tokens fit", "context_tokens_fit_per_device", lambda v: f"{v:,}" if v is not None else "-"),
+            ("FLOPs / token (params)", "flops_per_token_params", lambda v: f"{v / 1e9:.1f} G"))
+    for label, key, fmt in rows:
+        print(f"{label:>24}: " + " | ".join(f"{fmt(r[key]):>16}" for r in reports), file=out)
+    for r in reports:
+        for step, figures in r["steps"].items():
+            used = {k: v for k, v in figures["collectives"].items() if v}
+            print(f"{r['mesh']:>16} {step:>7}: {figures['flops_per_token'] / 1e9:.1f} GFLOP/token compiled, "
+                  f"collectives {used or 'none'}, compile {figures['compile_s']} s", file=out)
+
+
+def add_arguments(p) -> None:
+    """The `jaxseek study` flags."""
+    p.add_argument("--config", default="v41-flash", help="preset (tiny, small, v4-flash, v4-pro, tiny-v41, "
+                   "v41-flash)")
+    p.add_argument("--mesh", action="append", metavar="SPEC",
+                   help="role sizes like dp=64,ep=64 (ep shards inside dp; cp multiplies the devices); repeat "
+                        "to compare meshes (default dp=64,ep=64)")
+    p.add_argument("--device", default="sm100", help=f"device profile: {', '.join(PROFILES)} or an alias "
+                   f"({', '.join(DEVICE_ALIASES)})")
+    p.add_argument("--kv-format", choices=sorted(KV_FORMATS), help="cache storage (default: v41 for V4.1, v4 "
+                   "otherwise: FP8 entries with BF16 RoPE dims, FP4 index keys)")
+    p.add_argument("--param-format", choices=PARAM_FORMATS, default="checkpoint",
+                   help="checkpoint: FP4 experts, FP8 matrices, BF16 embedding/head (default)")
+    p.add_argument("--redundant-experts", type=int, default=0, help="EPLB redundant expert slots per layer")
+    p.add_argument("--engram", choices=ENGRAM_PLACEMENTS, default="sharded",
+                   help="Engram table placement (default: rows sharded over every device)")
+    p.add_argument("--hbm-utilization", type=float, default=0.9)
+    p.add_argument("--sequences-per-device", type=int, default=1)
+    p.add_argument("--context", type=int, help="context length for the amortised KV per token (default: the "
+                   "model's maximum)")
+    p.add_argument("--compile", default="decode", metavar="STEPS",
+                   help="steps to compile on emulated CPU devices: decode, prefill, decode,prefill or none "
+                        "(default decode; 64 devices take ~30 s per step)")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--chart", metavar="PNG", help="write a chart of memory per device (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout ({'studies': [...]} when "
+                   "comparing meshes)")
+
+
+def run(args) -> int:
+    """`jaxseek study`: one report per mesh, as a table or JSON, and optionally a chart."""
+    specs = [MeshSpec.parse(text) for text in (args.mesh or ["dp=64,ep=64"])]
+    steps = () if args.compile == "none" else tuple(s.strip() for s in args.compile.split(",") if s.strip())
+    options = StudyOptions(device=args.device, kv_format=args.kv_format, param_format=args.param_format,
+                           redundant_experts=args.redundant_experts, engram=args.engram,
+                           hbm_utilization=args.hbm_utilization, sequences_per_device=args.sequences_per_device,
+                           context=args.context, compile_steps=steps, prefill_chunk=args.prefill_chunk)
+    reports = [study(args.config, spec, options) for spec in specs]
+    if args.chart:
+        chart(reports, args.chart)
+    if args.json:
+        print(json.dumps(reports[0] if len(reports) == 1 else {"studies": reports}))
+    else:
+        print_table(reports)
+    return 0
+
+
+
+if __name__ == "__main__":  # the child process of _compile_in_child: JSON request on stdin, JSON figures out
+    _request = json.loads(sys.stdin.read())
+    _options = _request["options"]
+    _options["compile_steps"] = tuple(_options["compile_steps"])
+    print(json.dumps(compile_steps(_request["config"], MeshSpec(**_request["spec"]), StudyOptions(**_options),
+                                   _request["max_len"])))
