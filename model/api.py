@@ -47,10 +47,11 @@ class Model:
     def _forward(self):
         graphdef = self.graphdef
 
-        def forward(params, tokens, cache, *engram_rows):
-            return nnx.merge(graphdef, params)(tokens, cache, *engram_rows)
+        def forward(params, tokens, cache, *engram_rows, replay=None, prompt_end=None):
+            extra = {} if replay is None else {"replay": replay, "prompt_end": prompt_end}  # V4.1 only
+            return nnx.merge(graphdef, params)(tokens, cache, *engram_rows, **extra)
 
-        return jax.jit(forward, donate_argnums=2)
+        return jax.jit(forward, donate_argnums=2, static_argnames="replay")
 
     def _check_tokens(self, tokens) -> jax.Array:
         tokens = np.asarray(tokens)
@@ -63,17 +64,22 @@ class Model:
                              f"[{tokens.min()}, {tokens.max()}]")
         return jnp.asarray(tokens, jnp.int32)
 
-    def logits(self, tokens: Int[Array, "b s"]) -> Float[Array, "b s v"]:
-        """fp32 next-token logits for every position of each sequence (one full-sequence forward)."""
-        tokens = self._check_tokens(tokens)
-        return self._run(tokens, self.init_cache(tokens.shape[0], tokens.shape[1]))[0]
+    def logits(self, tokens: Int[Array, "b s"], replay=None, prompt_end=None) -> Float[Array, "b s v"]:
+        """fp32 next-token logits for every position of each sequence (one full-sequence forward).
 
-    def _run(self, tokens: jax.Array, cache: dict):
+        V4.1 takes `replay=model.replay.Replay(...)` and `prompt_end` (see `model.replay`)."""
+        tokens = self._check_tokens(tokens)
+        return self._run(tokens, self.init_cache(tokens.shape[0], tokens.shape[1]), replay, prompt_end)[0]
+
+    def _run(self, tokens: jax.Array, cache: dict, replay=None, prompt_end=None):
         """One jitted forward; Engram rows are looked up first (on the host or device, by table placement)."""
+        if replay is not None and not hasattr(self.config, "n_prefill_layer"):
+            raise ValueError("bounded replay needs a causal encoder-decoder (V4.1) model")
+        replay = {"replay": replay, "prompt_end": prompt_end}
         if self.engram is None:
-            return self._forward(self.params, tokens, cache)
+            return self._forward(self.params, tokens, cache, **replay)
         rows, history = self.engram.lookup(np.asarray(tokens), np.asarray(cache["engram_history"]))
-        logits, cache = self._forward(self.params, tokens, cache, rows)
+        logits, cache = self._forward(self.params, tokens, cache, rows, **replay)
         return logits, {**cache, "engram_history": jnp.asarray(history, jnp.int32)}
 
     def init_cache(self, batch: int, max_len: int) -> dict:
@@ -84,8 +90,10 @@ class Model:
             cache["engram_history"] = jnp.asarray(self.engram.empty_history(batch), jnp.int32)
         return cache
 
-    def step(self, tokens: Int[Array, "b c"], cache: dict) -> tuple[Float[Array, "b c v"], dict]:
-        """Run the next chunk (prefill chunk or one decode token) of every sequence; the cache is donated."""
+    def step(self, tokens: Int[Array, "b c"], cache: dict, replay=None, prompt_end=None
+             ) -> tuple[Float[Array, "b c v"], dict]:
+        """Run the next chunk (prefill chunk or one decode token) of every sequence; the cache is donated.
+        V4.1 takes `replay` and `prompt_end` as `logits` does."""
         tokens = self._check_tokens(tokens)
         end = int(cache["pos"]) + tokens.shape[1]
         if end > int(cache["capacity"]):
@@ -93,7 +101,7 @@ class Model:
         if tokens.shape[0] != cache["layers"][0]["ring_kv"].shape[0]:
             raise ValueError(f"batch {tokens.shape[0]} does not match the cache's batch "
                              f"{cache['layers'][0]['ring_kv'].shape[0]}")
-        return self._run(tokens, cache)
+        return self._run(tokens, cache, replay, prompt_end)
 
 
 def build_module(config, rngs: nnx.Rngs, dtype):

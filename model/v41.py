@@ -21,6 +21,7 @@ from model.hyper import collapse, expand
 from model.linear import Linear
 from model.moe import MoE
 from model.norms import RMSNorm
+from model.replay import Replay, key_positions, kept_span, put_rows, take_rows
 from model.rope import apply_rope, layer_frequencies
 from model.transformer import Embedding, HyperBlock, empty_cache
 from pallas_kernels import registry
@@ -44,6 +45,9 @@ def candidate_pool(
     keep = jnp.zeros(block_scores.shape, bool)
     keep = jax.vmap(jax.vmap(lambda k, i, v: k.at[i].set(v > -jnp.inf)))(keep, ids, values)
     return jnp.repeat(keep, block, axis=-1)[..., :t]
+
+
+PER_QUERY = ("picks", "candidates")  # shared group state with a query axis (axis 1); the rest is per sequence
 
 
 class SharedCompressor(nnx.Module):
@@ -135,6 +139,9 @@ class AttentionV41(LatentAttention):
         if quant:
             kv = fake_quant_fp8(kv, 32)
         ids, valid = window_ids(state["ring_pos"], positions, cfg.sliding_window)
+        floor = shared.get("replay_floor")  # [b]: bounded replay hides window keys below it (model.replay)
+        if floor is not None:
+            valid &= key_positions(state["ring_pos"], positions, cfg.sliding_window) >= floor[:, None, None]
         pools, new_state, shared = [state["ring_kv"].astype(kv.dtype), kv], dict(state), dict(shared)
         if self.ratio:
             if self.is_kv_source:
@@ -148,7 +155,12 @@ class AttentionV41(LatentAttention):
                 valid = jnp.concatenate([valid, picks >= 0], -1)
                 pools.append(shared["entries"].astype(kv.dtype))
         out = registry.op("sink_attention")(q, jnp.concatenate(pools, axis=1), ids, valid, self.attn_sink[...])
-        new_state["ring_kv"], new_state["ring_pos"] = push_window(state, kv, positions, count)
+        ring_kv, ring_pos = push_window(state, kv, positions, count)
+        if floor is not None:  # tokens below the floor never enter the ring
+            below = ring_pos < floor[:, None]
+            ring_kv = jnp.where(below[..., None], state["ring_kv"], ring_kv)
+            ring_pos = jnp.where(below, state["ring_pos"], ring_pos)
+        new_state["ring_kv"], new_state["ring_pos"] = ring_kv, ring_pos
         return self.output(out, positions, freqs), new_state, shared
 
     def _publish_group(self, x, start, state: dict, new_state: dict, shared: dict, freqs, count) -> None:
@@ -220,12 +232,15 @@ class DeepseekV41(nnx.Module):
         """An empty cache for `batch` sequences of up to `max_len` tokens (window rings of `ring` slots)."""
         return empty_cache(self.config, self.layers, batch, max_len, ring)
 
-    def streams(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None, collect=()):
+    def streams(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None, collect=(),
+                replay: Replay | None = None, prompt_end=None):
         """(residual streams, the last site's `pre` weights, new cache) for the next chunk of tokens, plus the
         taps [b, c, len(collect) * hidden] when `collect` names layers: each one's output streams averaged over
         the hc copies, concatenated in `collect` order (the target features a DSpark drafter reads).
 
         `engram_rows` holds, per Engram layer in order, the looked-up table rows [b, c, n_lookups, head_dim].
+        `replay` bounds the layers after the last KV source to each row's last `replay.keep` prompt tokens,
+        the prompt ending at `prompt_end` (per row; default: this chunk's end); see `model.replay`.
         """
         if any(not 0 <= i < len(self.layers) for i in collect):
             raise ValueError(f"collect={list(collect)} names layers outside [0, {len(self.layers)})")
@@ -239,18 +254,74 @@ class DeepseekV41(nnx.Module):
                              f"got {len(engram_rows)} arrays")
         rows = dict(zip(self.config.engram_layer_ids, engram_rows))
         count = tokens.shape[1] if count is None else count
-        states, shared, taps = [], {}, {}
-        for i, (blk, state) in enumerate(zip(self.layers, cache["layers"])):
-            streams, pre_mix, state, shared = blk(streams, pre_mix, tokens, start, state, shared, rows.get(i), count)
-            states.append(state)
-            if i in collect:
-                taps[i] = jnp.mean(streams.astype(jnp.float32), axis=2)
+        replay = Replay() if replay is None else replay
+        split = self.config.n_prefill_layer if replay.active else len(self.layers)
+        run = (streams, pre_mix, tokens, rows, {})
+        streams, pre_mix, states, shared, taps = self._run_layers(range(split), run, start, cache, count, collect)
+        if split < len(self.layers):
+            replay.check(cache["layers"][split]["ring_kv"].shape[1], self.config.sliding_window)
+            span = (*kept_span(start, count, prompt_end, replay.keep, tokens.shape[0]), replay.keep)
+            run = (streams, pre_mix, tokens, rows, shared)
+            replayed = self._compact if replay.mode == "compact" else self._masked
+            streams, pre_mix, more, more_taps = replayed(range(split, len(self.layers)), run, start, count, cache,
+                                                         span, collect)
+            states, taps = states + more, {**taps, **more_taps}
         cache = {**cache, "pos": start + count, "layers": states}
         if collect:
             return streams, pre_mix, cache, jnp.concatenate([taps[i] for i in collect], axis=-1)
         return streams, pre_mix, cache
 
-    def __call__(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None, collect=()):
-        """(fp32 logits [b, c, vocab], new cache), plus the taps of `streams` when `collect` names layers."""
-        streams, pre_mix, cache, *taps = self.streams(tokens, cache, engram_rows, count, collect)
+    def _run_layers(self, layer_ids, run: tuple, start, cache: dict, count, collect, kept=None):
+        """Layers `layer_ids` on `run` = (streams, pre_mix, tokens, Engram rows by layer, shared group state);
+        with `kept` ([b, c] bool) the other rows keep their input streams. Returns (streams, pre_mix, the
+        layers' states, shared, taps by layer)."""
+        streams, pre_mix, tokens, rows, shared = run
+        states, taps = [], {}
+        for i in layer_ids:
+            out_streams, out_mix, state, shared = self.layers[i](streams, pre_mix, tokens, start, cache["layers"][i],
+                                                                 shared, rows.get(i), count)
+            if kept is not None:
+                out_streams = jnp.where(kept[:, :, None, None], out_streams, streams)
+                out_mix = jnp.where(kept[:, :, None], out_mix, pre_mix)
+            streams, pre_mix = out_streams, out_mix
+            states.append(state)
+            if i in collect:
+                taps[i] = jnp.mean(streams.astype(jnp.float32), axis=2)
+        return streams, pre_mix, states, shared, taps
+
+    def _masked(self, layer_ids, run: tuple, start, count, cache: dict, span, collect):
+        """`mask` replay: every row runs with window keys below the floor hidden; rows before it are kept."""
+        offset, _, floor, _ = span
+        kept = jnp.arange(run[0].shape[1])[None, :] >= jnp.reshape(offset, (-1, 1))
+        run = (*run[:4], {**run[4], "replay_floor": floor})
+        streams, pre_mix, states, _, taps = self._run_layers(layer_ids, run, start, cache, count, collect, kept)
+        return streams, pre_mix, states, taps
+
+    def _compact(self, layer_ids, run: tuple, start, count, cache: dict, span, collect):
+        """`compact` replay: each row's kept tail gathered into min(chunk, keep) rows, run, scattered back;
+        the layers are skipped when no row keeps a token."""
+        streams, pre_mix, tokens, rows, shared = run
+        (b, c), (offset, length, floor, keep) = tokens.shape, span
+        at, n_kept = jnp.broadcast_to(offset, (b,)), jnp.broadcast_to(length, (b,))
+        take = lambda x: take_rows(x, at, min(c, keep))  # noqa: E731
+        put = lambda x, kept_rows: put_rows(x, kept_rows, at, n_kept)  # noqa: E731
+        unchanged = {i: jnp.mean(streams.astype(jnp.float32), axis=2) for i in collect if i in layer_ids}
+
+        def replayed():
+            kept_shared = {k: take(v) if k in PER_QUERY else v for k, v in shared.items()}
+            run = (take(streams), take(pre_mix), take(tokens), {i: take(r) for i, r in rows.items() if i in layer_ids},
+                   {**kept_shared, "replay_floor": floor})
+            out, out_mix, states, _, taps = self._run_layers(layer_ids, run, start + offset, cache, length, collect)
+            return put(streams, out), put(pre_mix, out_mix), states, {i: put(unchanged[i], t) for i, t in taps.items()}
+
+        def skipped():
+            return streams, pre_mix, [cache["layers"][i] for i in layer_ids], unchanged
+
+        return jax.lax.cond(jnp.any(length > 0), replayed, skipped)
+
+    def __call__(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None, collect=(),
+                 replay: Replay | None = None, prompt_end=None):
+        """(fp32 logits [b, c, vocab], new cache), plus the taps of `streams` when `collect` names layers.
+        With an active `replay`, positions below each row's floor hold no next-token logits (`model.replay`)."""
+        streams, pre_mix, cache, *taps = self.streams(tokens, cache, engram_rows, count, collect, replay, prompt_end)
         return self.head(self.norm(collapse(streams, pre_mix)).astype(jnp.float32)), cache, *taps

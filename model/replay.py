@@ -1,0 +1,105 @@
+"""Bounded decoder replay in prefill for causal encoder-decoder (CED) models (DeepSeek-V4.1, "YOCO").
+
+In a CED model the layers up to and including the last KV source (`n_prefill_layer` of them: the encoder and
+the decoder's KV source) produce every piece of state that outlives the prompt except the decoder layers'
+sliding windows. The layers after it (the "replay layers") keep nothing but a window ring of
+`sliding_window + backtracking` slots. So a prefill may run the replay layers on each request's last `keep`
+prompt tokens only: the rest of the prompt never reaches them.
+
+What the replay layers see, exactly. For a request whose prompt ends at position E (per row: `prompt_end`,
+by default the end of this chunk), the kept tokens are positions >= F = E - keep (the floor). A replay
+layer runs on the kept tokens of the chunk only; every window key (ring slot or earlier chunk token) at a
+position below F is invisible, so a kept token at p attends to window positions [max(p - W + 1, F), p] (plus
+its compressed-KV picks, which come from the fully-run KV sources and are unaffected). Only kept tokens enter
+a replay layer's ring, and because keep >= the ring size (validated), the ring after prefill holds the same
+positions as after a full prefill: decode continues from it unchanged. Tokens before F skip the replay
+layers: their streams (and any `collect` taps of replay layers) are the streams after the last KV source,
+so their logits are not next-token predictions. Three modes:
+- `off`: every layer on every token (a full prefill);
+- `mask`: every row runs through the replay layers with the narrowed visibility above, then rows below F
+  keep their pre-replay streams; the reference for `compact`;
+- `compact`: each row's kept tokens (contiguous at the chunk's tail) are gathered into a static bucket of
+  min(chunk, keep) rows, run, and scattered back; a step in which no row keeps a token skips the replay
+  layers altogether. Same numbers as `mask` up to float reassociation of the smaller shapes.
+
+Why replay is not bit-identical to a full prefill: the first replay layer sees exact inputs, but its output
+at a kept token p < F + W - 1 lacks the window keys below F; the next replay layer's keys (its window KV of
+those tokens) inherit that error, and so on, each replay layer moving the inexact region W - 1 tokens
+further right. A kept token's output is exact only at p >= F + D * (W - 1) for D replay layers, and the ring of
+the last replay layer is exact only when keep >= ring + (D - 1) * (W - 1) (`exact_keep`). DeepInfer keeps
+140 >= 128 + 6 for V4.1-Flash (D = 19), so its final hidden states differ slightly from a full prefill,
+by design. With one replay layer (the bundled model) the default keep is exact for the last keep - W + 1
+tokens and for the ring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+MODES = ("off", "mask", "compact")
+DEFAULT_KEEP = 140  # DeepInfer's default: window 128 + max backtracking 6, plus a margin
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """How a prefill runs the replay layers: `mode` (off / mask / compact) and `keep` (tokens per request)."""
+
+    mode: str = "off"
+    keep: int = DEFAULT_KEEP
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"replay mode {self.mode!r} is not one of {MODES}")
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep <= 0:
+            raise ValueError(f"replay keep must be a positive integer, got {self.keep!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "off"
+
+    def check(self, ring: int, window: int) -> None:
+        """Raise ValueError unless `keep` covers a replay layer's ring (window + backtracking slots)."""
+        if self.keep < ring:
+            raise ValueError(f"replay keep={self.keep} must be >= window + backtracking = {window} + "
+                             f"{ring - window} = {ring} (the replay layers' ring slots), or decode would read "
+                             "ring slots prefill never wrote")
+
+
+def exact_keep(config, ring: int) -> int:
+    """The smallest keep for which replay leaves every replay layer's ring, and the last token, exact."""
+    depth = config.num_hidden_layers - config.n_prefill_layer
+    return ring + max(depth - 1, 0) * (config.sliding_window - 1)
+
+
+def kept_span(start, count, prompt_end, keep: int, batch: int):
+    """(offset of the first kept token in the chunk, kept tokens, floor F [batch]): the first two are scalars
+    when `start` and `count` are and `prompt_end` is None, else per row."""
+    if prompt_end is not None:
+        start, count = jnp.broadcast_to(start, (batch,)), jnp.broadcast_to(count, (batch,))
+    floor = (start + count if prompt_end is None else jnp.broadcast_to(prompt_end, (batch,))) - keep
+    offset = jnp.clip(floor - start, 0, count).astype(jnp.int32)
+    return offset, (count - offset).astype(jnp.int32), jnp.broadcast_to(floor, (batch,)).astype(jnp.int32)
+
+
+def key_positions(ring_pos: Int[Array, "b w"], positions: Int[Array, " c"], window: int) -> Int[Array, "b c k"]:
+    """The position of every key `model.attention.window_ids` lists: W ring slots, then W in-chunk tokens."""
+    (b, w), c = ring_pos.shape, positions.shape[0]
+    in_chunk = positions[:, None] - jnp.arange(window)[None, :]
+    return jnp.concatenate([jnp.broadcast_to(ring_pos[:, None, :], (b, c, w)),
+                            jnp.broadcast_to(in_chunk, (b, c, window))], axis=2)
+
+
+def take_rows(x: Array, offset: Int[Array, " b"], width: int) -> Array:
+    """x[b, offset_b + i] for i < width ([b, width, ...]); rows past the chunk repeat its last row (padding)."""
+    idx = jnp.minimum(offset[:, None] + jnp.arange(width), x.shape[1] - 1)
+    return jnp.take_along_axis(x, idx.reshape(*idx.shape, *(1,) * (x.ndim - 2)), axis=1)
+
+
+def put_rows(x: Array, rows: Array, offset: Int[Array, " b"], length: Int[Array, " b"]) -> Array:
+    """x with x[b, offset_b + i] = rows[b, i] for i < length_b (the inverse of `take_rows` on kept rows)."""
+    i = jnp.arange(rows.shape[1])
+    idx = jnp.where(i[None, :] < length[:, None], offset[:, None] + i, x.shape[1])  # past the end: dropped
+    return x.at[jnp.arange(x.shape[0])[:, None], idx].set(rows.astype(x.dtype), mode="drop")
