@@ -173,3 +173,22 @@ def test_concurrency_limit_and_metrics(served, client):
                    "jaxseek:num_requests_running", "jaxseek:kv_cache_usage_perc"):
         assert series in text
     assert 'jaxseek:request_rejected_total{model_name="bundled",status="429"} 1.0' in text
+
+
+def test_load_with_disconnects_and_bad_requests(served):
+    """16 concurrent streaming clients: some hang up mid-stream, some send bad requests; every good one
+    completes, every bad one gets a 4xx with a message, and the page pool is back to its baseline."""
+    import asyncio
+
+    from serving.loadgen import run_load
+
+    summary, outcomes = asyncio.run(run_load(
+        served[2], MODEL, ["Who goes there?", "Speak, what news?"], num_requests=16, max_concurrency=16,
+        disconnect_fraction=0.25, bad_fraction=0.3, max_tokens=6, max_len=MAX_LEN, api_key=KEY, seed=1))
+    assert summary["failed"] == 0 and summary["completed"] + summary["disconnected"] + summary["bad_requests"] == 16
+    assert summary["disconnected"] >= 1 and summary["bad_requests"] >= 3
+    assert summary["bad_requests_refused_4xx"] == summary["bad_requests"]
+    assert all(o.completion_tokens == 6 or o.finish_reason == "stop" for o in outcomes if o.kind == "ok")
+    assert summary["leaked_pages"] == 0 and summary["server_up"]
+    with pytest.raises(ValueError, match="only targets this machine"):
+        asyncio.run(run_load("http://example.com", MODEL, ["x"], num_requests=1, max_concurrency=1))
