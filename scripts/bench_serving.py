@@ -14,10 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,28 +27,13 @@ PROMPTS = ["Who goes there?", "Speak, what news from Venice?", "What light throu
 
 def start_server(args):
     """The bundled model's server on a free localhost port, in this process; returns (base url, stop)."""
-    import uvicorn
-
     from model import load_model
-    from serving.server import Server, ServerConfig
+    from serving.server import Server, ServerConfig, serve_in_thread
 
     server = Server(load_model(), ServerConfig(model_name=args.model), max_slots=args.max_slots,
                     max_len=args.max_len, prefill_chunk=args.prefill_chunk)
     server.engine.warmup()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.02)
-
-    def stop():
-        http.should_exit = True
-        thread.join()
-
-    return f"http://127.0.0.1:{port}", stop
+    return serve_in_thread(server.app)
 
 
 def main(argv=None) -> int:

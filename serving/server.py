@@ -13,7 +13,10 @@ import asyncio
 import dataclasses
 import json
 import os
+import socket
+import threading
 import time
+from collections.abc import Callable
 import uuid
 
 from fastapi import FastAPI, Request
@@ -594,6 +597,29 @@ def add_arguments(p) -> None:
     p.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before 429 (default 256)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--max-logprobs", type=int, default=5, help="most top_logprobs a request may ask (default 5)")
+
+
+def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, Callable[[], None]]:
+    """Run an ASGI app under uvicorn on a free port of `host` in a daemon thread (tests, benchmarks); returns
+    (base url, stop)."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the server could not start on {host}:{port}")
+        time.sleep(0.02)
+
+    def stop():
+        http.should_exit = True
+        thread.join()
+
+    return f"http://{host}:{port}", stop
 
 
 def serve(args, model) -> int:

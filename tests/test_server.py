@@ -3,8 +3,6 @@ the bundled model on a small engine shared by the module. Greedy text is checked
 full-sequence forward (not the engine), streamed text against the non-streamed reply."""
 
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -12,10 +10,9 @@ import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
 
 from model import load_model  # noqa: E402
-from serving.server import Server, ServerConfig  # noqa: E402
+from serving.server import Server, ServerConfig, serve_in_thread  # noqa: E402
 
 KEY = "test-key"
 MODEL = "bundled"
@@ -28,17 +25,9 @@ def served():
     server = Server(model, ServerConfig(model_name=MODEL, api_key=KEY, max_body_bytes=64 * 1024),
                     max_slots=2, max_len=MAX_LEN, prefill_chunk=8, max_prefill_rows=1, num_top_logprobs=3)
     server.engine.warmup()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.02)
-    yield model, server, f"http://127.0.0.1:{port}"
-    http.should_exit = True
-    thread.join()
+    url, stop = serve_in_thread(server.app)
+    yield model, server, url
+    stop()
 
 
 @pytest.fixture(scope="module")
