@@ -50,7 +50,7 @@ def _only(tokens: Sequence[int], row: np.ndarray) -> None:
         words[t // 32] |= np.uint32(1 << (t % 32))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Taken:
     """A draft taken tentatively: whether the matcher consumed it (a token of the constrained output), and
     whether it switched the constraint on (the trigger)."""
@@ -92,6 +92,10 @@ class RequestGrammar:
     def fill(self, row: Int[np.ndarray, " words"]) -> None:
         """Write the mask of the next token into `row` (int32 [W], C-contiguous)."""
         self._check_row(row)
+        self._check_settled()
+        self._fill(row)
+
+    def _fill(self, row: np.ndarray) -> None:
         if self.ended or self.error is not None:
             _only(self.eos_ids, row)
         elif not self.active:
@@ -102,8 +106,7 @@ class RequestGrammar:
 
     def accept(self, tokens: Sequence[int]) -> bool:
         """Commit tokens the request emitted, in order; False (and `error` set) if the constraint refuses one."""
-        if self._taken is not None:
-            raise RuntimeError("settle() the drafts under verification before accepting tokens")
+        self._check_settled()
         for t in tokens:
             taken = self._take(int(t))
             if taken is None:
@@ -128,18 +131,17 @@ class RequestGrammar:
         self._check_row(masks[0])
         if len(drafts) + 1 > masks.shape[0]:
             raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} mask rows, got {masks.shape[0]}")
-        if self._taken is not None:
-            raise RuntimeError("settle() the previous drafts first")
+        self._check_settled()
         self._taken = []
         for j, t in enumerate(drafts):
-            self.fill(masks[j])
+            self._fill(masks[j])
             taken = self._take(int(t))
             if taken is None:
                 break
             self._taken.append(taken)
         n = len(self._taken)
         if n == len(drafts):
-            self.fill(masks[n])
+            self._fill(masks[n])
         masks[n + 1:] = masks[n]
         return n
 
@@ -177,6 +179,18 @@ class RequestGrammar:
             return None
         return _Taken(consumed=True, activated=False)
 
+    def _take_active(self, drafts: list[int]) -> list[_Taken]:
+        """`_take` over drafts up to the first refused one, for an active constraint: one matcher call."""
+        end = next((j for j, t in enumerate(drafts) if t in self.eos_ids), len(drafts))
+        taken = [_Taken(consumed=True, activated=False)] * self.matcher.try_consume_tokens(drafts[:end])
+        if len(taken) == end < len(drafts) and self._take(drafts[end]) is not None:
+            taken.append(_Taken(consumed=False, activated=False))
+        return taken
+
+    def _check_settled(self) -> None:
+        if self._taken is not None:
+            raise RuntimeError("settle() the drafts under verification first")
+
     def _check_row(self, row: np.ndarray) -> None:
         if row.dtype != np.int32 or row.shape[-1] != self.words or not row.flags["C_CONTIGUOUS"]:
             raise ValueError(f"mask rows must be C-contiguous int32 [..., {self.words}], got {row.dtype} "
@@ -200,6 +214,7 @@ def fill_masks(grammars: Sequence[RequestGrammar | None], masks: Int[np.ndarray,
         if g is None:
             masks[i] = ALL_ALLOWED
         elif g.active and not g.finished:
+            g._check_settled()
             parallel.append((g.matcher, i))
         else:
             g.fill(masks[i])
@@ -228,6 +243,7 @@ def speculate_masks(grammars: Sequence[RequestGrammar | None], drafts: Sequence[
             masks[i] = ALL_ALLOWED
             allowed.append(len(d))
         elif g.active and not g.finished:
+            g._check_settled()
             parallel.append((g.matcher, i * verify, [int(t) for t in d]))
             allowed.append(-1)  # taken below, after the parallel fill
         else:
@@ -238,13 +254,8 @@ def speculate_masks(grammars: Sequence[RequestGrammar | None], drafts: Sequence[
         for _, at, d in parallel:
             i = at // verify
             g = grammars[i]
-            g._taken, n = [], 0
-            for t in d:
-                taken = g._take(t)
-                if taken is None:
-                    break
-                g._taken.append(taken)
-                n += 1
+            g._taken = g._take_active(d)
+            n = len(g._taken)
             if g.ended:  # the last draft taken is an EOS: only EOS follows
                 _only(g.eos_ids, masks[i, n])
             for j in range(n + 1):

