@@ -1,5 +1,7 @@
 """Mixture of experts: sqrt-softplus routing (bias for selection only), hash routing, clamped SwiGLU experts."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,19 @@ from jaxtyping import Array, Float, Int
 from model.config import ModelConfig
 from model.linear import Linear, normal_init
 from pallas_kernels import registry
+
+
+_dispatch: list = []  # an expert-parallel `routed_experts` (sharding.expert_parallel), innermost last
+
+
+@contextlib.contextmanager
+def expert_dispatch(routed):
+    """Use `routed` (the signature of `routed_experts`) for MoE layers traced inside this block."""
+    _dispatch.append(routed)
+    try:
+        yield
+    finally:
+        _dispatch.pop()
 
 
 def clamped_swiglu(gate: Float[Array, "..."], up: Float[Array, "..."], limit: float) -> Float[Array, "..."]:
@@ -86,7 +101,8 @@ class Experts(nnx.Module):
 
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"]):
         """Sum over each token's chosen experts of weight * expert(x) (the kernel registry's `routed_experts`)."""
-        return registry.op("routed_experts")(x, ids, weights, self.w1[...], self.w2[...], self.w3[...], self.limit)
+        routed = _dispatch[-1] if _dispatch else registry.op("routed_experts")
+        return routed(x, ids, weights, self.w1[...], self.w2[...], self.w3[...], self.limit)
 
 
 def routed_experts(

@@ -13,11 +13,13 @@ them to mesh axes and `PARAM_AXES` names the parameters' axes by their path in t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
@@ -183,3 +185,42 @@ def init_sharded_model(config, mesh: Mesh, seed: int = 0, dtype: str = "float32"
 
     params = jax.jit(create, out_shardings=shardings)()
     return Model(nnx.merge(shapes.graphdef, params))
+
+
+def model_forward(model):
+    """`(params, tokens, cache, *engram_rows) -> (logits, cache)` of a Model, for jit / lowering."""
+    graphdef, has_engram = model.graphdef, bool(getattr(model.config, "engram_layer_ids", ()))
+
+    def forward(params, tokens, cache, *rows):
+        return nnx.merge(graphdef, params)(tokens, cache, *([tuple(rows)] if has_engram else []))
+
+    return forward
+
+
+def batch_sharded(mesh: Mesh | AbstractMesh, tree):
+    """Shardings for a tree of batch-first arrays (cache leaves, tokens): leading axis over `batch`,
+    scalars replicated."""
+    return jax.tree.map(lambda leaf: NamedSharding(mesh, logical_spec("batch", *[None] * (len(leaf.shape) - 1))
+                                                   if leaf.shape else P()), tree)
+
+
+def logits_on_mesh(model, tokens, mesh: Mesh):
+    """fp32 logits of a whole-sequence forward with requests split over the attention ranks (`batch`) and,
+    when `ep` > 1, the experts split over `ep` (all-to-all dispatch). The batch must divide the ranks."""
+    from sharding.expert_parallel import expert_parallel
+
+    tokens = np.asarray(tokens, np.int32)
+    ranks = mesh.shape["dp"] * mesh.shape["ep"]
+    if tokens.ndim != 2 or tokens.shape[0] % ranks:
+        raise ValueError(f"tokens must be [batch, seq] with batch a multiple of the {ranks} attention ranks, "
+                         f"got shape {tokens.shape}")
+    sharded = shard_model(model, mesh)
+    cache = sharded.module().init_cache(*tokens.shape)
+    rows = ()
+    if model.engram is not None:
+        rows, _ = model.engram.lookup(tokens, model.engram.empty_history(tokens.shape[0]))
+    args = jax.device_put((jnp.asarray(tokens), cache, tuple(rows)),
+                          batch_sharded(mesh, (tokens, cache, tuple(rows))))
+    context = expert_parallel(mesh) if mesh.shape["ep"] > 1 else contextlib.nullcontext()
+    with context:
+        return jax.jit(model_forward(sharded))(sharded.params, args[0], args[1], *args[2])[0]

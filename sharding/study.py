@@ -10,6 +10,7 @@ CPU devices, the collectives of the decode and prefill steps, their FLOPs per to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -22,10 +23,10 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from sharding.mesh import MeshSpec, MeshSpecError, make_mesh, param_logical_axes, param_shardings
+from sharding.expert_parallel import expert_parallel
+from sharding.mesh import (MeshSpec, MeshSpecError, batch_sharded, make_mesh, model_forward, param_logical_axes,
+                           param_shardings)
 from sharding.platform import PROFILES, DeviceProfile
 from sharding.storage import PARAM_FORMATS, KV_FORMATS, kv_figures, param_element_bytes, v32
 
@@ -112,15 +113,6 @@ def parameter_bytes(model, config, spec: MeshSpec, options: StudyOptions) -> dic
             "param_bytes_per_device": backbone + experts + table * share}
 
 
-def _batch_sharded(mesh, shapes):
-    """ShapeDtypeStructs of `shapes` with their leading axis over the attention ranks (scalars replicated)."""
-    def one(leaf):
-        spec = P() if not leaf.shape else P(("dp", "ep"), *([None] * (len(leaf.shape) - 1)))
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
-
-    return jax.tree.map(one, shapes)
-
-
 def _count_collectives(hlo: str) -> dict[str, int]:
     return {op: len(re.findall(rf"= [^=\n]*? {op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
 
@@ -139,24 +131,22 @@ def compile_steps(config_name: str, spec: MeshSpec, options: StudyOptions, max_l
     config = preset(config_name)
     model = abstract_model(config, "bfloat16")
     mesh = make_mesh(spec)
-    params = jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
-                          model.params, param_shardings(model.params, mesh))
+    params = _with_shardings(model.params, param_shardings(model.params, mesh))
     batch = spec.dp * options.sequences_per_device
-    graphdef, engram_ids = model.graphdef, getattr(config, "engram_layer_ids", ())
-
-    def forward(params, tokens, cache, *rows):
-        return nnx.merge(graphdef, params)(tokens, cache, *([tuple(rows)] if engram_ids else []))
-
+    engram_ids = getattr(config, "engram_layer_ids", ())
     out = {}
     for step in options.compile_steps:
         chunk = 1 if step == "decode" else min(options.prefill_chunk, max_len)
-        cache = _batch_sharded(mesh, jax.eval_shape(lambda: model.module().init_cache(batch, max_len)))
-        tokens = _batch_sharded(mesh, jax.ShapeDtypeStruct((batch, chunk), jnp.int32))
         lookups = (getattr(config, "engram_max_ngram_size", 2) - 1) * getattr(config, "engram_n_heads", 0)
-        rows = [_batch_sharded(mesh, jax.ShapeDtypeStruct((batch, chunk, lookups, config.engram_head_dim),
-                                                          jnp.float32)) for _ in engram_ids]
+        inputs = (jax.ShapeDtypeStruct((batch, chunk), jnp.int32),
+                  jax.eval_shape(lambda: model.module().init_cache(batch, max_len)),
+                  *[jax.ShapeDtypeStruct((batch, chunk, lookups, config.engram_head_dim), jnp.float32)
+                    for _ in engram_ids])
+        tokens, cache, *rows = _with_shardings(inputs, batch_sharded(mesh, inputs))
         start = time.perf_counter()
-        compiled = jax.jit(forward, donate_argnums=2).trace(params, tokens, cache, *rows).lower().compile()
+        with expert_parallel(mesh) if spec.ep > 1 else contextlib.nullcontext():
+            traced = jax.jit(model_forward(model), donate_argnums=2).trace(params, tokens, cache, *rows)
+        compiled = traced.lower().compile()
         memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
         out[step] = {"tokens": batch * chunk,
                      "compile_s": round(time.perf_counter() - start, 2),
@@ -164,6 +154,10 @@ def compile_steps(config_name: str, spec: MeshSpec, options: StudyOptions, max_l
                      "flops_per_token": cost.get("flops", 0.0) * spec.num_devices / (batch * chunk),
                      "workspace_bytes_per_device": float(memory.temp_size_in_bytes)}
     return out
+
+
+def _with_shardings(shapes, shardings):
+    return jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), shapes, shardings)
 
 
 def _compile_in_child(config_name: str, spec: MeshSpec, options: StudyOptions, max_len: int) -> dict:

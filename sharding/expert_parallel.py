@@ -1,0 +1,121 @@
+"""Expert parallelism: routed experts split over the mesh's `ep` axis, tokens sent to them by all-to-all.
+
+`ep_routed_experts(mesh)` has the signature of `model.moe.routed_experts`. Inside `jax.shard_map` every
+device holds its own tokens and E/ep experts: each (token, expert) pair is written into the bucket of the
+shard owning that expert (buckets sized for the worst case, so nothing is ever dropped), one all-to-all
+over `ep` delivers the buckets, the shard runs its local experts (the kernel registry's `routed_experts`
+with one expert per row), a second all-to-all returns the results, and each token sums its k results in
+its own slot order, a fixed order whatever else is in the batch.
+
+With an EPLB placement (`ExpertPlacement`, from `sharding.eplb.rebalance_experts`), weights are stored per
+physical slot (redundant replicas included) and each pair picks one replica of its expert from its token's
+index, so replicas share the load; replicas hold identical weights, so the choice never changes a result.
+
+`expert_parallel(mesh)` routes every MoE layer traced inside it through this path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from model import moe
+from pallas_kernels import registry
+
+TOKEN_AXES = ("dp", "ep")  # the mesh axes tokens are split over (sharding.mesh.RULES["batch"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertPlacement:
+    """One MoE layer's EPLB maps: the logical expert in each physical slot, each expert's slots (-1 padded)
+    and replica counts. Slot s lives on ep shard s // (slots / ep)."""
+
+    phy2log: Int[np.ndarray, " slots"]
+    log2phy: Int[np.ndarray, "experts replicas"]
+    logcnt: Int[np.ndarray, " experts"]
+
+    @classmethod
+    def from_eplb(cls, phy2log, log2phy, logcnt, layer: int = 0) -> ExpertPlacement:
+        """Layer `layer` of `rebalance_experts`' (phy2log, log2phy, logcnt)."""
+        return cls(np.asarray(phy2log)[layer], np.asarray(log2phy)[layer], np.asarray(logcnt)[layer])
+
+    @classmethod
+    def identity(cls, n_experts: int) -> ExpertPlacement:
+        """Each expert in its own slot, no replicas."""
+        ids = np.arange(n_experts)
+        return cls(ids, ids[:, None], np.ones(n_experts, np.int64))
+
+    def physical(self, w: Float[Array, "e ..."]) -> Float[Array, "slots ..."]:
+        """Stacked expert weights laid out by physical slot (moving them is how a rebalance takes effect)."""
+        return w[jnp.asarray(self.phy2log)]
+
+    def slots_of(self, ids: Int[Array, "t k"], token_index: Int[Array, " t"]) -> Int[Array, "t k"]:
+        """The physical slot serving each (token, expert) pair: replica (token index mod replica count)."""
+        replica = token_index[:, None] % jnp.asarray(self.logcnt)[ids]
+        return jnp.asarray(self.log2phy)[ids, replica]
+
+
+def _local_pairs(x, ids, weights, w1, w2, w3, limit, *, axis: str, n_shards: int):
+    """The shard_map body: dispatch this device's pairs by all-to-all, run local experts, combine."""
+    t, k = ids.shape
+    local = w1.shape[0]
+    dest, expert = ids // local, ids % local  # [t, k]
+    flat_dest = dest.reshape(-1)
+    # position of each pair inside its destination bucket (pairs in token-then-slot order)
+    onehot = jax.nn.one_hot(flat_dest, n_shards, dtype=jnp.int32)
+    pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+    cap = t * k
+    send_x = jnp.zeros((n_shards, cap, x.shape[-1]), x.dtype).at[flat_dest, pos].set(jnp.repeat(x, k, axis=0))
+    send_e = jnp.zeros((n_shards, cap), jnp.int32).at[flat_dest, pos].set(expert.reshape(-1))
+    send_ok = jnp.zeros((n_shards, cap), jnp.float32).at[flat_dest, pos].set(1.0)
+    a2a = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
+    recv_x, recv_e, recv_ok = a2a(send_x), a2a(send_e), a2a(send_ok)
+    y = registry.op("routed_experts")(recv_x.reshape(-1, x.shape[-1]), recv_e.reshape(-1, 1),
+                                      recv_ok.reshape(-1, 1), w1, w2, w3, limit)
+    back = a2a(y.reshape(n_shards, cap, -1))
+    per_pair = back[flat_dest, pos].reshape(t, k, -1)
+    out = weights[:, 0, None] * per_pair[:, 0]
+    for slot in range(1, k):  # fixed summation order over each token's slots
+        out = out + weights[:, slot, None] * per_pair[:, slot]
+    return out
+
+
+def ep_routed_experts(mesh: Mesh, placement: ExpertPlacement | None = None):
+    """`model.moe.routed_experts` with experts split over `mesh`'s `ep` axis (see the module docstring).
+
+    Weights are logical [E, ...] (or, with `placement`, already per physical slot via `placement.physical`)."""
+    n_shards = mesh.shape["ep"]
+    n_token_shards = n_shards * mesh.shape["dp"]
+
+    def routed(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
+               w1: Float[Array, "e i d"], w2: Float[Array, "e d i"], w3: Float[Array, "e i d"],
+               limit: float) -> Float[Array, "t d"]:
+        if w1.shape[0] % n_shards:
+            raise ValueError(f"{w1.shape[0]} expert slots do not divide over ep={n_shards}")
+        t = x.shape[0]
+        if placement is not None:
+            ids = placement.slots_of(ids, jnp.arange(t))
+        pad = -t % n_token_shards  # padding pairs carry weight 0 and go to expert 0
+        x, ids, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, ids, weights))
+        body = functools.partial(_local_pairs, limit=limit, axis="ep", n_shards=n_shards)
+        tokens, experts = P(TOKEN_AXES), P("ep")
+        out = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts),
+                            out_specs=tokens)(x, ids, weights.astype(jnp.float32), w1, w2, w3)
+        return out[:t]
+
+    return routed
+
+
+@contextlib.contextmanager
+def expert_parallel(mesh: Mesh):
+    """Run every MoE layer traced inside this block with its experts split over `mesh`'s `ep` axis."""
+    with moe.expert_dispatch(ep_routed_experts(mesh)):
+        yield
