@@ -1,0 +1,151 @@
+"""Bounded decoder replay in prefill (`model.replay`): mask == compact, the exactness rule against a full
+prefill, chunked prefill with a prompt end, keep validation, and the bundled model's greedy continuations.
+
+The reference is always the full prefill (replay off) of the same model: replay must match it exactly where
+the rule in `model.replay` says it is exact (a replay layer at depth d is exact at kept positions
+p >= F + d (W - 1); the rings when keep >= `exact_keep`), and must differ where the window was cut.
+"""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from model.api import init_model
+from model.checkpoint import load_model
+from model.config import preset
+from model.replay import Replay, exact_keep
+from tests.helpers import random_model
+
+TINY = preset("tiny-v41")  # layers 0-5 run on every token (last KV source 5); 6, 7, 8 are replay layers
+W, SPLIT, N = TINY.sliding_window, TINY.n_prefill_layer, TINY.num_hidden_layers
+TOKENS = np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 63)).astype(np.int32)
+KEEP = exact_keep(TINY, W)  # 8 + 2 * 7 = 22: kept positions 41..62
+FLOOR = TOKENS.shape[1] - KEEP
+TAPPED = tuple(range(SPLIT - 1, N))  # the last KV source (the replay layers' input) and every replay layer
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model(TINY, seed=3, noise=0.05)
+
+
+def forward(model, tokens, replay=None, cache=None, prompt_end=None):
+    """(logits, cache, taps of TAPPED [b, c, len(TAPPED), hidden]) of one chunk from `cache` (default empty)."""
+    cache = model.init_cache(*tokens.shape) if cache is None else cache
+    rows, _ = model.engram.lookup(tokens, np.asarray(cache["engram_history"]))
+    logits, cache, taps = _jitted(model.graphdef, replay)(model.params, tokens, cache, rows, prompt_end)
+    return np.asarray(logits), cache, np.asarray(taps).reshape(*tokens.shape, len(TAPPED), -1)
+
+
+@functools.cache
+def _jitted(graphdef, replay):
+    def run(params, tokens, cache, rows, prompt_end):
+        return nnx.merge(graphdef, params)(tokens, cache, rows, collect=TAPPED, replay=replay, prompt_end=prompt_end)
+    return jax.jit(run)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny):
+    return {mode: forward(tiny, TOKENS, None if mode == "off" else Replay(mode, KEEP))
+            for mode in ("off", "mask", "compact")}
+
+
+def close(a, b, atol=1e-5):
+    return np.allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=0)
+
+
+def test_mask_and_compact_agree_on_every_row_and_state(runs):
+    (mask_logits, mask_cache, mask_taps), (logits, cache, taps) = runs["mask"], runs["compact"]
+    assert close(mask_logits, logits) and close(mask_taps, taps)
+    for a, b in zip(jax.tree.leaves(mask_cache["layers"]), jax.tree.leaves(cache["layers"])):
+        assert close(a, b)
+
+
+@pytest.mark.parametrize("mode", ["mask", "compact"])
+def test_replay_is_exact_where_the_window_was_not_cut(runs, mode):
+    (off_logits, off_cache, off_taps), (logits, cache, taps) = runs["off"], runs[mode]
+    assert close(taps[:, :, 0], off_taps[:, :, 0])  # the last KV source runs on every token
+    for depth in range(1, N - SPLIT + 1):
+        exact_from = FLOOR + depth * (W - 1)
+        assert close(taps[:, exact_from:, depth], off_taps[:, exact_from:, depth])
+        assert not close(taps[:, FLOOR, depth], off_taps[:, FLOOR, depth], 1e-3)  # its window lost keys
+        assert close(taps[:, :FLOOR, depth], taps[:, :FLOOR, 0])  # tokens before the floor skip the layer
+    assert close(logits[:, -1], off_logits[:, -1])  # keep = exact_keep: the last position is exact
+    for a, b in zip(jax.tree.leaves(cache["layers"]), jax.tree.leaves(off_cache["layers"])):
+        assert close(a, b)  # every ring and encoder state, so decode continues as after a full prefill
+
+
+def test_chunked_prefill_with_a_prompt_end_matches_one_chunk(tiny, runs):
+    """Chunks [0, 21) (before the floor: replay layers skipped), [21, 42) (straddles it), [42, 63)."""
+    logits, cache, _ = runs["compact"]
+    chunked, end = tiny.init_cache(*TOKENS.shape), np.full(2, TOKENS.shape[1], np.int32)
+    for a, b in ((0, 21), (21, 42), (42, 63)):
+        part, chunked, _ = forward(tiny, TOKENS[:, a:b], Replay("compact", KEEP), chunked, end)
+        chunked = {**chunked, "engram_history": tiny.engram.lookup(TOKENS[:, a:b],
+                                                                   np.asarray(chunked["engram_history"]))[1]}
+    assert close(part[:, -1], logits[:, -1])
+    for a, b in zip(jax.tree.leaves(chunked["layers"]), jax.tree.leaves(cache["layers"])):
+        assert close(a, b)
+
+
+def test_exact_keep_of_the_released_model():
+    # 19 replay layers (21..39), window 128: ring + 18 * 127
+    assert exact_keep(preset("v41-flash"), 128 + 6) == 134 + 18 * 127
+    assert exact_keep(TINY, W) == 22
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "fast"}, "replay mode 'fast' is not one of"),
+    ({"keep": 0}, "positive integer"),
+    ({"keep": 1.5}, "positive integer"),
+])
+def test_bad_replay_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Replay(**kwargs)
+
+
+def test_keep_must_cover_window_and_backtracking(tiny):
+    with pytest.raises(ValueError, match=r"keep=7 must be >= window \+ backtracking = 8 \+ 0 = 8"):
+        tiny.logits(TOKENS, replay=Replay("compact", 7))
+    cache = tiny.init_cache(*TOKENS.shape)
+    cache["layers"] = tiny.module().init_cache(*TOKENS.shape, ring=W + 4)["layers"]
+    with pytest.raises(ValueError, match=r"keep=10 must be >= window \+ backtracking = 8 \+ 4 = 12"):
+        tiny.step(TOKENS, cache, replay=Replay("mask", 10))
+    with pytest.raises(ValueError, match="needs a causal encoder-decoder"):
+        init_model(preset("tiny")).logits(TOKENS[:, :4], replay=Replay("mask"))
+
+
+# ---- the bundled model: one replay layer (3), window 32 --------------------------------------------------
+
+PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 400, 16
+
+
+def greedy_after_prefill(model, prompts: np.ndarray, replay):
+    """(prefill logits [b, n, v], greedy tokens [b, NEW_TOKENS], their logits [b, NEW_TOKENS, v])."""
+    cache = model.init_cache(prompts.shape[0], prompts.shape[1] + NEW_TOKENS)
+    prefill, cache = model.step(prompts, cache, replay=replay)
+    steps = [np.asarray(prefill[:, -1])]
+    for _ in range(NEW_TOKENS - 1):
+        logits, cache = model.step(steps[-1].argmax(-1)[:, None].astype(np.int32), cache)
+        steps.append(np.asarray(logits[:, -1]))
+    steps = np.stack(steps, axis=1)
+    return np.asarray(prefill), steps.argmax(-1), steps
+
+
+def test_bundled_model_continues_alike_after_replay():
+    model = load_model()
+    text = (__import__("pathlib").Path(__file__).parent / "data" / "heldout_slice.txt").read_text(encoding="utf-8")
+    ids = np.asarray(model.tokenizer.encode(text), np.int32)
+    prompts = np.stack([ids[i * 190:i * 190 + PROMPT_LEN] for i in range(PROMPTS)])
+    off_prefill, off_tokens, off_steps = greedy_after_prefill(model, prompts, None)
+    on_prefill, on_tokens, on_steps = greedy_after_prefill(model, prompts, Replay("compact"))
+    floor = PROMPT_LEN - Replay().keep
+    assert np.abs(on_prefill[:, floor] - off_prefill[:, floor]).max() > 1e-2  # the cut window shows
+    # one replay layer: exact from floor + W - 1 on, and its ring holds exact keys, so decode is too
+    assert np.abs(on_prefill[:, floor + model.config.sliding_window - 1:]
+                  - off_prefill[:, floor + model.config.sliding_window - 1:]).max() < 1e-4
+    assert np.abs(on_steps - off_steps).max() < 1e-4
+    assert (on_tokens == off_tokens).mean() == 1.0  # 8 prompts x 16 greedy tokens
