@@ -22,8 +22,10 @@ MAX_LEN = 96
 @pytest.fixture(scope="module")
 def served():
     model = load_model()
+    # the engine tests/test_router.py's replicas run (`jaxseek serve --max-slots 2 --max-len 96 --prefill-chunk 8
+    # --batch-invariant`), so the persistent compile cache serves both modules
     server = Server(model, ServerConfig(model_name=MODEL, api_key=KEY, max_body_bytes=64 * 1024),
-                    max_slots=2, max_len=MAX_LEN, prefill_chunk=8, max_prefill_rows=1, num_top_logprobs=3)
+                    max_slots=2, max_len=MAX_LEN, prefill_chunk=8, batch_invariant=True, num_top_logprobs=5)
     server.engine.warmup()
     url, stop = serve_in_thread(server.app)
     yield model, server, url

@@ -1,0 +1,146 @@
+"""The replica router: prefix-aware / least-load choice, outputs equal to a single replica's, and a replica killed
+mid-load (SIGKILL of its process) loses no request. Replicas are `jaxseek serve` processes of the bundled model,
+batch-invariant so that a request's tokens do not depend on which replica or batch ran it."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serving.router import Router
+from serving.server import serve_in_thread
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "bundled"
+PROMPTS = ["ROMEO:\n", "JULIET:\n", "KING:\nWhat news?", "HAMLET:\nTo be", "First Citizen:\n", "PORTIA:\nThe quality"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("replicas")
+    # the replicas compile what tests/test_server.py's engine compiles, with conftest's JAX settings, so the
+    # persistent compile cache serves both modules
+    env = {**os.environ, "JAXSEEK_COMPILE_CACHE": str(ROOT / ".pytest_cache" / "jax"), "JAX_NUM_CPU_DEVICES": "8",
+           "JAX_DEFAULT_MATMUL_PRECISION": "highest", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    procs, urls = [], []
+    for i in range(2):  # one after the other: the second finds the first's compiled steps in the cache
+        port = free_port()
+        log = logs / f"replica{i}.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "model.cli", "serve", "--port", str(port), "--served-model-name", MODEL,
+             "--max-slots", "2", "--max-len", "96", "--prefill-chunk", "8", "--batch-invariant"],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        procs.append(proc)
+        urls.append(f"http://127.0.0.1:{port}")
+        end = time.time() + 180
+        while True:
+            try:
+                if httpx.get(urls[-1] + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.time() > end:
+                for p in procs:
+                    p.kill()
+                pytest.fail(f"replica {i} did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+    yield procs, urls
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
+
+
+def completion(url: str, prompt: str, max_tokens: int = 12) -> str:
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                                   "temperature": 0, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+async def stream_text(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, first: asyncio.Event) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text = ""
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                return text
+            if line.startswith("data: "):
+                payload = json.loads(line[6:])
+                assert "error" not in payload, payload
+                text += "".join(c["text"] for c in payload["choices"])
+                first.set()
+    raise AssertionError("the stream ended without [DONE]")
+
+
+def test_choice_prefers_the_prefix_owner_within_slack():
+    router = Router(["http://a", "http://b"], slack=1)
+    a, b = router.replicas
+    body = {"messages": [{"role": "user", "content": "long shared system prompt"}]}
+    assert router.choose(body) is a  # least loaded (ties: fewest served)
+    a.in_flight = 1
+    assert router.choose(body) is a  # the prefix owner, within the slack
+    assert router.choose({"prompt": "something else"}) is b  # a new prefix: least loaded
+    a.in_flight = 2
+    assert router.choose(body) is b  # the owner carries too much more: the prefix moves
+    router.mark_down(b)
+    assert router.choose(body) is a
+
+
+def test_router_outputs_equal_a_single_replica_and_spread_load(replicas):
+    _, urls = replicas
+    expected = [completion(urls[0], p) for p in PROMPTS]
+    router = Router(urls, health_interval=0.2)
+    url, stop = serve_in_thread(router.app)
+    try:
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(client.post(url + "/v1/completions", json={
+                    "model": MODEL, "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+                    for p in PROMPTS))
+
+        got = [r.json()["choices"][0]["text"] for r in asyncio.run(run())]
+        assert got == expected
+        assert all(r.served > 0 for r in router.replicas)
+        bad = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"})
+        assert bad.status_code == 404 and "does not exist" in bad.json()["error"]["message"]
+    finally:
+        stop()
+
+
+def test_killed_replica_loses_no_request(replicas):
+    procs, urls = replicas
+    prompts = PROMPTS + [p + " again" for p in PROMPTS[:2]]
+    expected = [completion(urls[0], p, 24) for p in prompts]
+    router = Router(urls, health_interval=0.2)
+    url, stop = serve_in_thread(router.app)
+    try:
+        async def run():
+            firsts = [asyncio.Event() for _ in prompts]
+            async with httpx.AsyncClient(timeout=120) as client:
+                tasks = [asyncio.ensure_future(stream_text(client, url, p, 24, e)) for p, e in zip(prompts, firsts)]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts[:2])), 60)
+                os.kill(procs[1].pid, signal.SIGKILL)  # mid-load: some streams are half sent
+                return await asyncio.gather(*tasks)
+
+        assert asyncio.run(run()) == expected
+        health = httpx.get(url + "/health").json()
+        assert [r["healthy"] for r in health["replicas"]] == [True, False] and health["retries"] >= 1
+    finally:
+        stop()
