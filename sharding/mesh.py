@@ -169,24 +169,6 @@ def shard_model(model, mesh: Mesh):
                  drafter=model.drafter)
 
 
-def init_sharded_model(config, mesh: Mesh, seed: int = 0, dtype: str = "float32"):
-    """`model.api.init_model` with every parameter created already sharded (no full copy on one device)."""
-    from model.api import Model, abstract_model, build_module, resolve_dtype
-
-    if getattr(config, "engram_layer_ids", ()):
-        raise ValueError("init_sharded_model makes no Engram tables; for a V4.1 model with Engram layers use "
-                         "shard_model(init_model(config))")
-    shapes = abstract_model(config, dtype)
-    shardings = param_shardings(shapes.params, mesh)
-    check_divisible(shapes.params, shardings)
-
-    def create():
-        return nnx.split(build_module(config, nnx.Rngs(seed), resolve_dtype(dtype)))[1]
-
-    params = jax.jit(create, out_shardings=shardings)()
-    return Model(nnx.merge(shapes.graphdef, params))
-
-
 def model_forward(model):
     """`(params, tokens, cache, *engram_rows) -> (logits, cache)` of a Model, for jit / lowering."""
     graphdef, has_engram = model.graphdef, bool(getattr(model.config, "engram_layer_ids", ()))

@@ -1,0 +1,96 @@
+"""Meshes and expert parallelism on 8 emulated CPU devices (tests/conftest.py) against one device.
+
+The model-level check runs tiny-v41 on a dp x ep mesh with device-sharded Engram tables; the
+function-level checks cover EP meshes, EPLB replica choice and the Engram owner gather."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from model.api import Model, init_model
+from model.config import preset
+from model.engram import HostEngramTable
+from model.moe import routed_experts
+from sharding.engram_shards import ShardedEngramTable, shard_engram
+from sharding.eplb import rebalance_experts
+from sharding.expert_parallel import ExpertPlacement, ep_routed_experts
+from sharding.mesh import MeshSpec, MeshSpecError, logits_on_mesh, make_mesh, shard_model
+from tests.helpers import random_model
+
+E, D, I, T, K = 8, 16, 12, 10, 3
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+    w1, w3 = (jnp.asarray(rng.normal(size=(E, I, D)) * 0.3, jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(rng.normal(size=(E, D, I)) * 0.3, jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
+    weights = jnp.asarray(rng.random((T, K)), jnp.float32)
+    return x, ids, weights, w1, w2, w3
+
+
+def test_v41_logits_dp_x_ep_with_sharded_engram_equal_single_device():
+    """tiny-v41 with host Engram tables on one device == requests over 8 attention ranks, experts over 4
+    shards (all-to-all) and Engram rows split over all 8 devices (owner gather)."""
+    config = preset("tiny-v41")
+    model = random_model(config, engram_placement="host")
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, (8, 12))
+    single = np.asarray(model.logits(tokens))
+    mesh = make_mesh(MeshSpec.parse("dp=8,ep=4"))
+    sharded_engram = Model(model.module(), engram=shard_engram(model.engram, config, mesh))
+    assert sharded_engram.engram.tables[0].weight.addressable_shards[0].data.shape[0] == -(-4062 // 8)
+    logits = logits_on_mesh(sharded_engram, tokens, mesh)
+    assert logits.sharding.spec[0] == ("dp", "ep")  # requests stayed split over the attention ranks
+    np.testing.assert_allclose(np.asarray(logits), single, atol=1e-5, rtol=0)
+
+
+def test_sharded_engram_fp8_rows_equal_host_rows():
+    rng = np.random.default_rng(2)
+    weight = rng.normal(size=(1001, 64)).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.integers(120, 130, (1001, 2)).astype(np.uint8)
+    indices = rng.integers(0, 1001, (3, 5, 4))
+    sharded = ShardedEngramTable(weight, scale, make_mesh(MeshSpec.parse("dp=8")))
+    np.testing.assert_array_equal(sharded.gather(indices), HostEngramTable(weight, scale).gather(indices))
+
+
+@pytest.mark.parametrize("spec", ["ep=8", "dp=4,ep=2"])
+def test_ep_dispatch_equals_single_device(pairs, spec):
+    mesh = make_mesh(MeshSpec.parse(spec))
+    routed = jax.jit(ep_routed_experts(mesh), static_argnums=6)
+    expected = routed_experts(*pairs, 10.0)
+    np.testing.assert_allclose(routed(*pairs, 10.0), expected, atol=1e-5, rtol=0)
+    assert "all-to-all" in routed.lower(*pairs, 10.0).compile().as_text()
+
+
+def test_eplb_replicas_and_rebalancing_change_no_output(pairs):
+    """Two placements from different loads (16 slots: 8 redundant) serve every token with its experts."""
+    x, ids, weights, w1, w2, w3 = pairs
+    mesh = make_mesh(MeshSpec.parse("ep=8"))
+    expected = routed_experts(x, ids, weights, w1, w2, w3, 10.0)
+    outputs = []
+    for load in ([[90, 1, 1, 1, 1, 1, 1, 1]], [[1, 2, 3, 4, 40, 30, 20, 10]]):
+        placement = ExpertPlacement.from_eplb(*rebalance_experts(np.asarray(load, float), 16, 1, 1, 8))
+        assert placement.logcnt.max() > 1  # the busy experts got replicas
+        slots = placement.slots_of(ids, jnp.arange(T))
+        assert (placement.phy2log[np.asarray(slots)] == np.asarray(ids)).all()
+        physical = [placement.physical(w) for w in (w1, w2, w3)]
+        outputs.append(ep_routed_experts(mesh, placement)(x, ids, weights, *physical, 10.0))
+        np.testing.assert_allclose(outputs[-1], expected, atol=1e-5, rtol=0)
+    # the busiest expert's pairs are spread over its replicas' shards
+    busy = ExpertPlacement.from_eplb(*rebalance_experts(np.asarray([[90, 1, 1, 1, 1, 1, 1, 1]], float), 16, 1, 1, 8))
+    chosen = busy.slots_of(jnp.zeros((T, 1), jnp.int32), jnp.arange(T))
+    assert len(set(np.asarray(chosen).ravel().tolist())) == busy.logcnt[0]
+
+
+def test_shard_model_places_experts_over_ep():
+    mesh = make_mesh(MeshSpec.parse("dp=8,ep=4"))
+    model = shard_model(init_model(preset("tiny")), mesh)
+    w1 = model.params["layers"][0]["ffn"]["experts"]["w1"][...]
+    assert w1.sharding.spec[0] == "ep" and w1.addressable_shards[0].data.shape[0] == 1
+    assert model.params["embed"]["weight"][...].sharding.is_fully_replicated
+    with pytest.raises(MeshSpecError, match="do not divide"):
+        shard_model(init_model(preset("tiny")), make_mesh(MeshSpec.parse("ep=8")))
