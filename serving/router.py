@@ -190,35 +190,42 @@ class Router:
             finally:
                 replica.in_flight -= 1
 
-    async def _stream(self, path: str, body: dict, headers: dict) -> Response:
-        """A streamed request: open the first replica's stream here, so a refusal (4xx) passes through as is."""
-        tried: set[str] = set()
+    async def _open_stream(self, path: str, body: dict, headers: dict, tried: set[str]
+                           ) -> tuple[Replica, httpx.Response]:
+        """A stream opened on a live replica (ReplicaDown if none could open it): a replica that fails to connect
+        or answers 5xx is marked down and the next one tried; a 4xx answer comes back as is."""
         while True:
-            try:
-                replica = self.choose(body, tried)
-            except ReplicaDown:
-                return _error(503, "no live replica could serve the request")
+            replica = self.choose(body, tried)
             replica.in_flight += 1
             try:
                 upstream = await self.client.send(
                     self.client.build_request("POST", replica.url + path, json=body, headers=headers), stream=True)
             except httpx.HTTPError:
-                replica.in_flight -= 1
-                self.mark_down(replica)
-                tried.add(replica.url)
-                self.retries += 1
-                continue
-            if upstream.status_code != 200:
-                content = await upstream.aread()
+                upstream = None
+            if upstream is not None and upstream.status_code < 500:
+                if upstream.status_code != 200:
+                    replica.in_flight -= 1
+                return replica, upstream
+            if upstream is not None:
                 await upstream.aclose()
-                replica.in_flight -= 1
-                if upstream.status_code >= 500:
-                    self.mark_down(replica)
-                    tried.add(replica.url)
-                    continue
-                return Response(content, status_code=upstream.status_code, media_type="application/json")
-            return StreamingResponse(self._relay(path, body, headers, replica, upstream, tried),
-                                     media_type="text/event-stream")
+            replica.in_flight -= 1
+            self.mark_down(replica)
+            tried.add(replica.url)
+            self.retries += 1
+
+    async def _stream(self, path: str, body: dict, headers: dict) -> Response:
+        """A streamed request: open the first replica's stream here, so a refusal (4xx) passes through as is."""
+        tried: set[str] = set()
+        try:
+            replica, upstream = await self._open_stream(path, body, headers, tried)
+        except ReplicaDown:
+            return _error(503, "no live replica could serve the request")
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            return Response(content, status_code=upstream.status_code, media_type="application/json")
+        return StreamingResponse(self._relay(path, body, headers, replica, upstream, tried),
+                                 media_type="text/event-stream")
 
     async def _relay(self, path, body, headers, replica, upstream, tried):
         """Relay SSE lines; when the replica dies mid-stream, continue on another one, skipping what was sent."""
@@ -259,24 +266,16 @@ class Router:
             finally:
                 replica.in_flight -= 1
                 await upstream.aclose()
-            while True:  # the next replica
-                try:
-                    replica = self.choose(body, tried)
-                except ReplicaDown:
-                    yield _sse_error("the replica serving this stream died and no other could take it over")
-                    return
-                replica.in_flight += 1
-                try:
-                    upstream = await self.client.send(
-                        self.client.build_request("POST", replica.url + path, json=body, headers=headers), stream=True)
-                    if upstream.status_code == 200:
-                        break
-                    await upstream.aclose()
-                except httpx.HTTPError:
-                    pass
-                replica.in_flight -= 1
-                self.mark_down(replica)
-                tried.add(replica.url)
+            try:  # the next replica
+                replica, upstream = await self._open_stream(path, body, headers, tried)
+            except ReplicaDown:
+                yield _sse_error("the replica serving this stream died and no other could take it over")
+                return
+            if upstream.status_code != 200:
+                yield _sse_error(f"the replica serving this stream died and the retry was refused: "
+                                 f"{(await upstream.aread()).decode(errors='replace')[:200]}")
+                await upstream.aclose()
+                return
             replayed = collections.defaultdict(int)
 
 
