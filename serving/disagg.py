@@ -1,0 +1,236 @@
+"""Prefill / decode disaggregation: a prefill engine in its own process computes a request's prompt state and first
+token, and hands the request's whole cache state to the decode engine, which generates the rest.
+
+The hand-off (`SlotState`) is everything the engine keeps for one request: its compressed-KV pages and indexer
+keys (the paged leaves, in block-table order), its slot leaves (the sliding-window ring, the compressors' open
+windows, ...), its last sampled token and penalty statistics, the host-side Engram n-gram history, and the
+request itself (prompt, first token, seeded sampling parameters). Sampling is keyed by (seed, position), so the
+decode engine continues exactly as the prefill engine would have: outputs equal a single engine's.
+
+The engine offers no export / import hook, so `export_slot` / `import_slot` work on `engine.cache`,
+`engine.scheduler` and `engine.requests` from outside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import queue
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from serving.kv_cache import PAGED_LEAVES
+from serving.request import Request, RequestOutput, Status, TokenLogprob
+from serving.sampling import SamplingParams
+
+
+def _paged(path) -> bool:
+    return getattr(path[-1], "key", None) in PAGED_LEAVES
+
+
+@dataclasses.dataclass
+class SlotState:
+    """One request's engine state, on the host (numpy), ready to cross a process boundary."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int]
+    logprobs: list[TokenLogprob]
+    computed: int
+    page_tokens: int
+    layers: dict  # the cache's layer tree: paged leaves [pages, entries per page, d], slot leaves [...]
+    last_token: np.ndarray
+    prompt_mask: np.ndarray
+    output_counts: np.ndarray
+    engram_history: np.ndarray | None
+    elapsed: float  # seconds since the request arrived at the prefill engine
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(self.layers)) + self.prompt_mask.nbytes + \
+            self.output_counts.nbytes
+
+
+def export_slot(engine, request_id: str) -> SlotState:
+    """The state of a running request whose prompt is in the cache (read between engine steps)."""
+    request = engine.requests[request_id]
+    if request.status is not Status.RUNNING or request.prefilling or request.dispatched != len(request.output):
+        raise ValueError(f"request {request_id} is not between steps with its prompt prefilled")
+    slot, pages = request.slot, np.asarray(engine.scheduler.pages.owned.get(request.slot, []), np.int32)
+    layers = jax.tree.map_with_path(
+        lambda path, leaf: np.asarray(leaf[pages] if _paged(path) else leaf[slot]), engine.cache["layers"])
+    cache = engine.cache
+    return SlotState(
+        request_id=request_id, prompt=list(request.prompt), params=request.params, output=list(request.output),
+        logprobs=list(request.logprobs), computed=request.computed, page_tokens=engine.layout.page_tokens,
+        layers=layers, last_token=np.asarray(cache["last_token"][slot]),
+        prompt_mask=np.asarray(cache["prompt_mask"][slot]), output_counts=np.asarray(cache["output_counts"][slot]),
+        engram_history=None if request.engram_history is None else np.array(request.engram_history),
+        elapsed=time.perf_counter() - request.arrival)
+
+
+def import_slot(engine, state: SlotState) -> bool:
+    """Install a handed-off request as running in `engine` (its next step decodes it); False when no slot or not
+    enough pages are free now (try again after a step). Raises ValueError for a state of another layout."""
+    if state.page_tokens != engine.layout.page_tokens:
+        raise ValueError(f"the prefill engine's pages hold {state.page_tokens} tokens, this engine's "
+                         f"{engine.layout.page_tokens}: run both with the same page size")
+    if state.request_id in engine.requests:
+        raise ValueError(f"request id {state.request_id!r} is already in use")
+    scheduler = engine.scheduler
+    if not scheduler.free_slots or scheduler.pages.pages_needed(scheduler.free_slots[-1], state.computed) > len(
+            scheduler.pages.free):
+        return False
+    slot = scheduler.free_slots.pop()
+    pages = np.asarray(scheduler.pages.grow(slot, state.computed), np.int32)
+
+    def install(path, leaf, value):
+        if _paged(path):
+            if value.shape[0] != len(pages):
+                raise ValueError(f"the hand-off holds {value.shape[0]} pages for {state.computed} tokens, "
+                                 f"this engine needs {len(pages)}")
+            return leaf.at[pages].set(value)
+        return leaf.at[slot].set(value)
+
+    cache = engine.cache
+    engine.cache = {**cache, "layers": jax.tree.map_with_path(install, cache["layers"], state.layers),
+                    "last_token": cache["last_token"].at[slot].set(state.last_token),
+                    "prompt_mask": cache["prompt_mask"].at[slot].set(state.prompt_mask),
+                    "output_counts": cache["output_counts"].at[slot].set(state.output_counts)}
+    now = time.perf_counter()
+    request = Request(state.request_id, list(state.prompt), state.params, arrival=now - state.elapsed,
+                      status=Status.RUNNING, output=list(state.output), logprobs=list(state.logprobs), slot=slot,
+                      computed=state.computed, dispatched=len(state.output), first_token_time=now,
+                      engram_history=state.engram_history)
+    engine.requests[request.request_id] = request
+    scheduler.running.append(request)
+    return True
+
+
+# ---- the prefill process --------------------------------------------------------------------------------------
+def _prefill_worker(inbox, outbox, model_path, engine_args: dict, compile_cache: str | None) -> None:
+    """The prefill process: load the model, then prefill what arrives and send back hand-offs (or results of
+    requests that finished at their first token)."""
+    if compile_cache:
+        jax.config.update("jax_compilation_cache_dir", compile_cache)
+    from model import load_model
+    from serving.engine import Engine
+    from serving.tokenizer import tokenizer_for
+
+    model = load_model(model_path)
+    # zero_overhead off: each step is read before the next one is dispatched, so a request stops at its first token
+    engine = Engine(model, **{**engine_args, "zero_overhead": False, "detokenize": tokenizer_for(model).decode})
+    engine.warmup()
+    outbox.put(("ready", None))
+    pending: set[str] = set()
+    while True:
+        try:
+            message = inbox.get(block=not engine.has_work)
+        except queue.Empty:
+            message = None
+        while message is not None:
+            if message[0] == "stop":
+                return
+            _, request_id, prompt, params = message
+            try:
+                engine.add_request(prompt, params, request_id)
+                pending.add(request_id)
+            except ValueError as e:
+                outbox.put(("error", (request_id, str(e))))
+            try:
+                message = inbox.get_nowait()
+            except queue.Empty:
+                message = None
+        if not engine.has_work:
+            continue
+        for output in engine.step():
+            engine.requests.pop(output.request_id, None)
+            if output.request_id in pending:  # finished at its first token (eos, a stop, max_tokens 1)
+                pending.discard(output.request_id)
+                outbox.put(("finished", output))
+        ready = [r for r in pending if engine.requests[r].output]
+        for request_id in ready:
+            outbox.put(("handoff", export_slot(engine, request_id)))
+        for request_id in ready:  # its slot and pages are free again; the next step collects the cancellation
+            engine.cancel(request_id)
+            pending.discard(request_id)
+
+
+class DisaggregatedEngine:
+    """A decode `Engine` here, fed by a prefill engine in another process: `add_request` sends the prompt to the
+    prefill process, `step` installs the hand-offs that arrived and runs one decode-engine step. The decode
+    engine and the prefill process must share the model and the cache layout (pass the same `engine_args`
+    the decode engine was built with; the prefill process decodes text, for stop strings and for requests
+    that end at their first token, with the model's tokenizer). Outputs equal a single engine's for seeded
+    requests."""
+
+    def __init__(self, decode_engine, model_path=None, engine_args: dict | None = None,
+                 compile_cache: str | None = None, start_timeout: float = 600.0):
+        self.engine = decode_engine
+        context = multiprocessing.get_context("spawn")
+        self.inbox, self.outbox = context.Queue(), context.Queue()
+        self.process = context.Process(target=_prefill_worker, daemon=True, args=(
+            self.inbox, self.outbox, model_path, engine_args or {}, compile_cache))
+        self.process.start()
+        kind, _ = self.outbox.get(timeout=start_timeout)
+        if kind != "ready":
+            raise RuntimeError("the prefill process did not start")
+        self.waiting: list[SlotState] = []  # hand-offs waiting for a slot / pages here
+        self.finished: list[RequestOutput] = []
+        self.errors: dict[str, str] = {}
+        self.in_prefill: set[str] = set()
+        self.handoff_bytes = 0
+        self._ids = 0
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> str:
+        """Queue a request (it needs a seed: the prefill and decode engines must draw the same tokens)."""
+        if params.seed is None:
+            raise ValueError("a disaggregated request needs a seed (its tokens are drawn in two engines)")
+        request_id = f"pd-{self._ids}"
+        self._ids += 1
+        self.in_prefill.add(request_id)
+        self.inbox.put(("add", request_id, [int(t) for t in prompt], params))
+        return request_id
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.in_prefill or self.waiting or self.finished or self.engine.has_work)
+
+    def step(self) -> list[RequestOutput]:
+        """Install arrived hand-offs, run one decode step; returns requests finished."""
+        block = bool(self.in_prefill) and not (self.waiting or self.engine.has_work)
+        while True:
+            try:
+                kind, payload = self.outbox.get(block=block, timeout=60.0 if block else None)
+            except queue.Empty:
+                break
+            block = False
+            if kind == "handoff":
+                self.waiting.append(payload)
+                self.handoff_bytes += payload.nbytes
+                self.in_prefill.discard(payload.request_id)
+            elif kind == "finished":
+                self.finished.append(payload)
+                self.in_prefill.discard(payload.request_id)
+            elif kind == "error":
+                self.errors[payload[0]] = payload[1]
+                self.in_prefill.discard(payload[0])
+        while self.waiting and import_slot(self.engine, self.waiting[0]):
+            self.waiting.pop(0)
+        finished, self.finished = self.finished, []
+        return finished + (self.engine.step() if self.engine.has_work else [])
+
+    def run(self) -> dict[str, RequestOutput]:
+        results = {}
+        while self.has_work:
+            for output in self.step():
+                results[output.request_id] = output
+        return results
+
+    def close(self) -> None:
+        self.inbox.put(("stop",))
+        self.process.join(30)

@@ -1,0 +1,95 @@
+"""Prefill / decode disaggregation: a prefill engine in a separate process hands each request's cache state to the
+decode engine here; tokens, logprobs and finish reasons equal the single engine's, over prompts longer than the
+sliding window and a page, greedy and seeded sampling with penalties, and a request that ends at its first
+token."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import load_model
+from serving.disagg import DisaggregatedEngine, export_slot, import_slot
+from serving.engine import Engine
+from serving.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+# the engine tests/test_server.py and the router's replicas run, so the persistent compile cache serves all three
+ENGINE = dict(max_slots=2, max_len=96, prefill_chunk=8, batch_invariant=True, num_top_logprobs=5)
+TEXTS = ["ROMEO:\n", "KING HENRY:\nOnce more unto the breach, dear friends, once more; Or close the wall up with our "
+         "English dead. In peace there's nothing so becomes a man As modest stillness and humility: But when the blast "
+         "of war blows in our ears, Then imitate the action of the tiger;",
+         "HAMLET:\nTo be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer",
+         "JULIET:\nO Romeo, Romeo, wherefore art thou"]
+PARAMS = [SamplingParams(max_tokens=12, temperature=0.0, seed=1, logprobs=2),
+          SamplingParams(max_tokens=10, temperature=1.0, seed=2),
+          SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.5,
+                         seed=3),
+          SamplingParams(max_tokens=1, temperature=1.0, seed=4)]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = load_model()
+    engine = Engine(model, detokenize=model.tokenizer.decode, **ENGINE)
+    prompts = [model.tokenizer.encode(t) for t in TEXTS]
+    assert max(map(len, prompts)) > max(model.config.sliding_window, engine.layout.page_tokens)
+    return model, engine, prompts, engine.generate(prompts, PARAMS)
+
+
+def clobber(engine):
+    """Fill every slot's and page's state with garbage, so only what a hand-off installs can be right."""
+    def junk(x):
+        return jnp.full_like(x, jnp.nan) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.full_like(x, 3)
+
+    cache = engine.cache
+    engine.cache = {**cache, "layers": jax.tree.map(junk, cache["layers"]),
+                    **{k: junk(cache[k]) for k in ("last_token", "prompt_mask", "output_counts")}}
+
+
+def same(a, b):
+    assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
+    assert (a.logprobs is None) == (b.logprobs is None)
+    for x, y in zip(a.logprobs or [], b.logprobs or []):
+        assert x.token == y.token and x.logprob == pytest.approx(y.logprob, abs=1e-5)
+
+
+def test_handoff_within_a_process_continues_exactly(setup):
+    """Export after the first token from one engine, import into another slot state of the same engine."""
+    model, engine, prompts, reference = setup
+    rid = engine.add_request(prompts[2], PARAMS[2])
+    while not engine.requests[rid].output:
+        engine.step()
+    state = export_slot(engine, rid)
+    engine.cancel(rid)
+    engine.run()
+    clobber(engine)
+    state.request_id = "moved"
+    assert import_slot(engine, state)
+    [out] = engine.run().values()
+    same(out, reference[2])
+    free = engine.scheduler.pages
+    assert len(free.free) == engine.layout.num_pages and not free.owned
+
+
+def test_prefill_process_hands_off_to_decode_engine(setup, monkeypatch):
+    model, engine, prompts, reference = setup
+    for name, value in (("JAX_NUM_CPU_DEVICES", "8"), ("JAX_DEFAULT_MATMUL_PRECISION", "highest"),
+                        ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")):
+        monkeypatch.setenv(name, value)  # conftest's JAX settings, for the spawned prefill process
+    clobber(engine)
+    pd = DisaggregatedEngine(engine, None, ENGINE, compile_cache=str(ROOT / ".pytest_cache" / "jax"))
+    try:
+        ids = [pd.add_request(p, q) for p, q in zip(prompts, PARAMS)]
+        with pytest.raises(ValueError, match="needs a seed"):
+            pd.add_request(prompts[0], SamplingParams())
+        results = pd.run()
+    finally:
+        pd.close()
+    for rid, expected in zip(ids, reference):
+        same(results[rid], expected)
+    assert pd.handoff_bytes > 0 and not pd.errors
+    assert len(engine.scheduler.pages.free) == engine.layout.num_pages
+    assert np.isfinite(pd.handoff_bytes)
