@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from serving.engine import Engine
 from serving.kv_cache import PAGED_LEAVES
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingParams
@@ -118,7 +119,6 @@ def _prefill_worker(inbox, outbox, model_path, engine_args: dict, compile_cache:
     if compile_cache:
         jax.config.update("jax_compilation_cache_dir", compile_cache)
     from model import load_model
-    from serving.engine import Engine
     from serving.tokenizer import tokenizer_for
 
     model = load_model(model_path)
@@ -224,12 +224,7 @@ class DisaggregatedEngine:
         finished, self.finished = self.finished, []
         return finished + (self.engine.step() if self.engine.has_work else [])
 
-    def run(self) -> dict[str, RequestOutput]:
-        results = {}
-        while self.has_work:
-            for output in self.step():
-                results[output.request_id] = output
-        return results
+    run = Engine.run  # step until every request has finished; results by request id
 
     def close(self) -> None:
         self.inbox.put(("stop",))
