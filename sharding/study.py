@@ -5,7 +5,7 @@ its parameters by the rules of `sharding.mesh`, and reports per device: paramete
 replicated over attention ranks, routed experts split over `ep` with EPLB's redundant slots, Engram by
 placement), KV bytes per token from the model's own cache structure in a storage format
 (`sharding.storage`), the tokens of context that fit in what HBM is left, and, when compiled on emulated
-CPU devices, the collectives of the decode and prefill steps, their FLOPs per token and workspace.
+CPU devices, the collectives of the decode and prefill steps, their FLOPs per token and temp memory.
 """
 
 from __future__ import annotations
@@ -114,12 +114,16 @@ def parameter_bytes(model, config, spec: MeshSpec, options: StudyOptions) -> dic
 
 
 def _count_collectives(hlo: str) -> dict[str, int]:
-    return {op: len(re.findall(rf"= [^=\n]*? {op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
+    """Collective instructions in compiled HLO text, by kind (an instruction's type ends in `}` or `)`)."""
+    return {op: len(re.findall(rf"[)}}] {op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
 
 
 def compile_steps(config_name: str, spec: MeshSpec, options: StudyOptions, max_len: int) -> dict:
     """Lower and compile the decode step (one token per sequence) and/or the prefill step (one chunk per
-    sequence) on emulated CPU devices of `spec`; per step: collectives, FLOPs per token, workspace bytes.
+    sequence) on emulated CPU devices of `spec`; per step: collectives, FLOPs per token (of the compiled
+    program: expert buckets are sized for the worst case, so it counts their padding), XLA:CPU temp bytes
+    (indicative only: XLA:CPU computes bf16 dots in f32 and holds f32 copies of the weights; the HBM fit
+    does not subtract it).
 
     A process with too few devices (JAX fixes the count when it starts) compiles in a child process with
     `spec.num_devices` emulated CPU devices."""
@@ -152,7 +156,7 @@ def compile_steps(config_name: str, spec: MeshSpec, options: StudyOptions, max_l
                      "compile_s": round(time.perf_counter() - start, 2),
                      "collectives": _count_collectives(compiled.as_text()),
                      "flops_per_token": cost.get("flops", 0.0) * spec.num_devices / (batch * chunk),
-                     "workspace_bytes_per_device": float(memory.temp_size_in_bytes)}
+                     "xla_cpu_temp_bytes_per_device": float(memory.temp_size_in_bytes)}
     return out
 
 
@@ -195,22 +199,20 @@ def study(config_name: str, spec: MeshSpec, options: StudyOptions) -> dict:
               / kv_figures(v32())["kv_bytes_per_token_global"],
               "flops_per_token_params": 2 * param_counts(model, config)["active"]}
     steps = compile_steps(config_name, spec, options, min(context, 8192)) if options.compile_steps else {}
-    workspace = max((s["workspace_bytes_per_device"] for s in steps.values()), default=0.0)
     usable = profile.hbm_bytes * options.hbm_utilization
-    free = usable - params["param_bytes_per_device"] - workspace \
-        - kv["kv_fixed_bytes_per_sequence"] * options.sequences_per_device
+    free = usable - params["param_bytes_per_device"] - kv["kv_fixed_bytes_per_sequence"] * options.sequences_per_device
     per_token = kv["kv_bytes_per_token_global"] / spec.cp  # CP ranks each store their chunks' entries
-    report.update(steps=steps, workspace_bytes_per_device=workspace, hbm_usable_bytes=usable,
+    report.update(steps=steps, hbm_usable_bytes=usable,
                   hbm_free_for_kv_bytes=max(free, 0.0),
                   context_tokens_fit_per_device=int(max(free, 0.0) // per_token) if per_token else None,
                   sequences_per_device=options.sequences_per_device)
     if free < 0:
-        report["note"] = "parameters and workspace exceed the usable HBM"
+        report["note"] = "the parameters exceed the usable HBM"
     return report
 
 
 def chart(reports: list[dict], path: str) -> None:
-    """A PNG of memory per device for each studied mesh: stacked parameters, workspace and the KV that fits."""
+    """A PNG of memory per device for each studied mesh: stacked parameters and the KV that fits."""
     try:
         import matplotlib
 
@@ -220,8 +222,7 @@ def chart(reports: list[dict], path: str) -> None:
         raise ValueError("--chart needs matplotlib: pip install 'jaxseek[train]'") from None
     gib = 2 ** 30
     parts = (("backbone", "param_bytes_backbone_per_device"), ("experts", "param_bytes_experts_per_device"),
-             ("Engram", "param_bytes_engram_per_device"), ("workspace", "workspace_bytes_per_device"),
-             ("KV (fits)", "hbm_free_for_kv_bytes"))
+             ("Engram", "param_bytes_engram_per_device"), ("KV (fits)", "hbm_free_for_kv_bytes"))
     labels = [f"{r['config']}\n{r['mesh']}" for r in reports]
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(reports), 4.5))
     bottom = [0.0] * len(reports)
@@ -258,7 +259,6 @@ def print_table(reports: list[dict], out=sys.stdout) -> None:
             ("KV SWA / window token", "kv_bytes_per_token_swa", lambda v: f"{v:,.0f} B"),
             ("KV fixed / sequence", "kv_fixed_bytes_per_sequence", _human),
             ("KV vs V3.2", "kv_ratio_to_v32", lambda v: f"{100 * v:.1f}%"),
-            ("workspace / device", "workspace_bytes_per_device", _human),
             ("context tokens fit", "context_tokens_fit_per_device", lambda v: f"{v:,}" if v is not None else "-"),
             ("FLOPs / token (params)", "flops_per_token_params", lambda v: f"{v / 1e9:.1f} G"))
     for label, key, fmt in rows:
@@ -267,7 +267,8 @@ def print_table(reports: list[dict], out=sys.stdout) -> None:
         for step, figures in r["steps"].items():
             used = {k: v for k, v in figures["collectives"].items() if v}
             print(f"{r['mesh']:>16} {step:>7}: {figures['flops_per_token'] / 1e9:.1f} GFLOP/token compiled, "
-                  f"collectives {used or 'none'}, compile {figures['compile_s']} s", file=out)
+                  f"collectives {used or 'none'}, XLA:CPU temp {_human(figures['xla_cpu_temp_bytes_per_device'])}, "
+                  f"compile {figures['compile_s']} s", file=out)
 
 
 def add_arguments(p) -> None:
