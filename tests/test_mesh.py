@@ -17,6 +17,7 @@ from sharding.engram_shards import ShardedEngramTable, shard_engram
 from sharding.eplb import rebalance_experts
 from sharding.expert_parallel import ExpertPlacement, ep_routed_experts
 from sharding.mesh import MeshSpec, MeshSpecError, logits_on_mesh, make_mesh, shard_model
+from sharding.reshard import restore_params, save_params
 from tests.helpers import random_model
 
 E, D, I, T, K = 8, 16, 12, 10, 3
@@ -94,3 +95,14 @@ def test_shard_model_places_experts_over_ep():
     assert model.params["embed"]["weight"][...].sharding.is_fully_replicated
     with pytest.raises(MeshSpecError, match="do not divide"):
         shard_model(init_model(preset("tiny")), make_mesh(MeshSpec.parse("ep=8")))
+
+
+def test_checkpoint_saved_on_one_mesh_restores_onto_another(tmp_path):
+    config = preset("tiny")
+    saved = shard_model(init_model(config, seed=3), make_mesh(MeshSpec.parse("dp=8,ep=4")))
+    save_params(saved, tmp_path / "params")
+    restored = restore_params(tmp_path / "params", config, make_mesh(MeshSpec.parse("ep=2")))
+    w1 = restored.params["layers"][0]["ffn"]["experts"]["w1"][...]
+    assert w1.sharding.spec[0] == "ep" and w1.addressable_shards[0].data.shape[0] == 2
+    for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(restored.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
