@@ -1,6 +1,6 @@
 """The replica router: prefix-aware / least-load choice, outputs equal to a single replica's, and a replica killed
-mid-load (SIGKILL of its process) loses no request. Replicas are `jaxseek serve` processes of the bundled model,
-batch-invariant so that a request's tokens do not depend on which replica or batch ran it."""
+mid-load (SIGKILL of its `jaxseek serve` process) loses no request. Replicas run the bundled model
+batch-invariant, so a request's tokens do not depend on which replica or batch ran it."""
 
 import asyncio
 import json
@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from model import load_model
 from serving.router import Router
-from serving.server import serve_in_thread
+from serving.server import Server, ServerConfig, serve_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bundled"
@@ -31,38 +32,38 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("replicas")
+    """Replica 0 in this process, replica 1 a `jaxseek serve` process (the one the tests kill)."""
     # the replicas compile what tests/test_server.py's engine compiles, with conftest's JAX settings, so the
     # persistent compile cache serves both modules
     env = {**os.environ, "JAXSEEK_COMPILE_CACHE": str(ROOT / ".pytest_cache" / "jax"), "JAX_NUM_CPU_DEVICES": "8",
            "JAX_DEFAULT_MATMUL_PRECISION": "highest", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    procs, urls = [], []
-    for i in range(2):  # one after the other: the second finds the first's compiled steps in the cache
-        port = free_port()
-        log = logs / f"replica{i}.log"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "model.cli", "serve", "--port", str(port), "--served-model-name", MODEL,
-             "--max-slots", "2", "--max-len", "96", "--prefill-chunk", "8", "--batch-invariant"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-        procs.append(proc)
-        urls.append(f"http://127.0.0.1:{port}")
-        end = time.time() + 180
-        while True:
-            try:
-                if httpx.get(urls[-1] + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.time() > end:
-                for p in procs:
-                    p.kill()
-                pytest.fail(f"replica {i} did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.2)
-    yield procs, urls
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(30)
+    log = tmp_path_factory.mktemp("replica") / "replica1.log"
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "model.cli", "serve", "--port", str(port), "--served-model-name", MODEL,
+         "--max-slots", "2", "--max-len", "96", "--prefill-chunk", "8", "--batch-invariant"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    local = Server(load_model(), ServerConfig(model_name=MODEL), max_slots=2, max_len=96, prefill_chunk=8,
+                   batch_invariant=True)
+    local.engine.warmup()
+    url0, stop0 = serve_in_thread(local.app)
+    url1, end = f"http://127.0.0.1:{port}", time.time() + 240
+    while True:
+        try:
+            if httpx.get(url1 + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > end:
+            proc.kill()
+            stop0()
+            pytest.fail(f"replica 1 did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    yield proc, [url0, url1]
+    stop0()
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(30)
 
 
 def completion(url: str, prompt: str, max_tokens: int = 12) -> str:
@@ -125,7 +126,7 @@ def test_router_outputs_equal_a_single_replica_and_spread_load(replicas):
 
 
 def test_killed_replica_loses_no_request(replicas):
-    procs, urls = replicas
+    proc, urls = replicas
     prompts = PROMPTS + [p + " again" for p in PROMPTS[:2]]
     expected = [completion(urls[0], p, 24) for p in prompts]
     router = Router(urls, health_interval=0.2)
@@ -136,7 +137,7 @@ def test_killed_replica_loses_no_request(replicas):
             async with httpx.AsyncClient(timeout=120) as client:
                 tasks = [asyncio.ensure_future(stream_text(client, url, p, 24, e)) for p, e in zip(prompts, firsts)]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts[:2])), 60)
-                os.kill(procs[1].pid, signal.SIGKILL)  # mid-load: some streams are half sent
+                os.kill(proc.pid, signal.SIGKILL)  # mid-load: some streams are half sent
                 return await asyncio.gather(*tasks)
 
         assert asyncio.run(run()) == expected
