@@ -115,3 +115,32 @@ def balancedness(weight: Float[np.ndarray, "layers experts"], phy2log: np.ndarra
     share = np.take_along_axis(weight / logcnt, phy2log, axis=1)  # per physical slot
     per_gpu = share.reshape(weight.shape[0], num_gpus, -1).sum(-1)
     return float(per_gpu.mean(axis=1).sum() / per_gpu.max(axis=1).sum())
+
+
+class ExpertLoadWindow:
+    """Per-expert token counts of each MoE layer over the last `window` steps: the load that periodic
+    rebalancing feeds to `rebalance_experts` (DeepInfer keeps 100 steps, vLLM 1000)."""
+
+    def __init__(self, num_layers: int, num_experts: int, window: int):
+        if min(num_layers, num_experts, window) < 1:
+            raise ValueError(f"need num_layers, num_experts, window >= 1; got {num_layers}, {num_experts}, {window}")
+        self.counts = np.zeros((window, num_layers, num_experts), np.int64)
+        self.steps = 0
+
+    def record(self, ids: Int[np.ndarray, "layers t k"]) -> None:
+        """Count one step's routed experts (the gate's ids of every MoE layer); the oldest step drops out."""
+        ids = np.asarray(ids)
+        layers, experts = self.counts.shape[1:]
+        if ids.ndim != 3 or ids.shape[0] != layers or (ids.size and not 0 <= ids.min() <= ids.max() < experts):
+            raise ValueError(f"ids must be [{layers} layers, tokens, k] expert ids in [0, {experts}), got "
+                             f"shape {ids.shape}")
+        self.counts[self.steps % len(self.counts)] = [np.bincount(row.ravel(), minlength=experts) for row in ids]
+        self.steps += 1
+
+    def load(self) -> Float[np.ndarray, "layers experts"]:
+        """Tokens per expert and layer summed over the window."""
+        return self.counts.sum(axis=0).astype(np.float64)
+
+    def rebalance(self, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int):
+        """`rebalance_experts` on the window's load: (phy2log, log2phy, logcnt)."""
+        return rebalance_experts(self.load(), num_replicas, num_groups, num_nodes, num_gpus)

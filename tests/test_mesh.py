@@ -14,7 +14,7 @@ from model.config import preset
 from model.engram import HostEngramTable
 from model.moe import routed_experts
 from sharding.engram_shards import ShardedEngramTable, shard_engram
-from sharding.eplb import rebalance_experts
+from sharding.eplb import ExpertLoadWindow, rebalance_experts
 from sharding.expert_parallel import ExpertPlacement, ep_routed_experts
 from sharding.mesh import MeshSpec, MeshSpecError, logits_on_mesh, make_mesh, shard_model
 from sharding.reshard import restore_params, save_params
@@ -106,3 +106,14 @@ def test_checkpoint_saved_on_one_mesh_restores_onto_another(tmp_path):
     assert w1.sharding.spec[0] == "ep" and w1.addressable_shards[0].data.shape[0] == 2
     for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(restored.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_load_window_drives_rebalancing():
+    window = ExpertLoadWindow(num_layers=1, num_experts=E, window=2)
+    for hot in (5, 2, 2):  # expert 5's step leaves the window
+        window.record(np.full((1, T, K), hot))
+    assert window.load()[0, 2] == 2 * T * K and window.load()[0, 5] == 0
+    phy2log, _, logcnt = window.rebalance(16, 1, 1, 8)
+    assert logcnt[0, 2] == 9 and (phy2log[0] == 2).sum() == 9  # the hot expert takes every redundant slot
+    with pytest.raises(ValueError, match="expert ids"):
+        window.record(np.full((1, T, K), E))
