@@ -74,12 +74,11 @@ def _local_pairs(x, ids, weights, w1, w2, w3, limit, *, axis: str, n_shards: int
     pos = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
     cap = t * k
     send_x = jnp.zeros((n_shards, cap, x.shape[-1]), x.dtype).at[flat_dest, pos].set(jnp.repeat(x, k, axis=0))
-    send_e = jnp.zeros((n_shards, cap), jnp.int32).at[flat_dest, pos].set(expert.reshape(-1))
-    send_ok = jnp.zeros((n_shards, cap), jnp.float32).at[flat_dest, pos].set(1.0)
+    send_e = jnp.full((n_shards, cap), -1, jnp.int32).at[flat_dest, pos].set(expert.reshape(-1))  # -1: empty
     a2a = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
-    recv_x, recv_e, recv_ok = a2a(send_x), a2a(send_e), a2a(send_ok)
-    y = registry.op("routed_experts")(recv_x.reshape(-1, x.shape[-1]), recv_e.reshape(-1, 1),
-                                      recv_ok.reshape(-1, 1), w1, w2, w3, limit)
+    recv_x, recv_e = a2a(send_x), a2a(send_e).reshape(-1, 1)
+    y = registry.op("routed_experts")(recv_x.reshape(-1, x.shape[-1]), jnp.maximum(recv_e, 0),
+                                      (recv_e >= 0).astype(jnp.float32), w1, w2, w3, limit)
     back = a2a(y.reshape(n_shards, cap, -1))
     per_pair = back[flat_dest, pos].reshape(t, k, -1)
     out = weights[:, 0, None] * per_pair[:, 0]
