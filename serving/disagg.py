@@ -32,6 +32,15 @@ def _paged(path) -> bool:
     return getattr(path[-1], "key", None) in PAGED_LEAVES
 
 
+def _unread_steps(request) -> int:
+    """Steps dispatched for the request whose results the host has not read. The engine is moving from a count
+    of dispatched tokens (`dispatched`) to a queue of unread steps (`in_flight`, speculative decoding): both
+    are read here until the move lands."""
+    if hasattr(request, "in_flight"):
+        return len(request.in_flight)
+    return request.dispatched - len(request.output)
+
+
 @dataclasses.dataclass
 class SlotState:
     """One request's engine state, on the host (numpy), ready to cross a process boundary."""
@@ -59,7 +68,7 @@ class SlotState:
 def export_slot(engine, request_id: str) -> SlotState:
     """The state of a running request whose prompt is in the cache (read between engine steps)."""
     request = engine.requests[request_id]
-    if request.status is not Status.RUNNING or request.prefilling or request.dispatched != len(request.output):
+    if request.status is not Status.RUNNING or request.prefilling or _unread_steps(request):
         raise ValueError(f"request {request_id} is not between steps with its prompt prefilled")
     slot, pages = request.slot, np.asarray(engine.scheduler.pages.owned.get(request.slot, []), np.int32)
     layers = jax.tree.map_with_path(
@@ -105,8 +114,9 @@ def import_slot(engine, state: SlotState) -> bool:
     now = time.perf_counter()
     request = Request(state.request_id, list(state.prompt), state.params, arrival=now - state.elapsed,
                       status=Status.RUNNING, output=list(state.output), logprobs=list(state.logprobs), slot=slot,
-                      computed=state.computed, dispatched=len(state.output), first_token_time=now,
-                      engram_history=state.engram_history)
+                      computed=state.computed, first_token_time=now, engram_history=state.engram_history)
+    if hasattr(request, "dispatched"):  # see _unread_steps: nothing of it is in flight
+        request.dispatched = len(state.output)
     engine.requests[request.request_id] = request
     scheduler.running.append(request)
     return True
