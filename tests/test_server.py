@@ -145,10 +145,24 @@ def test_disconnect_cancels_and_frees_pages(served):
             if line.startswith("data: "):
                 break  # one chunk, then hang up
     state = wait_idle(server)
-    assert state["free_pages"] == state["total_pages"]
-    finished = [line for line in httpx.get(url + "/metrics").text.splitlines()
-                if line.startswith("jaxseek:request_success_total") and "cancelled" in line]
-    assert finished and float(finished[0].split()[-1]) >= 1
+    assert state["free_pages"] == state["total_pages"] and cancelled_count(url) >= 1
+
+
+def cancelled_count(url) -> float:
+    lines = [line for line in httpx.get(url + "/metrics").text.splitlines()
+             if line.startswith("jaxseek:request_success_total") and "cancelled" in line]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_nonstreaming_client_that_gives_up_is_cancelled(served):
+    server, url = served[1], served[2]
+    before = cancelled_count(url)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "OTHELLO:\n", "max_tokens": 80,
+                                                  "ignore_eos": True},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
+    state = wait_idle(server)
+    assert state["free_pages"] == state["total_pages"] and cancelled_count(url) == before + 1
 
 
 def test_concurrency_limit_and_metrics(served, client):
