@@ -14,7 +14,7 @@ import dataclasses
 import json
 import re
 import uuid
-from typing import Any
+from pathlib import Path
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -289,19 +289,96 @@ class PlainFormat:
         return Reply(content=text)
 
 
+class JinjaFormat:
+    """A checkpoint's own Jinja chat template (`chat_template` in its tokenizer_config.json), rendered in
+    Jinja's immutable sandbox: the template sees `messages` (OpenAI shape; tool-call arguments as objects),
+    `tools`, `add_generation_prompt`, `bos_token`, `eos_token`, the `tojson` filter and `raise_exception`. Its
+    replies are plain content (no reasoning or tool-call parsing)."""
+
+    name = "jinja"
+    reasoning_end = tool_calls_start = None
+
+    def __init__(self, template: str, bos_token: str = "", eos_token: str = ""):
+        import jinja2.ext
+        import jinja2.sandbox
+
+        def raise_exception(message):
+            raise jinja2.TemplateError(message)
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                          extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            self.template = env.from_string(template)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the checkpoint's chat template does not compile: {e}") from None
+        self.bos_token, self.eos_token, self._errors = bos_token, eos_token, (jinja2.TemplateError,)
+
+    def render(self, messages: list[dict], tools: list[dict] = (), thinking: bool = False,
+               reasoning_effort: str | None = None) -> str:
+        if thinking:
+            raise ValueError("this model's chat template has no thinking mode")
+        view = []
+        for m in messages:
+            entry = {"role": m["role"], "content": m["content"]}
+            if m.get("tool_calls"):
+                entry["tool_calls"] = [{"id": c["id"], "type": "function",
+                                        "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                       for c in m["tool_calls"]]
+            if m.get("reasoning"):
+                entry["reasoning_content"] = m["reasoning"]
+            if m["role"] == "tool":
+                entry["tool_call_id"] = m["tool_call_id"]
+            view.append(entry)
+        try:
+            return self.template.render(
+                messages=view, tools=[{"type": "function", "function": t} for t in tools] or None,
+                add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
+        except self._errors as e:  # raise_exception, a sandbox violation, an undefined call
+            raise ValueError(f"the chat template refused the messages: {e}") from None
+
+    def parse(self, text: str, thinking: bool = False) -> Reply:
+        return Reply(content=text)
+
+
+def _token_text(value) -> str:
+    """A tokenizer_config.json special token: a string or an AddedToken object with `content`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def jinja_format(checkpoint_dir) -> JinjaFormat | None:
+    """The chat template a checkpoint ships in tokenizer_config.json (None if it has none)."""
+    path = Path(checkpoint_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text(encoding="utf-8"))
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if not isinstance(template, str) or not template:
+        return None
+    return JinjaFormat(template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+
+
 FORMATS = {f.name: f for f in (DeepSeekV4Format, PlainFormat)}
 
 
-def format_for(tokenizer, name: str = "auto"):
-    """The chat format by name, or (auto) DeepSeek-V4's when the tokenizer has the DSML token, else plain."""
-    if name != "auto":
-        if name not in FORMATS:
-            raise ValueError(f"unknown chat format {name!r}; choose auto, {', '.join(FORMATS)}")
+def format_for(tokenizer, name: str = "auto", checkpoint_dir=None):
+    """The chat format by name, or (auto) DeepSeek-V4's when the tokenizer has the DSML token, else the
+    checkpoint's own Jinja template if it ships one, else plain."""
+    if name not in ("auto", "jinja", *FORMATS):
+        raise ValueError(f"unknown chat format {name!r}; choose auto, jinja, {', '.join(FORMATS)}")
+    if name in FORMATS:
         return FORMATS[name]()
+    jinja = jinja_format(checkpoint_dir) if checkpoint_dir is not None else None
+    if name == "jinja":
+        if jinja is None:
+            raise ValueError(f"--chat-format jinja: the checkpoint {checkpoint_dir} ships no chat_template in "
+                             "tokenizer_config.json")
+        return jinja
     vocab = tokenizer.tokenizer.get_vocab() if hasattr(tokenizer, "tokenizer") else {}
-    return DeepSeekV4Format() if DSML in vocab else PlainFormat()
-
-
-def chat_prompt(messages: Any, fmt=None) -> str:
-    """The prompt text of OpenAI chat `messages` in a format (default: the bundled model's plain one)."""
-    return (fmt or PlainFormat()).render(normalize_messages(messages))
+    return DeepSeekV4Format() if DSML in vocab else jinja or PlainFormat()

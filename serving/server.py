@@ -42,13 +42,15 @@ MAX_CHOICES = 16
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     """What the server accepts: its model name, an optional API key, in-flight request and body-size limits,
-    and the chat format (`auto`: DeepSeek-V4's when the tokenizer has its markup tokens, else plain)."""
+    and the chat format (`auto`: DeepSeek-V4's when the tokenizer has its markup tokens, else the checkpoint's
+    Jinja template if it ships one, else plain)."""
 
     model_name: str = "jaxseek"
     api_key: str | None = None
     max_concurrency: int = 256
     max_body_bytes: int = 1 << 20
     chat_format: str = "auto"
+    checkpoint: str | None = None  # the checkpoint directory (its tokenizer_config.json may hold a chat template)
 
 
 class ApiError(Exception):
@@ -147,7 +149,7 @@ class Server:
     def __init__(self, model, config: ServerConfig = ServerConfig(), **engine_args):
         self.config, self.model = config, model
         self.tokenizer = tokenizer_for(model)
-        self.fmt = format_for(self.tokenizer, config.chat_format)
+        self.fmt = format_for(self.tokenizer, config.chat_format, config.checkpoint)
         cfg = model.config
         self.decode = markup_decoder(self.tokenizer, (cfg.eos_token_id, getattr(cfg, "bos_token_id", None)))
         self.engine = Engine(model, detokenize=self.decode, **engine_args)
@@ -592,8 +594,9 @@ def add_arguments(p) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXSEEK_API_KEY; none: open)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint directory's "
                                                "name, or 'jaxseek-bundled')")
-    p.add_argument("--chat-format", default="auto", choices=["auto", "deepseek-v4", "plain"],
-                   help="auto: DeepSeek-V4's when the tokenizer has its DSML token, else the plain scene template")
+    p.add_argument("--chat-format", default="auto", choices=["auto", "deepseek-v4", "jinja", "plain"],
+                   help="auto: DeepSeek-V4's when the tokenizer has its DSML token, else the checkpoint's Jinja "
+                        "chat_template (tokenizer_config.json) if it has one, else the plain scene template")
     p.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before 429 (default 256)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--max-logprobs", type=int, default=5, help="most top_logprobs a request may ask (default 5)")
@@ -629,7 +632,7 @@ def serve(args, model) -> int:
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else
                                       args.config or "jaxseek-bundled")
     config = ServerConfig(model_name=name, api_key=args.api_key, max_concurrency=args.max_concurrency,
-                          max_body_bytes=args.max_body_bytes, chat_format=args.chat_format)
+                          max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model)
     server = Server(model, config, max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                     batch_invariant=args.batch_invariant, num_top_logprobs=args.max_logprobs, seed=args.seed)
     if not args.no_warmup:

@@ -151,3 +151,59 @@ def test_incremental_detokenizer_never_splits_characters():
     pieces = [detok.push([t]) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + detok.flush() == tok.decode(ids) == text
+
+
+V3_STYLE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+            "{% elif m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
+            "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}")
+
+
+def checkpoint_with(tmp_path, template):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": {"content": B, "special": True}, "eos_token": E}))
+    return tmp_path
+
+
+def test_jinja_template_of_a_checkpoint(tmp_path, v4_tokenizer):
+    from model.checkpoint import BUNDLED
+    from model.tokenizer import TextTokenizer
+    from serving.chat_format import JinjaFormat, format_for
+
+    fmt = format_for(TextTokenizer.from_file(BUNDLED / "tokenizer.json"), "auto", checkpoint_with(tmp_path, V3_STYLE))
+    assert isinstance(fmt, JinjaFormat)
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    assert fmt.render(normalize_messages(messages)) == f"{B}S{U}Hi{A}Hello{E}{U}Bye{A}"
+    # the DeepSeek-V4 tokenizer wins over a template; no template: plain
+    assert isinstance(format_for(TextTokenizer(v4_tokenizer), "auto", tmp_path), DeepSeekV4Format)
+    assert isinstance(format_for(TextTokenizer.from_file(BUNDLED / "tokenizer.json"), "auto", BUNDLED), PlainFormat)
+    with pytest.raises(ValueError, match="ships no chat_template"):
+        format_for(None, "jinja", BUNDLED)
+
+
+def test_jinja_sees_tools_and_calls_as_objects(tmp_path):
+    from serving.chat_format import jinja_format
+
+    fmt = jinja_format(checkpoint_with(tmp_path, "{{ tools | tojson }}|{% for m in messages %}{% if m.tool_calls %}"
+                                                 "{{ m.tool_calls[0].function.arguments | tojson }}{% endif %}"
+                                                 "{% endfor %}"))
+    tools_json, args_json = fmt.render(normalize_messages([
+        {"role": "user", "content": "w?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Köln"}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "rain"}]), normalize_tools([WEATHER])).split("|")
+    assert json.loads(tools_json) == [WEATHER] and json.loads(args_json) == {"city": "Köln"}
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% if messages[0].role != 'system' %}{{ raise_exception('a system message comes first') }}{% endif %}",
+     "a system message comes first"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+    ("{{ messages.append(1) }}", "unsafe"),
+])
+def test_jinja_errors_and_sandbox(tmp_path, template, message):
+    from serving.chat_format import jinja_format
+
+    with pytest.raises(ValueError, match=message):
+        jinja_format(checkpoint_with(tmp_path, template)).render(normalize_messages([{"role": "user", "content": "x"}]))
