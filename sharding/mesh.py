@@ -19,7 +19,6 @@ import math
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
@@ -158,13 +157,23 @@ def check_divisible(tree, shardings) -> None:
                                     f"({axes}) do not divide")
 
 
+def place(tree, shardings):
+    """Arrays of `tree` (host or device values, equal in every process) laid out by `shardings`; each
+    process fills only its own devices' shards, so this also builds arrays spanning several hosts."""
+    def one(leaf, sharding):
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
 def shard_model(model, mesh: Mesh):
     """The same Model with its parameters placed by the rules (experts split over `ep`, the rest replicated)."""
     from model.api import Model
 
     shardings = param_shardings(model.params, mesh)
     check_divisible(model.params, shardings)
-    params = jax.device_put(model.params, shardings)
+    params = place(model.params, shardings)
     return Model(nnx.merge(model.graphdef, params), tokenizer=model.tokenizer, engram=model.engram,
                  drafter=model.drafter)
 
@@ -188,7 +197,8 @@ def batch_sharded(mesh: Mesh | AbstractMesh, tree):
 
 def logits_on_mesh(model, tokens, mesh: Mesh):
     """fp32 logits of a whole-sequence forward with requests split over the attention ranks (`batch`) and,
-    when `ep` > 1, the experts split over `ep` (all-to-all dispatch). The batch must divide the ranks."""
+    when `ep` > 1, the experts split over `ep` (all-to-all dispatch). The batch must divide the ranks. The
+    mesh may span processes (`jax.distributed`): every process then passes the same model and tokens."""
     from sharding.expert_parallel import expert_parallel
 
     tokens = np.asarray(tokens, np.int32)
@@ -201,8 +211,7 @@ def logits_on_mesh(model, tokens, mesh: Mesh):
     rows = ()
     if model.engram is not None:
         rows, _ = model.engram.lookup(tokens, model.engram.empty_history(tokens.shape[0]))
-    args = jax.device_put((jnp.asarray(tokens), cache, tuple(rows)),
-                          batch_sharded(mesh, (tokens, cache, tuple(rows))))
+    args = place((tokens, cache, tuple(rows)), batch_sharded(mesh, (tokens, cache, tuple(rows))))
     context = expert_parallel(mesh) if mesh.shape["ep"] > 1 else contextlib.nullcontext()
     with context:
         return jax.jit(model_forward(sharded))(sharded.params, args[0], args[1], *args[2])[0]

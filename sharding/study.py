@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -129,11 +130,7 @@ def compile_steps(config_name: str, spec: MeshSpec, options: StudyOptions, max_l
     `spec.num_devices` emulated CPU devices."""
     if len(jax.devices()) < spec.num_devices:
         return _compile_in_child(config_name, spec, options, max_len)
-    from model.api import abstract_model
-    from model.config import preset
-
-    config = preset(config_name)
-    model = abstract_model(config, "bfloat16")
+    config, model = _abstract(config_name)
     mesh = make_mesh(spec)
     params = _with_shardings(model.params, param_shardings(model.params, mesh))
     batch = spec.dp * options.sequences_per_device
@@ -176,15 +173,22 @@ def _compile_in_child(config_name: str, spec: MeshSpec, options: StudyOptions, m
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def study(config_name: str, spec: MeshSpec, options: StudyOptions) -> dict:
-    """The per-device figures of one config on one mesh (see the module docstring)."""
+@functools.lru_cache(maxsize=4)
+def _abstract(config_name: str):
+    """(config, abstract bf16 model) of a preset, built once per process (comparisons reuse it)."""
     from model.api import abstract_model
     from model.config import preset
-    from model.stats import param_counts
 
     config = preset(config_name)
+    return config, abstract_model(config, "bfloat16")
+
+
+def study(config_name: str, spec: MeshSpec, options: StudyOptions) -> dict:
+    """The per-device figures of one config on one mesh (see the module docstring)."""
+    from model.stats import param_counts
+
+    config, model = _abstract(config_name)
     profile = device_profile(options.device)
-    model = abstract_model(config, "bfloat16")
     kv = kv_figures(config, options.kv_format, model.module())
     context = options.context or config.max_position_embeddings
     if context > config.max_position_embeddings:

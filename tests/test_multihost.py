@@ -1,0 +1,34 @@
+"""Two `jax.distributed` processes on localhost (4 emulated CPU devices each, one dp=8,ep=4 mesh) give the
+same logits and greedy tokens as one process."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from model.api import init_model
+from model.config import preset
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_two_processes_equal_one(tmp_path):
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "logits.npy"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    procs = [subprocess.Popen([sys.executable, "-m", "sharding.multihost", "--process-id", str(i),
+                               "--num-processes", "2", "--port", str(port), "--out", str(out)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    tokens = np.random.default_rng(0).integers(0, 256, (8, 12))  # the leader's plan (sharding.multihost)
+    single = np.asarray(init_model(preset("tiny"), seed=0).logits(tokens))
+    distributed = np.load(out)
+    np.testing.assert_allclose(distributed, single, atol=1e-5, rtol=0)
+    assert (distributed.argmax(-1) == single.argmax(-1)).all()
