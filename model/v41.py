@@ -7,6 +7,8 @@ reuse; the candidate source also publishes a pool of blocks that later (re-index
 Semantics follow transformers' `models/deepseek_v41/modular_deepseek_v41.py` (GitHub main).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -255,14 +257,17 @@ class DeepseekV41(nnx.Module):
         rows = dict(zip(self.config.engram_layer_ids, engram_rows))
         count = tokens.shape[1] if count is None else count
         replay = Replay() if replay is None else replay
+        if not isinstance(replay, Replay):
+            raise ValueError(f"replay must be a model.replay.Replay, got {replay!r}")
         split = self.config.n_prefill_layer if replay.active else len(self.layers)
         run = (streams, pre_mix, tokens, rows, {})
         streams, pre_mix, states, shared, taps = self._run_layers(range(split), run, start, cache, count, collect)
         if split < len(self.layers):
             replay.check(cache["layers"][split]["ring_kv"].shape[1], self.config.sliding_window)
-            span = (*kept_span(start, count, prompt_end, replay.keep, tokens.shape[0]), replay.keep)
+            span = kept_span(start, count, prompt_end, replay.keep, tokens.shape[0])
             run = (streams, pre_mix, tokens, rows, shared)
-            replayed = self._compact if replay.mode == "compact" else self._masked
+            replayed = (functools.partial(self._compact, width=min(tokens.shape[1], replay.keep))
+                        if replay.mode == "compact" else self._masked)
             streams, pre_mix, more, more_taps = replayed(range(split, len(self.layers)), run, start, count, cache,
                                                          span, collect)
             states, taps = states + more, {**taps, **more_taps}
@@ -291,19 +296,19 @@ class DeepseekV41(nnx.Module):
 
     def _masked(self, layer_ids, run: tuple, start, count, cache: dict, span, collect):
         """`mask` replay: every row runs with window keys below the floor hidden; rows before it are kept."""
-        offset, _, floor, _ = span
+        offset, _, floor = span
         kept = jnp.arange(run[0].shape[1])[None, :] >= jnp.reshape(offset, (-1, 1))
         run = (*run[:4], {**run[4], "replay_floor": floor})
         streams, pre_mix, states, _, taps = self._run_layers(layer_ids, run, start, cache, count, collect, kept)
         return streams, pre_mix, states, taps
 
-    def _compact(self, layer_ids, run: tuple, start, count, cache: dict, span, collect):
-        """`compact` replay: each row's kept tail gathered into min(chunk, keep) rows, run, scattered back;
-        the layers are skipped when no row keeps a token."""
+    def _compact(self, layer_ids, run: tuple, start, count, cache: dict, span, collect, width: int):
+        """`compact` replay: each row's kept tail gathered into `width` = min(chunk, keep) rows, run, scattered
+        back; the layers are skipped when no row keeps a token."""
         streams, pre_mix, tokens, rows, shared = run
-        (b, c), (offset, length, floor, keep) = tokens.shape, span
+        b, (offset, length, floor) = tokens.shape[0], span
         at, n_kept = jnp.broadcast_to(offset, (b,)), jnp.broadcast_to(length, (b,))
-        take = lambda x: take_rows(x, at, min(c, keep))  # noqa: E731
+        take = lambda x: take_rows(x, at, width)  # noqa: E731
         put = lambda x, kept_rows: put_rows(x, kept_rows, at, n_kept)  # noqa: E731
         unchanged = {i: jnp.mean(streams.astype(jnp.float32), axis=2) for i in collect if i in layer_ids}
 

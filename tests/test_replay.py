@@ -114,6 +114,8 @@ def test_keep_must_cover_window_and_backtracking(tiny):
     cache["layers"] = tiny.module().init_cache(*TOKENS.shape, ring=W + 4)["layers"]
     with pytest.raises(ValueError, match=r"keep=10 must be >= window \+ backtracking = 8 \+ 4 = 12"):
         tiny.step(TOKENS, cache, replay=Replay("mask", 10))
+    with pytest.raises(ValueError, match="replay must be a model.replay.Replay, got 'compact'"):
+        tiny.logits(TOKENS, replay="compact")
     with pytest.raises(ValueError, match="needs a causal encoder-decoder"):
         init_model(preset("tiny")).logits(TOKENS[:, :4], replay=Replay("mask"))
 
