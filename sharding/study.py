@@ -228,7 +228,7 @@ def chart(reports: list[dict], path: str) -> None:
     parts = (("backbone", "param_bytes_backbone_per_device"), ("experts", "param_bytes_experts_per_device"),
              ("Engram", "param_bytes_engram_per_device"), ("KV (fits)", "hbm_free_for_kv_bytes"))
     labels = [f"{r['config']}\n{r['mesh']}" for r in reports]
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(reports), 4.5))
+    fig, ax = plt.subplots(figsize=(3 + 1.6 * len(reports), 4.5))
     bottom = [0.0] * len(reports)
     for name, key in parts:
         values = [r[key] / gib for r in reports]
@@ -238,7 +238,7 @@ def chart(reports: list[dict], path: str) -> None:
         ax.hlines(r["hbm_bytes"] / gib, i - 0.4, i + 0.4, colors="black", linestyles="dashed")
     ax.set_ylabel("GiB per device")
     ax.set_title(f"memory per device ({reports[0]['device']}; dashed: HBM)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -288,17 +288,22 @@ def add_arguments(p) -> None:
                    "otherwise: FP8 entries with BF16 RoPE dims, FP4 index keys)")
     p.add_argument("--param-format", choices=PARAM_FORMATS, default="checkpoint",
                    help="checkpoint: FP4 experts, FP8 matrices, BF16 embedding/head (default)")
-    p.add_argument("--redundant-experts", type=int, default=0, help="EPLB redundant expert slots per layer")
+    p.add_argument("--redundant-experts", type=int, default=0, metavar="N",
+                   help="EPLB redundant expert slots per MoE layer (experts + N must divide by ep)")
     p.add_argument("--engram", choices=ENGRAM_PLACEMENTS, default="sharded",
                    help="Engram table placement (default: rows sharded over every device)")
-    p.add_argument("--hbm-utilization", type=float, default=0.9)
-    p.add_argument("--sequences-per-device", type=int, default=1)
+    p.add_argument("--hbm-utilization", type=float, default=0.9,
+                   help="fraction of HBM the engine may use (default 0.9)")
+    p.add_argument("--sequences-per-device", type=int, default=1,
+                   help="concurrent requests per attention rank: each holds its windows and open compressor "
+                        "state (default 1)")
     p.add_argument("--context", type=int, help="context length for the amortised KV per token (default: the "
                    "model's maximum)")
     p.add_argument("--compile", default="decode", metavar="STEPS",
                    help="steps to compile on emulated CPU devices: decode, prefill, decode,prefill or none "
                         "(default decode; 64 devices take ~30 s per step)")
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per sequence of the compiled prefill "
+                   "step (default 512)")
     p.add_argument("--chart", metavar="PNG", help="write a chart of memory per device (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout ({'studies': [...]} when "
                    "comparing meshes)")
