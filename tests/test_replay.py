@@ -79,9 +79,11 @@ def test_replay_is_exact_where_the_window_was_not_cut(runs, mode):
 
 
 def test_chunked_prefill_with_a_prompt_end_matches_one_chunk(tiny, runs):
-    """Chunks [0, 21) (before the floor: replay layers skipped), [21, 42) (straddles it), [42, 63)."""
+    """Chunks [0, 21) (before the floor: replay layers skipped), [21, 42) (straddles it), [42, 63), each row
+    at its own start (the engine's per-row path)."""
     logits, cache, _ = runs["compact"]
     chunked, end = tiny.init_cache(*TOKENS.shape), np.full(2, TOKENS.shape[1], np.int32)
+    chunked["pos"] = np.zeros(2, np.int32)
     for a, b in ((0, 21), (21, 42), (42, 63)):
         part, chunked, _ = forward(tiny, TOKENS[:, a:b], Replay("compact", KEEP), chunked, end)
         chunked = {**chunked, "engram_history": tiny.engram.lookup(TOKENS[:, a:b],
