@@ -1,7 +1,8 @@
 """Meshes and expert parallelism on 8 emulated CPU devices (tests/conftest.py) against one device.
 
-The model-level check runs tiny-v41 on a dp x ep mesh with device-sharded Engram tables; the
-function-level checks cover EP meshes, EPLB replica choice and the Engram owner gather."""
+The model-level check runs tiny-v41 on a dp x ep mesh with device-sharded Engram tables; the others cover
+EP meshes, EPLB replica choice and its load window, the Engram owner gather, placement by the rules and
+checkpoints restored onto another mesh."""
 
 import jax
 import jax.numpy as jnp
