@@ -58,6 +58,7 @@ class Replay:
 
     @property
     def active(self) -> bool:
+        """Whether the replay layers are bounded (mode mask or compact)."""
         return self.mode != "off"
 
     def check(self, ring: int, window: int) -> None:

@@ -1,6 +1,6 @@
 """Prefill benchmark: bounded decoder replay (`model.replay`) off vs on, 2k- and 8k-token prompts, CPU.
 
-    .venv/bin/python scripts/bench_prefill.py             # 5 timed runs per figure (~6 min on 2 idle cores)
+    .venv/bin/python scripts/bench_prefill.py             # 5 timed runs per figure (~10 min on 2 busy cores)
     .venv/bin/python scripts/bench_prefill.py --runs 3
 
 Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
