@@ -165,7 +165,9 @@ def _compile_in_child(config_name: str, spec: MeshSpec, options: StudyOptions, m
     """`compile_steps` in a fresh Python process with `spec.num_devices` emulated CPU devices."""
     request = {"config": config_name, "spec": dataclasses.asdict(spec), "options": dataclasses.asdict(options),
                "max_len": max_len}
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(spec.num_devices)}
+    # the emulated program never runs: skip LLVM's optimisations (about a fifth of the compile time)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(spec.num_devices), "XLA_FLAGS": flags}
     done = subprocess.run([sys.executable, "-m", "sharding.study"], input=json.dumps(request), env=env,
                           capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     if done.returncode:
@@ -175,11 +177,12 @@ def _compile_in_child(config_name: str, spec: MeshSpec, options: StudyOptions, m
 
 @functools.lru_cache(maxsize=4)
 def _abstract(config_name: str):
-    """(config, abstract bf16 model) of a preset, built once per process (comparisons reuse it)."""
+    """(config, abstract bf16 model) of a preset or a checkpoint's config.json, built once per process
+    (comparisons reuse it)."""
     from model.api import abstract_model
-    from model.config import preset
+    from model.config import load_config, preset
 
-    config = preset(config_name)
+    config = load_config(config_name) if os.path.exists(config_name) else preset(config_name)
     return config, abstract_model(config, "bfloat16")
 
 
@@ -278,7 +281,7 @@ def print_table(reports: list[dict], out=sys.stdout) -> None:
 def add_arguments(p) -> None:
     """The `jaxseek study` flags."""
     p.add_argument("--config", default="v41-flash", help="preset (tiny, small, v4-flash, v4-pro, tiny-v41, "
-                   "v41-flash)")
+                   "v41-flash) or a checkpoint directory / config.json")
     p.add_argument("--mesh", action="append", metavar="SPEC",
                    help="role sizes like dp=64,ep=64 (ep shards inside dp; cp multiplies the devices); repeat "
                         "to compare meshes (default dp=64,ep=64)")

@@ -1,11 +1,12 @@
 """Layout studies: published KV figures from the real cache structures, per-device bytes, the CLI's JSON."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from model.cli import main
-from model.config import preset
+from model.config import load_config, preset
 from sharding.mesh import MeshSpec, MeshSpecError
 from sharding.storage import kv_figures, v32
 from sharding.study import StudyOptions, device_profile, study
@@ -86,3 +87,10 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="unknown device"):
         device_profile("tpu9")
     assert MeshSpec.parse("ep=8") == MeshSpec(dp=8, ep=8)
+
+
+def test_checkpoint_config_is_studied():
+    bundled = str(Path(__file__).resolve().parent.parent / "model" / "bundled")
+    report = study(bundled, MeshSpec(dp=2), StudyOptions(compile_steps=()))
+    assert report["devices"] == 2 and report["kv_bytes_per_token_global"] == kv_figures(load_config(bundled))[
+        "kv_bytes_per_token_global"] > 0
