@@ -14,6 +14,7 @@ The engine offers no export / import hook, so `export_slot` / `import_slot` work
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import multiprocessing
 import queue
 import time
@@ -125,7 +126,8 @@ def import_slot(engine, state: SlotState) -> bool:
 # ---- the prefill process --------------------------------------------------------------------------------------
 def _prefill_worker(inbox, outbox, model_path, engine_args: dict, compile_cache: str | None) -> None:
     """The prefill process: load the model, then prefill what arrives and send back hand-offs (or results of
-    requests that finished at their first token)."""
+    requests that finished at their first token). Each request is acknowledged ("accepted" or "error") as soon
+    as it arrives; a cancelled one is acknowledged ("cancelled") once the prefill engine has let it go."""
     if compile_cache:
         jax.config.update("jax_compilation_cache_dir", compile_cache)
     from model import load_model
@@ -145,12 +147,19 @@ def _prefill_worker(inbox, outbox, model_path, engine_args: dict, compile_cache:
         while message is not None:
             if message[0] == "stop":
                 return
-            _, request_id, prompt, params = message
-            try:
-                engine.add_request(prompt, params, request_id)
-                pending.add(request_id)
-            except ValueError as e:
-                outbox.put(("error", (request_id, str(e))))
+            if message[0] == "cancel":
+                if message[1] in pending:
+                    engine.cancel(message[1])
+                    pending.discard(message[1])
+                outbox.put(("cancelled", message[1]))
+            else:
+                _, request_id, prompt, params = message
+                try:
+                    engine.add_request(prompt, params, request_id)
+                    pending.add(request_id)
+                    outbox.put(("accepted", request_id))
+                except ValueError as e:
+                    outbox.put(("error", (request_id, str(e))))
             try:
                 message = inbox.get_nowait()
             except queue.Empty:
@@ -171,16 +180,21 @@ def _prefill_worker(inbox, outbox, model_path, engine_args: dict, compile_cache:
 
 
 class DisaggregatedEngine:
-    """A decode `Engine` here, fed by a prefill engine in another process: `add_request` sends the prompt to the
-    prefill process, `step` installs the hand-offs that arrived and runs one decode-engine step. The decode
-    engine and the prefill process must share the model and the cache layout (pass the same `engine_args`
-    the decode engine was built with; the prefill process decodes text, for stop strings and for requests
-    that end at their first token, with the model's tokenizer). Outputs equal a single engine's for seeded
-    requests."""
+    """A decode `Engine` here, fed by a prefill engine in another process, behind the engine's own interface
+    (`add_request`, `step`, `cancel`, `has_work`, `requests`, `run`), so the server runs it as it runs an engine.
+
+    `add_request` hands the prompt to the prefill process (which validates it: a refusal raises ValueError
+    here); `step` installs the hand-offs that arrived and runs one decode-engine step. The decode engine and the
+    prefill process must share the model and the cache layout: pass the `engine_args` the decode engine was
+    built with, and the checkpoint it was loaded from (None: the bundled model). A request without a seed gets
+    one here, since both engines must draw the same tokens; outputs then equal a single engine's.
+    """
 
     def __init__(self, decode_engine, model_path=None, engine_args: dict | None = None,
-                 compile_cache: str | None = None, start_timeout: float = 600.0):
+                 compile_cache: str | None = None, start_timeout: float = 600.0, seed: int = 0):
         self.engine = decode_engine
+        self.layout, self.scheduler, self.requests = decode_engine.layout, decode_engine.scheduler, \
+            decode_engine.requests
         context = multiprocessing.get_context("spawn")
         self.inbox, self.outbox = context.Queue(), context.Queue()
         self.process = context.Process(target=_prefill_worker, daemon=True, args=(
@@ -191,44 +205,89 @@ class DisaggregatedEngine:
             raise RuntimeError("the prefill process did not start")
         self.waiting: list[SlotState] = []  # hand-offs waiting for a slot / pages here
         self.finished: list[RequestOutput] = []
-        self.errors: dict[str, str] = {}
+        self.acks: dict[str, str | None] = {}  # request id -> None (accepted) or the refusal
         self.in_prefill: set[str] = set()
+        self.cancelled: set[str] = set()  # cancelled while in the prefill process: its hand-off is dropped
+        self.stops: dict[str, tuple[str, ...]] = {}  # stop strings of requests in the prefill process
         self.handoff_bytes = 0
-        self._ids = 0
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(seed)
 
-    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> str:
-        """Queue a request (it needs a seed: the prefill and decode engines must draw the same tokens)."""
+    def warmup(self) -> None:
+        self.engine.warmup()
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Hand a request to the prefill process; raises ValueError (and keeps nothing) if it refuses it."""
+        params = params or SamplingParams()
         if params.seed is None:
-            raise ValueError("a disaggregated request needs a seed (its tokens are drawn in two engines)")
-        request_id = f"pd-{self._ids}"
-        self._ids += 1
-        self.in_prefill.add(request_id)
+            params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
+        request_id = request_id or f"pd-{next(self._ids)}"
+        if request_id in self.in_prefill or request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         self.inbox.put(("add", request_id, [int(t) for t in prompt], params))
+        while request_id not in self.acks:
+            self._receive(block=True)
+        refusal = self.acks.pop(request_id)
+        if refusal is not None:
+            raise ValueError(refusal)
+        self.in_prefill.add(request_id)
+        self.stops[request_id] = params.stop
         return request_id
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request wherever it is (its result, if any, has finish_reason 'cancelled')."""
+        if request_id in self.in_prefill:
+            self.cancelled.add(request_id)
+            self.inbox.put(("cancel", request_id))
+        elif any(s.request_id == request_id for s in self.waiting):
+            self.waiting = [s for s in self.waiting if s.request_id != request_id]
+        elif request_id in self.engine.requests:
+            self.engine.cancel(request_id)
 
     @property
     def has_work(self) -> bool:
         return bool(self.in_prefill or self.waiting or self.finished or self.engine.has_work)
 
-    def step(self) -> list[RequestOutput]:
-        """Install arrived hand-offs, run one decode step; returns requests finished."""
-        block = bool(self.in_prefill) and not (self.waiting or self.engine.has_work)
+    def _receive(self, block: bool) -> None:
+        """Take the prefill process's messages (waiting for one if `block`)."""
         while True:
             try:
-                kind, payload = self.outbox.get(block=block, timeout=60.0 if block else None)
+                kind, payload = self.outbox.get(block=block, timeout=0.01 if block else None)
             except queue.Empty:
-                break
+                return
             block = False
+            if kind in ("accepted", "error"):
+                request_id, refusal = (payload, None) if kind == "accepted" else payload
+                self.acks[request_id] = refusal
+                continue
+            request_id = payload if kind == "cancelled" else payload.request_id
+            if request_id in self.cancelled:  # dropped; the prefill process acknowledges the cancel last
+                if kind == "cancelled":
+                    self.cancelled.discard(request_id)
+                    self.in_prefill.discard(request_id)
+                    self.stops.pop(request_id, None)
+                continue
+            self.in_prefill.discard(request_id)
+            stop = self.stops.pop(request_id, ())
             if kind == "handoff":
                 self.waiting.append(payload)
                 self.handoff_bytes += payload.nbytes
-                self.in_prefill.discard(payload.request_id)
             elif kind == "finished":
-                self.finished.append(payload)
-                self.in_prefill.discard(payload.request_id)
-            elif kind == "error":
-                self.errors[payload[0]] = payload[1]
-                self.in_prefill.discard(payload[0])
+                self.finished.append(self._with_text(payload, stop))
+
+    def _with_text(self, output: RequestOutput, stop: tuple[str, ...]) -> RequestOutput:
+        """A result of the prefill process with its text decoded as the decode engine decodes, cut at the first
+        stop string as the engine cuts."""
+        if self.engine.detokenize is None:
+            return output
+        text = self.engine.detokenize(output.token_ids)
+        hits = [text.find(s) for s in stop if s in text]
+        return dataclasses.replace(output, text=text[:min(hits)] if hits else text)
+
+    def step(self) -> list[RequestOutput]:
+        """Install arrived hand-offs, run one decode step; returns requests finished."""
+        self._receive(block=bool(self.in_prefill) and not (self.waiting or self.engine.has_work))
         while self.waiting and import_slot(self.engine, self.waiting[0]):
             self.waiting.pop(0)
         finished, self.finished = self.finished, []

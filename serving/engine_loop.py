@@ -138,7 +138,7 @@ class EngineLoop:
     def _handle(self, command) -> None:
         if command[0] == "cancel":
             for request_id in command[1]:
-                if self.tracked.pop(request_id, None) is not None and request_id in self.engine.requests:
+                if self.tracked.pop(request_id, None) is not None:  # tracked: not finished yet
                     self.engine.cancel(request_id)
             return
         _, requests, sink, future = command
@@ -159,8 +159,8 @@ class EngineLoop:
     def _deliver(self, finished: list[RequestOutput]) -> None:
         events: dict[Sink, list] = {}
         for request_id, t in self.tracked.items():
-            request = self.engine.requests[request_id]
-            if len(request.output) > t.sent:
+            request = self.engine.requests.get(request_id)  # None: not in this engine yet (P/D: prefilling)
+            if request is not None and len(request.output) > t.sent:
                 lps = request.logprobs[t.sent:len(request.output)] if request.params.logprobs is not None else []
                 events.setdefault(t.sink, []).append(Delta(t.index, request.output[t.sent:], lps))
                 t.sent = len(request.output)

@@ -19,12 +19,14 @@ import time
 from collections.abc import Callable
 import uuid
 
+import jax
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.chat_format import Reply, format_for, normalize_messages, normalize_tools
 from serving.detokenize import IncrementalDetokenizer, markup_decoder
+from serving.disagg import DisaggregatedEngine
 from serving.engine import Engine
 from serving.engine_loop import Delta, Done, EngineLoop, Failed, Sink
 from serving.metrics import ServerMetrics
@@ -51,6 +53,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     chat_format: str = "auto"
     checkpoint: str | None = None  # the checkpoint directory (its tokenizer_config.json may hold a chat template)
+    disaggregate: bool = False  # prefill in a separate process (serving.disagg), loading `checkpoint`
 
 
 class ApiError(Exception):
@@ -153,6 +156,9 @@ class Server:
         cfg = model.config
         self.decode = markup_decoder(self.tokenizer, (cfg.eos_token_id, getattr(cfg, "bos_token_id", None)))
         self.engine = Engine(model, detokenize=self.decode, **engine_args)
+        if config.disaggregate:
+            self.engine = DisaggregatedEngine(self.engine, config.checkpoint, engine_args,
+                                              jax.config.jax_compilation_cache_dir)
         self.metrics = ServerMetrics(config.model_name)
         self.loop = EngineLoop(self.engine, self._observe)
         self.in_flight, self.max_concurrency = 0, config.max_concurrency
@@ -165,6 +171,8 @@ class Server:
 
     def stop(self) -> None:
         self.loop.stop()
+        if isinstance(self.engine, DisaggregatedEngine):
+            self.engine.close()
 
     def _observe(self, engine, finished) -> None:
         """After each engine step (engine thread): queue depths, page usage, finished requests' latencies."""
@@ -600,6 +608,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before 429 (default 256)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--max-logprobs", type=int, default=5, help="most top_logprobs a request may ask (default 5)")
+    p.add_argument("--disaggregate", action="store_true",
+                   help="prefill in a separate process that hands each request's cache state to the decode engine")
 
 
 def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, Callable[[], None]]:
@@ -629,10 +639,14 @@ def serve(args, model) -> int:
     """Run the server until interrupted (the body of `jaxseek serve`)."""
     import uvicorn
 
+    if args.disaggregate and args.config:
+        raise ValueError("--disaggregate loads the model again in the prefill process: give --model (or neither, "
+                         "for the bundled model), not a random --config")
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else
                                       args.config or "jaxseek-bundled")
     config = ServerConfig(model_name=name, api_key=args.api_key, max_concurrency=args.max_concurrency,
-                          max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model)
+                          max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model,
+                          disaggregate=args.disaggregate)
     server = Server(model, config, max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                     batch_invariant=args.batch_invariant, num_top_logprobs=args.max_logprobs, seed=args.seed)
     if not args.no_warmup:

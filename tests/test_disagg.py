@@ -3,19 +3,15 @@ decode engine here; tokens, logprobs and finish reasons equal the single engine'
 sliding window and a page, greedy and seeded sampling with penalties, and a request that ends at its first
 token."""
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from model import load_model
-from serving.disagg import DisaggregatedEngine, export_slot, import_slot
+from serving.disagg import export_slot, import_slot
 from serving.engine import Engine
 from serving.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
 # the engine tests/test_server.py and the router's replicas run, so the persistent compile cache serves all three
 ENGINE = dict(max_slots=2, max_len=96, prefill_chunk=8, batch_invariant=True, num_top_logprobs=5)
 TEXTS = ["ROMEO:\n", "KING HENRY:\nOnce more unto the breach, dear friends, once more; Or close the wall up with our "
@@ -74,22 +70,62 @@ def test_handoff_within_a_process_continues_exactly(setup):
     assert len(free.free) == engine.layout.num_pages and not free.owned
 
 
-def test_prefill_process_hands_off_to_decode_engine(setup, monkeypatch):
-    model, engine, prompts, reference = setup
-    for name, value in (("JAX_NUM_CPU_DEVICES", "8"), ("JAX_DEFAULT_MATMUL_PRECISION", "highest"),
-                        ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")):
-        monkeypatch.setenv(name, value)  # conftest's JAX settings, for the spawned prefill process
-    clobber(engine)
-    pd = DisaggregatedEngine(engine, None, ENGINE, compile_cache=str(ROOT / ".pytest_cache" / "jax"))
-    try:
-        ids = [pd.add_request(p, q) for p, q in zip(prompts, PARAMS)]
-        with pytest.raises(ValueError, match="needs a seed"):
-            pd.add_request(prompts[0], SamplingParams())
-        results = pd.run()
-    finally:
-        pd.close()
+@pytest.fixture(scope="module")
+def pd_server(setup):
+    """A server whose engine prefills in a spawned process (its HTTP app not started yet)."""
+    from serving.server import Server, ServerConfig
+
+    with pytest.MonkeyPatch.context() as env:  # conftest's JAX settings, for the spawned prefill process
+        for name, value in (("JAX_NUM_CPU_DEVICES", "8"), ("JAX_DEFAULT_MATMUL_PRECISION", "highest"),
+                            ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")):
+            env.setenv(name, value)
+        server = Server(setup[0], ServerConfig(model_name="bundled", disaggregate=True), **ENGINE)
+    yield server
+    server.engine.close()
+
+
+def test_prefill_process_hands_off_to_decode_engine(setup, pd_server):
+    _, _, prompts, reference = setup
+    pd = pd_server.engine
+    clobber(pd.engine)
+    ids = [pd.add_request(p, q) for p, q in zip(prompts, PARAMS)]
+    with pytest.raises(ValueError, match="exceeds the engine's max_len"):  # refused by the prefill engine
+        pd.add_request(prompts[1], SamplingParams(max_tokens=40))
+    dropped = [pd.add_request(prompts[0], SamplingParams(max_tokens=20)) for _ in range(2)]
+    pd.cancel(dropped[0])  # still in the prefill process
+    results = {}
+    while pd.has_work:
+        for output in pd.step():
+            results[output.request_id] = output
+        if dropped[1] in pd.requests and dropped[1] not in results:
+            pd.cancel(dropped[1])  # decoding here
     for rid, expected in zip(ids, reference):
         same(results[rid], expected)
-    assert pd.handoff_bytes > 0 and not pd.errors
-    assert len(engine.scheduler.pages.free) == engine.layout.num_pages
-    assert np.isfinite(pd.handoff_bytes)
+    assert dropped[0] not in results and results[dropped[1]].finish_reason == "cancelled"
+    assert pd.handoff_bytes > 0 and not pd.in_prefill and not pd.cancelled
+    assert len(pd.scheduler.pages.free) == pd.layout.num_pages
+
+
+def test_server_with_a_prefill_process(setup, pd_server):
+    """`jaxseek serve --disaggregate`: the same texts over HTTP, streamed or not."""
+    import dataclasses
+
+    import openai
+
+    from serving.server import serve_in_thread
+
+    _, _, prompts, reference = setup
+    url, stop = serve_in_thread(pd_server.app)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    default = SamplingParams()
+    try:
+        for prompt, params, expected in list(zip(prompts, PARAMS, reference))[:3]:
+            fields = {k: v for k, v in dataclasses.asdict(params).items() if v != getattr(default, k)}
+            fields.pop("logprobs", None)
+            r = client.completions.create(model="bundled", prompt=prompt, extra_body=fields)
+            assert r.choices[0].text == expected.text
+            chunks = client.completions.create(model="bundled", prompt=prompt, stream=True, extra_body=fields)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    finally:
+        stop()  # the app's shutdown stops the engine loop and the prefill process
+    assert not pd_server.engine.process.is_alive()

@@ -136,7 +136,20 @@ def test_bad_requests_get_clear_4xx(served, body, status, message):
     assert message in r.json()["error"]["message"]
 
 
-def test_disconnect_cancels_and_frees_pages(served):
+@pytest.fixture
+def slow_engine(served, monkeypatch):
+    """Engine steps of at least 20 ms, so a long request is surely still running when its client leaves."""
+    engine = served[1].engine
+    step = engine.step
+
+    def slow():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow)
+
+
+def test_disconnect_cancels_and_frees_pages(served, slow_engine):
     server, url = served[1], served[2]
     body = {"model": MODEL, "prompt": "HAMLET:\n", "max_tokens": 60, "temperature": 1.0, "stream": True,
             "ignore_eos": True}
@@ -154,7 +167,7 @@ def cancelled_count(url) -> float:
     return float(lines[0].split()[-1]) if lines else 0.0
 
 
-def test_nonstreaming_client_that_gives_up_is_cancelled(served):
+def test_nonstreaming_client_that_gives_up_is_cancelled(served, slow_engine):
     server, url = served[1], served[2]
     before = cancelled_count(url)
     with pytest.raises(httpx.ReadTimeout):
