@@ -196,22 +196,25 @@ def batch_sharded(mesh: Mesh | AbstractMesh, tree):
 
 
 def logits_on_mesh(model, tokens, mesh: Mesh):
-    """fp32 logits of a whole-sequence forward with requests split over the attention ranks (`batch`) and,
-    when `ep` > 1, the experts split over `ep` (all-to-all dispatch). The batch must divide the ranks. The
-    mesh may span processes (`jax.distributed`): every process then passes the same model and tokens."""
+    """fp32 logits of a whole-sequence forward with requests split over the attention ranks (`batch`), the
+    sequence over `cp` (`seq`, contiguous chunks: XLA gathers what attention needs) and, when `ep` > 1, the
+    experts over `ep` (all-to-all dispatch). The batch must divide the ranks, the sequence `cp`. The mesh
+    may span processes (`jax.distributed`): every process then passes the same model and tokens."""
     from sharding.expert_parallel import expert_parallel
 
     tokens = np.asarray(tokens, np.int32)
-    ranks = mesh.shape["dp"] * mesh.shape["ep"]
-    if tokens.ndim != 2 or tokens.shape[0] % ranks:
-        raise ValueError(f"tokens must be [batch, seq] with batch a multiple of the {ranks} attention ranks, "
-                         f"got shape {tokens.shape}")
+    ranks, cp = mesh.shape["dp"] * mesh.shape["ep"], mesh.shape["cp"]
+    if tokens.ndim != 2 or tokens.shape[0] % ranks or tokens.shape[1] % cp:
+        raise ValueError(f"tokens must be [batch, seq] with batch a multiple of the {ranks} attention ranks and "
+                         f"seq a multiple of cp={cp}, got shape {tokens.shape}")
     sharded = shard_model(model, mesh)
     cache = sharded.module().init_cache(*tokens.shape)
     rows = ()
     if model.engram is not None:
         rows, _ = model.engram.lookup(tokens, model.engram.empty_history(tokens.shape[0]))
-    args = place((tokens, cache, tuple(rows)), batch_sharded(mesh, (tokens, cache, tuple(rows))))
+    by_token = lambda x: NamedSharding(mesh, logical_spec("batch", "seq", *[None] * (x.ndim - 2)))  # noqa: E731
+    tokens, rows = place((tokens, tuple(rows)), jax.tree.map(by_token, (tokens, tuple(rows))))
+    cache = place(cache, batch_sharded(mesh, cache))
     context = expert_parallel(mesh) if mesh.shape["ep"] > 1 else contextlib.nullcontext()
     with context:
-        return jax.jit(model_forward(sharded))(sharded.params, args[0], args[1], *args[2])[0]
+        return jax.jit(model_forward(sharded))(sharded.params, tokens, cache, *rows)[0]

@@ -35,18 +35,18 @@ def pairs():
     return x, ids, weights, w1, w2, w3
 
 
-def test_v41_logits_dp_x_ep_with_sharded_engram_equal_single_device():
-    """tiny-v41 with host Engram tables on one device == requests over 8 attention ranks, experts over 4
-    shards (all-to-all) and Engram rows split over all 8 devices (owner gather)."""
+def test_v41_logits_cp_dp_ep_with_sharded_engram_equal_single_device():
+    """tiny-v41 with host Engram tables on one device == the sequence over 2 context ranks, requests over 4
+    attention ranks, experts over 2 shards (all-to-all) and Engram rows over all 8 devices (owner gather)."""
     config = preset("tiny-v41")
     model = random_model(config, engram_placement="host")
     tokens = np.random.default_rng(1).integers(0, config.vocab_size, (8, 12))
     single = np.asarray(model.logits(tokens))
-    mesh = make_mesh(MeshSpec.parse("dp=8,ep=4"))
+    mesh = make_mesh(MeshSpec.parse("cp=2,dp=4,ep=2"))
     sharded_engram = Model(model.module(), engram=shard_engram(model.engram, config, mesh))
     assert sharded_engram.engram.tables[0].weight.addressable_shards[0].data.shape[0] == -(-4062 // 8)
     logits = logits_on_mesh(sharded_engram, tokens, mesh)
-    assert logits.sharding.spec[0] == ("dp", "ep")  # requests stayed split over the attention ranks
+    assert logits.sharding.spec[:2] == (("dp", "ep"), "cp")  # requests and sequence stayed split
     np.testing.assert_allclose(np.asarray(logits), single, atol=1e-5, rtol=0)
 
 
