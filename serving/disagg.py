@@ -3,8 +3,8 @@ token, and hands the request's whole cache state to the decode engine, which gen
 
 The hand-off (`SlotState`) is everything the engine keeps for one request: its compressed-KV pages and indexer
 keys (the paged leaves, in block-table order), its slot leaves (the sliding-window ring, the compressors' open
-windows, ...), its last sampled token and penalty statistics, the host-side Engram n-gram history, and the
-request itself (prompt, first token, seeded sampling parameters). Sampling is keyed by (seed, position), so the
+windows, ...), every other per-slot cache entry (last sampled token, penalty statistics, ...), the host-side
+Engram n-gram history, and the request itself (prompt, first token, seeded sampling parameters). Sampling is keyed by (seed, position), so the
 decode engine continues exactly as the prefill engine would have: outputs equal a single engine's.
 
 The engine offers no export / import hook, so `export_slot` / `import_slot` work on `engine.cache`,
@@ -27,6 +27,9 @@ from serving.engine import Engine
 from serving.kv_cache import PAGED_LEAVES
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingParams
+
+
+NOT_PER_SLOT = ("layers", "block_tables")  # cache entries a hand-off does not copy slot by slot
 
 
 def _paged(path) -> bool:
@@ -54,16 +57,13 @@ class SlotState:
     computed: int
     page_tokens: int
     layers: dict  # the cache's layer tree: paged leaves [pages, entries per page, d], slot leaves [...]
-    last_token: np.ndarray
-    prompt_mask: np.ndarray
-    output_counts: np.ndarray
+    slot: dict  # every other per-slot cache entry at this slot: last token, penalty statistics, ...
     engram_history: np.ndarray | None
     elapsed: float  # seconds since the request arrived at the prefill engine
 
     @property
     def nbytes(self) -> int:
-        return sum(leaf.nbytes for leaf in jax.tree.leaves(self.layers)) + self.prompt_mask.nbytes + \
-            self.output_counts.nbytes
+        return sum(leaf.nbytes for leaf in jax.tree.leaves((self.layers, self.slot)))
 
 
 def export_slot(engine, request_id: str) -> SlotState:
@@ -74,13 +74,12 @@ def export_slot(engine, request_id: str) -> SlotState:
     slot, pages = request.slot, np.asarray(engine.scheduler.pages.owned.get(request.slot, []), np.int32)
     layers = jax.tree.map_with_path(
         lambda path, leaf: np.asarray(leaf[pages] if _paged(path) else leaf[slot]), engine.cache["layers"])
-    cache = engine.cache
+    per_slot = {k: jax.tree.map(lambda leaf: np.asarray(leaf[slot]), v) for k, v in engine.cache.items()
+                if k not in NOT_PER_SLOT}
     return SlotState(
         request_id=request_id, prompt=list(request.prompt), params=request.params, output=list(request.output),
         logprobs=list(request.logprobs), computed=request.computed, page_tokens=engine.layout.page_tokens,
-        layers=layers, last_token=np.asarray(cache["last_token"][slot]),
-        prompt_mask=np.asarray(cache["prompt_mask"][slot]), output_counts=np.asarray(cache["output_counts"][slot]),
-        engram_history=None if request.engram_history is None else np.array(request.engram_history),
+        layers=layers, slot=per_slot, engram_history=None if request.engram_history is None else np.array(request.engram_history),
         elapsed=time.perf_counter() - request.arrival)
 
 
@@ -92,6 +91,9 @@ def import_slot(engine, state: SlotState) -> bool:
                          f"{engine.layout.page_tokens}: run both with the same page size")
     if state.request_id in engine.requests:
         raise ValueError(f"request id {state.request_id!r} is already in use")
+    if set(state.slot) != set(engine.cache) - set(NOT_PER_SLOT):
+        raise ValueError(f"the hand-off's per-slot state ({', '.join(sorted(state.slot))}) is not this engine's "
+                         f"({', '.join(sorted(set(engine.cache) - set(NOT_PER_SLOT)))}): run both engines alike")
     scheduler = engine.scheduler
     if not scheduler.free_slots or scheduler.pages.pages_needed(scheduler.free_slots[-1], state.computed) > len(
             scheduler.pages.free):
@@ -109,9 +111,8 @@ def import_slot(engine, state: SlotState) -> bool:
 
     cache = engine.cache
     engine.cache = {**cache, "layers": jax.tree.map_with_path(install, cache["layers"], state.layers),
-                    "last_token": cache["last_token"].at[slot].set(state.last_token),
-                    "prompt_mask": cache["prompt_mask"].at[slot].set(state.prompt_mask),
-                    "output_counts": cache["output_counts"].at[slot].set(state.output_counts)}
+                    **{k: jax.tree.map(lambda leaf, value: leaf.at[slot].set(value), cache[k], v)
+                       for k, v in state.slot.items()}}
     now = time.perf_counter()
     request = Request(state.request_id, list(state.prompt), state.params, arrival=now - state.elapsed,
                       status=Status.RUNNING, output=list(state.output), logprobs=list(state.logprobs), slot=slot,
