@@ -1,5 +1,6 @@
 """`jaxseek` command line: model facts (`info`), a forward pass over a prompt (`forward`), offline batch
-inference over the serving engine (`generate`), training the bundled default model's recipe (`train`)."""
+inference over the serving engine (`generate`), training the bundled default model's recipe (`train`),
+layout studies of a model on a device mesh (`study`)."""
 
 import argparse
 import json
