@@ -1,5 +1,6 @@
 """Incremental detokenisation for streaming: the text of a growing token list, piece by piece, never cutting a
-UTF-8 character in two and never re-decoding the whole output per piece."""
+UTF-8 character in two and never re-decoding the whole output per piece; and a streamed reply's pieces, held
+back while they may be the start of a stop string or of a chat-format marker."""
 
 from __future__ import annotations
 
@@ -56,3 +57,70 @@ def markup_decoder(tokenizer, drop_ids) -> Callable[[Sequence[int]], str]:
         return hf.decode([int(t) for t in ids if int(t) not in drop], skip_special_tokens=False)
 
     return decode
+
+
+def _held_suffix(text: str, patterns) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `patterns` (text that may
+    still become a stop string or a markup marker)."""
+    best = 0
+    for p in patterns:
+        for k in range(min(len(p) - 1, len(text)), best, -1):
+            if text.endswith(p[:k]):
+                best = k
+                break
+    return best
+
+
+class ChoiceStream:
+    """One streamed choice: incremental text split into reasoning, content and a tool-call block (which is
+    swallowed and parsed at the end), with text held back while it may be the start of a stop string or of
+    the marker that ends the current part. `markers` maps a part to the marker that ends it (chat format)."""
+
+    def __init__(self, decode, stop: tuple[str, ...], markers: dict[str, str] | None = None,
+                 thinking: bool = False):
+        self.detok = IncrementalDetokenizer(decode)
+        self.stop, self.markers = stop, markers or {}
+        self.phase = "reasoning" if thinking else "content"
+        self.pending = ""  # decoded, not yet emitted
+        self.consumed = 0  # characters of the full text emitted or swallowed
+        self.emitted = {"reasoning": "", "content": ""}
+
+    def push(self, token_ids: list[int]) -> list[tuple[str, str]]:
+        self.pending += self.detok.push(token_ids)
+        return self._advance(final=False)
+
+    def finish(self, full_text: str) -> list[tuple[str, str]]:
+        """The rest of the choice, given its final text (cut at a stop string by the engine)."""
+        self.pending = full_text[self.consumed:]
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> list[tuple[str, str]]:
+        out = []
+        while self.pending and self.phase != "tools":
+            marker = self.markers.get(self.phase)
+            cut = len(self.pending)
+            if not final:
+                hits = [self.pending.find(s) for s in self.stop if s in self.pending]
+                cut = min(hits) if hits else cut - _held_suffix(self.pending, self.stop + ((marker,) if marker else ()))
+            found = self.pending.find(marker) if marker else -1
+            if 0 <= found and (found < cut or final):
+                self._emit(out, self.pending[:found].rstrip() if self.phase == "content" else self.pending[:found])
+                self.consumed += found + len(marker)
+                self.pending = self.pending[found + len(marker):]
+                self.phase = "content" if self.phase == "reasoning" else "tools"
+                continue
+            if marker and self.phase == "content" and not final:
+                cut = len(self.pending[:cut].rstrip())  # whitespace before a tool-call block is not content
+            self._emit(out, self.pending[:cut])
+            self.consumed += cut
+            self.pending = self.pending[cut:]
+            break
+        if self.phase == "tools":  # swallowed: the whole block is parsed at the end
+            self.consumed += len(self.pending)
+            self.pending = ""
+        return out
+
+    def _emit(self, out: list, text: str) -> None:
+        if text:
+            out.append((self.phase, text))
+            self.emitted[self.phase] += text

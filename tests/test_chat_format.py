@@ -10,8 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from serving.chat_format import DeepSeekV4Format, PlainFormat, normalize_messages, normalize_tools
-from serving.detokenize import IncrementalDetokenizer
-from serving.server import ChoiceStream
+from serving.detokenize import ChoiceStream, IncrementalDetokenizer
 
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"
