@@ -1,15 +1,22 @@
-"""The serving engine: continuous batching over ahead-of-time compiled steps, with zero-overhead scheduling.
+"""The serving engine: continuous batching over ahead-of-time compiled steps, with zero-overhead scheduling and
+speculative decoding.
 
-Each iteration dispatches a decode step (every running request, one token) and a prefill step (chunks of
-prompts), then reads the results of the previous iteration: the host prepares step N+1 while the device
-still runs step N, and decode inputs come from the device (the slot's last sampled token). Steps are
-compiled once per static bucket at start-up; an iteration never compiles.
+Each iteration dispatches a decode step (every running request: one token, or a verify block of drafts) and a
+prefill step (chunks of prompts), then reads the results of the previous iteration: the host prepares step N+1
+while the device still runs step N, and decode inputs come from the device (the slot's last token, position and
+drafts). Steps are compiled once per static bucket at start-up; an iteration never compiles.
+
+Speculation (`speculation`): "none"; "fixed" verifies every drafted token (up to `num_drafts`); "dspark" lets
+the verification scheduler (`serving.verify_plan`) choose the drafts per row from the drafter's confidences and
+the profiled cost of each verify bucket. Verification is lossless: greedy outputs are those of plain decoding
+and sampled outputs are distributed as the target's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 import uuid
 from collections.abc import Callable, Sequence
 
@@ -21,9 +28,11 @@ from serving.kv_cache import CacheLayout, init_engine_cache
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
-from serving.step import COUNTED, StepBatch, build_step, compile_step, empty_batch
+from serving.step import DrafterSpec, StepBatch, build_step, compile_step, empty_batch
+from serving.verify_plan import CostTable, plan_verify, prefix_survival
 
 MAX_TOP_LOGPROBS = 20
+SPECULATION = ("none", "fixed", "dspark")
 
 
 def powers_of_two(limit: int) -> tuple[int, ...]:
@@ -41,16 +50,34 @@ class Engine:
     tokens per iteration; `batch_invariant`: one bucket per step kind and budget-independent chunking,
     so a request's numbers never depend on what else runs; `zero_overhead`: read step N after dispatching
     step N+1; `num_top_logprobs` top alternatives computed per token; `return_logits` keeps the last
-    position's logits of every row (tests); `detokenize` turns token ids into text (stop strings).
+    position's logits of every row (tests); `detokenize` turns token ids into text (stop strings);
+    `speculation` "none" | "fixed" | "dspark" with the model's DSpark drafter, verifying up to `num_drafts`
+    drafts per step (default: the drafter's block size) in buckets of `verify_widths` tokens (DSpark; default
+    every width 2 .. num_drafts + 1, fewer widths compile faster); `backtrack` extra window-ring slots (speculation
+    needs num_drafts + 1 and takes at least that).
     """
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_len: int = 1024, num_pages: int | None = None,
                  page_tokens: int | None = None, prefill_chunk: int = 64, max_prefill_rows: int = 2,
                  token_budget: int | None = None, batch_invariant: bool = False, zero_overhead: bool = True,
                  num_top_logprobs: int = 5, return_logits: bool = False, seed: int = 0,
-                 detokenize: Callable[[list[int]], str] | None = None, backtrack: int = 0):
+                 detokenize: Callable[[list[int]], str] | None = None, backtrack: int = 0,
+                 speculation: str = "none", num_drafts: int | None = None,
+                 verify_widths: Sequence[int] | None = None):
         if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if speculation not in SPECULATION:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
+        drafter = model.drafter if speculation != "none" else None
+        if speculation != "none" and drafter is None:
+            raise ValueError(f"speculation={speculation!r} needs a model with a DSpark drafter (this one has none)")
+        block = drafter.config.block_size if drafter is not None else 0
+        num_drafts = block if num_drafts is None else num_drafts
+        if drafter is not None and not 1 <= num_drafts <= block:
+            raise ValueError(f"num_drafts must be in [1, {block}] (the drafter's block size), got {num_drafts}")
+        self.speculation, self.num_drafts = speculation, num_drafts if drafter is not None else 0
+        if drafter is not None:
+            backtrack = max(backtrack, num_drafts + 1)
         self.model, self.config = model, model.config
         self.layout = CacheLayout.for_model(self.config, max_slots, max_len, num_pages, page_tokens, backtrack)
         self.prefill_chunk = prefill_chunk
@@ -60,40 +87,77 @@ class Engine:
         self.batch_invariant, self.zero_overhead = batch_invariant, zero_overhead and self.engram is None
         self.num_top, self.return_logits, self.detokenize = num_top_logprobs, return_logits, detokenize
         budget = token_budget or max_slots + max_prefill_rows * prefill_chunk
-        self.scheduler = Scheduler(self.layout, prefill_chunk, budget, max_prefill_rows, batch_invariant)
+        self.scheduler = Scheduler(self.layout, prefill_chunk, budget, max_prefill_rows, batch_invariant,
+                                   self.num_drafts)
         self.decode_rows = (max_slots,) if batch_invariant else powers_of_two(max_slots)
         self.prefill_rows = (max_prefill_rows,) if batch_invariant else powers_of_two(max_prefill_rows)
         self.prefill_tokens = (prefill_chunk,) if batch_invariant else tuple(
             t for t in (8, 32, 128, 512) if t < prefill_chunk) + (prefill_chunk,)
+        # verify bucket widths (1 + drafts): every width for DSpark, the full block for fixed speculation
+        widths = tuple(sorted(set(verify_widths or range(2, self.num_drafts + 2))))
+        if speculation == "dspark" and not all(2 <= w <= self.num_drafts + 1 for w in widths):
+            raise ValueError(f"verify_widths {list(widths)} must lie in [2, num_drafts + 1 = {self.num_drafts + 1}]")
+        self.verify_widths = {"none": (), "fixed": (self.num_drafts + 1,), "dspark": widths}[speculation]
         module = model.module()
-        self.cache = init_engine_cache(module, self.layout)
-        self.weights = jax.tree.leaves(model.params)  # what the compiled steps take (flattened once)
+        draft_module = drafter.module() if drafter is not None else None
+        self.cache = init_engine_cache(module, self.layout, draft_module)
+        # what the compiled steps take (flattened once)
+        self.weights = (jax.tree.leaves(model.params), jax.tree.leaves(drafter.params) if drafter else [])
         empty = module.init_cache(1, self.layout.pages_per_slot * self.layout.page_tokens, self.layout.ring)
+        spec = None if drafter is None else DrafterSpec(drafter.graphdef, jax.tree.structure(drafter.params),
+                                                         draft_module.init_state(1), drafter.config.target_layer_ids)
         self._step_fn = build_step(model.graphdef, jax.tree.structure(model.params), empty["layers"],
-                                   self.layout.page_tokens, num_top_logprobs, return_logits)
+                                   self.layout.page_tokens, num_top_logprobs, return_logits, spec)
         self.compiled: dict[tuple[int, int, int], Callable] = {}
+        self.costs: CostTable | None = None  # DSpark: seconds per decode / verify bucket (`profile`)
+        self._last_ready = 0.0
         self.requests: dict[str, Request] = {}
         self.pending: list[tuple[list[Row], object]] = []
         self._cancelled: list[RequestOutput] = []
         self._seeds = np.random.default_rng(seed)
         self._ids = itertools.count()
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "decode_rows": 0, "verified": 0,
+                      "accepted": 0, "verified_at": np.zeros(self.num_drafts, np.int64),
+                      "accepted_at": np.zeros(self.num_drafts, np.int64), "calibration_abs": 0.0,
+                      "calibration_n": 0}
 
     # ---- compilation --------------------------------------------------------------------------------------
     def buckets(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens, verify length) shape the engine may run."""
         return sorted({(r, 1, 1) for r in self.decode_rows}
+                      | {(r, w, w) for r in self.decode_rows for w in self.verify_widths}
                       | {(r, t, 1) for r in self.prefill_rows for t in self.prefill_tokens})
 
     def warmup(self) -> None:
-        """Compile every bucket ahead of time (afterwards no step ever compiles)."""
+        """Compile every bucket ahead of time (afterwards no step ever compiles); DSpark also profiles the
+        decode and verify buckets for its cost table."""
         for bucket in self.buckets():
             self._executable(bucket)
+        if self.speculation == "dspark" and self.costs is None:
+            self.costs = self.profile()
+
+    def profile(self, repeats: int = 3) -> CostTable:
+        """Median seconds of each decode / verify bucket on padding rows (they write only the scratch slot)."""
+        seconds = {}
+        for rows, width, verify_len in self.buckets():
+            if width != verify_len and width != 1:
+                continue  # a prefill bucket
+            batch = empty_batch(self.layout, rows, width, self._engram_shapes())
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                outputs, self.cache = self._executable((rows, width, verify_len))(self.weights, self.cache, batch)
+                jax.block_until_ready(outputs)
+                times.append(time.perf_counter() - start)
+            seconds[rows, width] = float(np.median(times[1:]))
+        return CostTable(seconds)
 
     def _executable(self, bucket: tuple[int, int, int]):
         if bucket not in self.compiled:
+            rows, width, verify_len = bucket
             self.compiled[bucket] = compile_step(self._step_fn, self.weights, self.cache,
-                                                 empty_batch(self.layout, *bucket, self._engram_shapes()))
+                                                 empty_batch(self.layout, rows, width, self._engram_shapes()),
+                                                 verify_len)
         return self.compiled[bucket]
 
     def _engram_shapes(self) -> tuple:
@@ -153,10 +217,10 @@ class Engine:
         else:
             finished = []
         finished, self._cancelled = finished + self._cancelled, []
-        dispatched = [self._dispatch(decode, self.decode_rows, 1)] if decode else []
+        dispatched = [self._dispatch_decode(decode)] if decode else []
         if prefill:
             width = next(t for t in self.prefill_tokens if t >= max(len(r.tokens) for r in prefill))
-            dispatched.append(self._dispatch(prefill, self.prefill_rows, width))
+            dispatched.append(self._dispatch(prefill, self.prefill_rows, width, 1))
         if self.zero_overhead:
             finished += self._read(self.pending)
             self.pending = dispatched
@@ -180,66 +244,143 @@ class Engine:
         results = self.run()
         return [results[i] for i in ids]
 
-    def _dispatch(self, rows: list[Row], row_buckets: tuple[int, ...], width: int):
-        """Build the batch of a bucket, launch its compiled step (async) and do the host bookkeeping."""
-        bucket_rows = next(r for r in row_buckets if r >= len(rows))
-        batch = self._batch(rows, bucket_rows, width)
-        outputs, self.cache = self._executable((bucket_rows, width, 1))(self.weights, self.cache, batch)
+    def _dispatch_decode(self, rows: list[Row]):
+        """The decode step: plain decoding, or a verify bucket whose drafts per row speculation chooses."""
+        if self.speculation == "none" or not any(row.caps for row in rows):
+            for row in rows:
+                row.caps = 0
+            return self._dispatch(rows, self.decode_rows, 1, 1)
+        caps = np.array([row.caps for row in rows])
+        budget = None
+        if self.speculation == "fixed":
+            width = self.verify_widths[0]
+        else:
+            bucket_rows = next(r for r in self.decode_rows if r >= len(rows))
+            known = np.array([(row.request.confidence or [1.0] * self.num_drafts)[:self.num_drafts] for row in rows])
+            if self.costs is None:
+                self.costs = self.profile()
+            plan = plan_verify(prefix_survival(known), caps, bucket_rows,
+                               (1,) + self.verify_widths, self.costs)
+            width = plan.width
+            if self.zero_overhead:  # old confidences: the device splits the budget by the newest ones
+                budget = plan.budget
+            else:
+                caps = plan.caps
+        for row, cap in zip(rows, caps):
+            row.caps = int(min(cap, width - 1))
+        if width == 1:
+            return self._dispatch(rows, self.decode_rows, 1, 1)
+        return self._dispatch(rows, self.decode_rows, width, width, budget)
+
+    def _dispatch(self, rows: list[Row], row_buckets: tuple[int, ...], width: int, verify_len: int,
+                  budget: int | None = None):
+        """Build the batch of a bucket, launch its compiled step (async) and do the host bookkeeping; a verify
+        bucket's rows split `budget` drafts (default: every row verifies its cap)."""
+        bucket = (next(r for r in row_buckets if r >= len(rows)), width, verify_len)
+        batch = self._batch(rows, bucket[0], width, budget)
+        start = time.perf_counter()
+        outputs, self.cache = self._executable(bucket)(self.weights, self.cache, batch)
         for row in rows:
             request = row.request
-            if row.kinds == [COUNTED]:  # a decode row
-                request.dispatched += 1
-                self.stats["decode_tokens"] += 1
+            if row.from_prev:  # a decode / verify row
+                request.in_flight.append(row.caps + 1)
+                self.stats["decode_rows"] += 1
             else:
                 request.computed += len(row.tokens)
-                request.dispatched += row.sample
+                if row.sample:
+                    request.in_flight.append(1)
                 self.stats["prefill_tokens"] += len(row.tokens)
         self.stats["steps"] += 1
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
-        return rows, outputs
+        return rows, outputs, bucket, start
 
-    def _batch(self, rows: list[Row], num_rows: int, width: int) -> StepBatch:
-        b = empty_batch(self.layout, num_rows, width, 1, self._engram_shapes())
+    def _batch(self, rows: list[Row], num_rows: int, width: int, budget: int | None) -> StepBatch:
+        b = empty_batch(self.layout, num_rows, width, self._engram_shapes())
         for i, row in enumerate(rows):
             n = len(row.tokens)
             if self.engram is not None:
                 self._engram_row(b, i, row)
             b.tokens[i, :n], b.kinds[i, :n] = row.tokens, row.kinds
-            b.slots[i], b.starts[i], b.counts[i] = row.request.slot, row.start, n
-            b.from_prev[i], b.reset[i], b.sample[i, -1] = row.from_prev, row.reset, row.sample
+            b.slots[i], b.starts[i], b.counts[i], b.caps[i] = row.request.slot, row.start, n, row.caps
+            b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset, row.sample
             b.block_tables[i] = self.scheduler.block_table(row.request)
+        b.budget[...] = b.caps.sum() if budget is None else budget
         sampling = SamplingBatch.from_params([r.request.params for r in rows], num_rows)
         return b._replace(sampling=sampling)
 
     def _engram_row(self, batch: StepBatch, i: int, row: Row) -> None:
-        """Hash the row's tokens with its request's n-gram history (host) and gather its table rows."""
+        """Hash the row's tokens with its request's n-gram history (host) and gather its table rows. A decode /
+        verify row's tokens are the last token and the drafts the host read (zero-overhead is off for Engram
+        models); its history advances only when the host reads which of them were committed."""
         request = row.request
-        if row.from_prev:  # the host has read the previous step (zero-overhead is off): use the token
-            row.tokens, row.from_prev = [request.output[-1]], False
         if row.reset:
             request.engram_history = self.engram.empty_history(1)
-        rows, request.engram_history = self.engram.lookup(np.array([row.tokens]), request.engram_history)
+        tokens = [request.output[-1]] + request.drafts[:row.caps] if row.from_prev else row.tokens
+        rows, history = self.engram.lookup(np.array([tokens]), request.engram_history)
+        if not row.from_prev:
+            request.engram_history = history
         for layer_rows, looked_up in zip(batch.engram_rows, rows):
-            layer_rows[i, :len(row.tokens)] = np.asarray(looked_up)[0]
+            layer_rows[i, :len(tokens)] = np.asarray(looked_up)[0]
 
     def _read(self, dispatched) -> list[RequestOutput]:
         """Apply the results of dispatched steps to their requests; returns those that finished."""
         finished = []
-        for rows, outputs in dispatched:
-            last = jax.tree.map(lambda x: np.asarray(x)[:, -1], outputs)  # v = 1: the one sampled position
-            tokens, logprob, top_ids, top_lp, logits = (last.tokens, last.logprob, last.top_ids, last.top_logprobs,
-                                                        last.logits)
+        for rows, outputs, bucket, start in dispatched:
+            out = jax.tree.map(np.asarray, outputs)
+            ready = time.perf_counter()
+            if self.costs is not None and bucket[1] == bucket[2]:  # a decode / verify bucket
+                self.costs.observe(bucket[0], bucket[1], ready - max(start, self._last_ready))
+            self._last_ready = ready
             for i, row in enumerate(rows):
                 request = row.request
                 if not row.sample or request.status is Status.FINISHED:
                     continue  # a prefill chunk, or a row dispatched before its request stopped
-                n = request.params.logprobs
-                lp = None if n is None else TokenLogprob(
-                    int(tokens[i]), float(logprob[i]), [(int(t), float(v)) for t, v in zip(top_ids[i, :n], top_lp[i, :n])])
-                if self.return_logits:
-                    request.logits = (request.logits or []) + [logits[i]]
-                request.accept(int(tokens[i]), lp, self.config.eos_token_id, self.detokenize)
-                if request.status is Status.FINISHED:
-                    self.scheduler.release(request)
-                    finished.append(request.result(self.detokenize))
+                request.in_flight.popleft()
+                accepted = int(out.accepted[i])
+                if row.from_prev:
+                    self._speculation_stats(row, out, i, accepted)
+                if self.engram is not None and row.from_prev:
+                    inputs = [request.output[-1]] + request.drafts[:accepted]
+                    request.engram_history = self.engram.advance(np.array([inputs]), request.engram_history)
+                if out.next_drafts.shape[1]:
+                    request.drafts, request.confidence = out.next_drafts[i].tolist(), out.next_confidence[i].tolist()
+                for j in range(accepted + 1):
+                    self._emit(request, out, i, j)
+                    if request.status is Status.FINISHED:
+                        self.scheduler.release(request)
+                        finished.append(request.result(self.detokenize))
+                        break
         return finished
+
+    def _emit(self, request: Request, out, i: int, j: int) -> None:
+        """Give `request` the token of row i, verify position j."""
+        n = request.params.logprobs
+        token = int(out.tokens[i, j])
+        lp = None if n is None else TokenLogprob(
+            token, float(out.logprob[i, j]), [(int(t), float(v)) for t, v in zip(out.top_ids[i, j, :n],
+                                                                               out.top_logprobs[i, j, :n])])
+        if self.return_logits:
+            request.logits = (request.logits or []) + [out.logits[i, j]]
+        self.stats["decode_tokens"] += 1
+        request.accept(token, lp, self.config.eos_token_id, self.detokenize)
+
+    def _speculation_stats(self, row: Row, out, i: int, accepted: int) -> None:
+        """Drafts verified and accepted (per block position) and |acceptance probability - confidence| of every
+        verified draft whose prefix survived."""
+        verified = int(out.verified[i])
+        self.stats["verified"] += verified
+        self.stats["accepted"] += accepted
+        self.stats["verified_at"][:verified] += 1
+        self.stats["accepted_at"][:accepted] += 1
+        seen = min(verified, accepted + 1)
+        self.stats["calibration_abs"] += float(np.abs(out.accept_prob[i, :seen] - out.confidence[i, :seen]).sum())
+        self.stats["calibration_n"] += seen
+
+    def speculation_metrics(self) -> dict:
+        """Per decode / verify row: drafts accepted and verified, tokens emitted; acceptance rate per block
+        position; mean |acceptance probability - confidence| (calibration error)."""
+        s, rows = self.stats, max(self.stats["decode_rows"], 1)
+        return {"accepted_per_step": s["accepted"] / rows, "verified_per_step": s["verified"] / rows,
+                "tokens_per_step": (s["accepted"] + s["decode_rows"]) / rows,
+                "acceptance_by_position": (s["accepted_at"] / np.maximum(s["verified_at"], 1)).round(4).tolist(),
+                "calibration_error": s["calibration_abs"] / max(s["calibration_n"], 1)}

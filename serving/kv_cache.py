@@ -63,18 +63,37 @@ class CacheLayout:
         return layout
 
 
-def init_engine_cache(module, layout: CacheLayout) -> dict:
-    """The empty device cache of `layout` for a model module (DeepseekV4 or DeepseekV41)."""
-    span = layout.pages_per_slot * layout.page_tokens
-    ref = module.init_cache(layout.max_slots + 1, span, layout.ring)
+def init_engine_cache(module, layout: CacheLayout, drafter=None) -> dict:
+    """The empty device cache of `layout` for a model module (DeepseekV4 or DeepseekV41); with a DSpark drafter
+    module (`model.dspark.DSparkDrafter`) also each slot's drafter context rings and its current drafted block
+    (tokens, the distributions they were drawn from, confidences)."""
+    span, slots = layout.pages_per_slot * layout.page_tokens, layout.max_slots + 1
+    ref = module.init_cache(slots, span, layout.ring)
     layers = jax.tree.map_with_path(lambda path, leaf: _pool(path, leaf, layout, span), ref["layers"])
-    return {
+    cache = {
         "layers": layers,
-        "block_tables": jnp.full((layout.max_slots + 1, layout.pages_per_slot), layout.scratch_page, jnp.int32),
-        "last_token": jnp.zeros((layout.max_slots + 1,), jnp.int32),
-        "prompt_mask": jnp.zeros((layout.max_slots + 1, layout.vocab_size), bool),
-        "output_counts": jnp.zeros((layout.max_slots + 1, layout.vocab_size), jnp.int32),
+        "block_tables": jnp.full((slots, layout.pages_per_slot), layout.scratch_page, jnp.int32),
+        "last_token": jnp.zeros((slots,), jnp.int32),
+        "next_pos": jnp.zeros((slots,), jnp.int32),  # the position of `last_token`
+        "prompt_mask": jnp.zeros((slots, layout.vocab_size), bool),
+        "output_counts": jnp.zeros((slots, layout.vocab_size), jnp.int32),
     }
+    if drafter is not None:
+        g = drafter.config.block_size
+        cache |= {"drafter": drafter.init_state(slots), "drafts": jnp.zeros((slots, g), jnp.int32),
+                  "draft_probs": jnp.zeros((slots, g, layout.vocab_size), jnp.float32),
+                  "confidence": jnp.zeros((slots, g), jnp.float32)}
+    return cache
+
+
+def gather_slots(tree, slots: Int[Array, " r"], empty, reset) -> dict:
+    """Rows `slots` of per-slot state leaves; rows flagged in `reset` start from the one-sequence `empty` state."""
+
+    def one(leaf, empty_leaf):
+        rows = leaf[slots]
+        return jnp.where(reset.reshape((-1,) + (1,) * (rows.ndim - 1)), empty_leaf, rows)
+
+    return jax.tree.map(one, tree, empty)
 
 
 def _paged(path) -> bool:
@@ -98,8 +117,7 @@ def gather_rows(cache: dict, slots: Int[Array, " r"], empty: dict, reset) -> dic
     def one(path, leaf, empty_leaf):
         if _paged(path):  # stale entries of reused pages are never visible: no reset needed
             return leaf[tables].reshape(slots.shape[0], -1, leaf.shape[-1])
-        rows = leaf[slots]
-        return jnp.where(reset.reshape((-1,) + (1,) * (rows.ndim - 1)), empty_leaf, rows)
+        return gather_slots(leaf, slots, empty_leaf, reset)
 
     return jax.tree.map_with_path(one, cache["layers"], empty)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import time
@@ -45,8 +46,8 @@ class RequestOutput:
 @dataclasses.dataclass
 class Request:
     """Engine-side request state. `computed` counts tokens of `sequence` already in the slot's cache;
-    `dispatched` counts tokens whose sampling has been dispatched (it runs ahead of `output` by the
-    steps whose results the host has not read yet)."""
+    `in_flight` holds, per dispatched step whose results the host has not read yet, the most tokens it may
+    emit for this request (1, or 1 + drafts under verification: at least one of them is emitted)."""
 
     request_id: str
     prompt: list[int]
@@ -58,7 +59,7 @@ class Request:
     slot: int | None = None
     computed: int = 0
     replay_outputs: int = 0  # generated tokens to recompute after a preemption
-    dispatched: int = 0
+    in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)
     fresh_slot: bool = False
     finish_reason: str | None = None
     preemptions: int = 0
@@ -66,11 +67,23 @@ class Request:
     text: str | None = None
     logits: list | None = None
     engram_history: object = None  # V4.1: the canonical ids before the next token (host n-gram hashing)
+    drafts: list[int] = dataclasses.field(default_factory=list)  # the slot's drafted block, as last read
+    confidence: list[float] = dataclasses.field(default_factory=list)  # and its confidences
 
     @property
     def sequence(self) -> list[int]:
         """Tokens whose state must be in the cache before the next token is sampled."""
         return self.prompt + self.output[: self.replay_outputs]
+
+    @property
+    def sampled_at_least(self) -> int:
+        """Tokens sampled once every in-flight step is read, at least (each emits one or more)."""
+        return len(self.output) + len(self.in_flight)
+
+    @property
+    def last_position_at_most(self) -> int:
+        """The highest position the slot's last token can have once every in-flight step is read."""
+        return len(self.prompt) + len(self.output) + sum(self.in_flight) - 1
 
     @property
     def prefilling(self) -> bool:

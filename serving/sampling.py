@@ -240,26 +240,33 @@ def _noisy_argmax(processed, row: SamplingBatch, position):
     return jnp.argmax(jnp.where(row.temperature < GREEDY_BELOW, processed, processed + gumbel))
 
 
+def draw_tokens(processed: Float[Array, "r v"], batch: SamplingBatch, positions: Int[Array, " r"]) -> Int[Array, " r"]:
+    """One token per row from its processed logits by the Gumbel-max trick with noise from
+    `request_key(seed, position, PURPOSE_SAMPLE)` (greedy rows: the argmax). A batch of greedy rows draws no
+    noise at all (a batch-level `cond` that changes no row's token)."""
+    return jax.lax.cond(jnp.any(batch.temperature >= GREEDY_BELOW),
+                        lambda: jax.vmap(_noisy_argmax)(processed, batch, positions),
+                        lambda: jnp.argmax(processed, axis=-1)).astype(jnp.int32)
+
+
 def _logprobs_row(logits, token, num_top_logprobs: int):
     logprobs = jax.nn.log_softmax(logits)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top_logprobs)
     return SampleOutput(token, logprobs[token], top_ids.astype(jnp.int32), top_logprobs)
 
 
+def token_logprobs(logits: Float[Array, "r v"], tokens: Int[Array, " r"], num_top_logprobs: int) -> SampleOutput:
+    """Each row's token with its logprob and the `num_top_logprobs` most likely alternatives, all log-softmax of
+    the RAW model logits (vLLM's default); `num_top_logprobs` must be static."""
+    return jax.vmap(functools.partial(_logprobs_row, num_top_logprobs=num_top_logprobs))(logits, tokens)
+
+
 def sample(
     logits: Float[Array, "r v"], batch: SamplingBatch, positions: Int[Array, " r"], prompt_mask: Bool[Array, "r v"],
     output_counts: Int[Array, "r v"], num_top_logprobs: int,
 ) -> SampleOutput:
-    """Sample one token per row from `processed_logits` by the Gumbel-max trick (greedy rows: argmax).
-
-    The noise of a row comes from `request_key(seed, position, PURPOSE_SAMPLE)`, where `positions` holds the
-    sequence position the sampled token will occupy, and every row is computed on its own (vmap), so a row's
-    outputs are bit-identical whatever the batch around it. Reported logprobs are log-softmax of the RAW model
-    logits, before penalties, temperature and truncation (vLLM's default). Pure and jit-able:
-    `num_top_logprobs` must be static.
-    """
-    processed = processed_logits(logits, batch, prompt_mask, output_counts)
-    tokens = jax.lax.cond(jnp.any(batch.temperature >= GREEDY_BELOW),
-                          lambda: jax.vmap(_noisy_argmax)(processed, batch, positions),
-                          lambda: jnp.argmax(processed, axis=-1)).astype(jnp.int32)
-    return jax.vmap(functools.partial(_logprobs_row, num_top_logprobs=num_top_logprobs))(logits, tokens)
+    """Sample one token per row from `processed_logits` by `draw_tokens`, where `positions` holds the sequence
+    position the sampled token will occupy; every row is computed on its own (vmap), so a row's outputs are
+    bit-identical whatever the batch around it. Pure and jit-able: `num_top_logprobs` must be static."""
+    tokens = draw_tokens(processed_logits(logits, batch, prompt_mask, output_counts), batch, positions)
+    return token_logprobs(logits, tokens, num_top_logprobs)

@@ -28,6 +28,7 @@ class Row:
     reset: bool
     sample: bool
     kinds: list[int]
+    caps: int = 0  # a decode row: the most drafts it may verify
 
 
 class NeedsFlush(Exception):
@@ -38,10 +39,10 @@ class Scheduler:
     """Queues, slots and pages of the engine (host side)."""
 
     def __init__(self, layout: CacheLayout, prefill_chunk: int, token_budget: int, max_prefill_rows: int,
-                 fixed_chunks: bool):
+                 fixed_chunks: bool, num_drafts: int = 0):
         self.layout, self.pages = layout, PageAllocator(layout)
         self.prefill_chunk, self.token_budget = prefill_chunk, token_budget
-        self.max_prefill_rows, self.fixed_chunks = max_prefill_rows, fixed_chunks
+        self.max_prefill_rows, self.fixed_chunks, self.num_drafts = max_prefill_rows, fixed_chunks, num_drafts
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.free_slots = list(range(layout.max_slots - 1, -1, -1))
@@ -67,12 +68,15 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not Status.RUNNING or request.prefilling:
                 continue
-            if request.dispatched >= request.params.max_tokens:
+            if request.sampled_at_least >= request.params.max_tokens:
                 continue  # its last token is in flight
-            position = len(request.prompt) + request.dispatched  # of the token to sample
-            if not self._ensure_pages(request, position, in_flight):
+            last = request.last_position_at_most
+            # drafts worth verifying: all of them and the bonus token stay within max_tokens and max_len
+            caps = max(0, min(self.num_drafts, request.params.max_tokens - request.sampled_at_least - 1,
+                              self.layout.max_len - 1 - last))
+            if not self._ensure_pages(request, last + caps + 1, in_flight):
                 continue  # it was preempted itself
-            decode.append(Row(request, [0], position - 1, True, False, True, [COUNTED]))
+            decode.append(Row(request, [0], last, True, False, True, [COUNTED], caps))
         decode = [row for row in decode if row.request.status is Status.RUNNING]  # drop preempted ones
         budget = self.token_budget - len(decode)
         prefill: list[Row] = []
@@ -138,7 +142,7 @@ class Scheduler:
         self.running.remove(request)
         request.slot, request.status = None, Status.PREEMPTED
         request.computed, request.replay_outputs = 0, len(request.output)
-        request.dispatched = len(request.output)
+        request.in_flight.clear()
         request.preemptions += 1
         self.waiting.appendleft(request)
 

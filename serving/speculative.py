@@ -6,7 +6,8 @@ Draft j+1 (sampled by the drafter from q_j) is accepted with probability min(1, 
 rejection the emitted token is drawn from the residual max(0, p_j - q_j) (normalised) and the rest of the row
 is discarded; when every draft survives, a bonus token is drawn from p at the position after the last draft.
 Each emitted token is then distributed exactly as the target's own sample. Greedy rows accept while the draft
-equals the target's argmax and emit the argmax where they stop.
+equals the target's argmax and emit the argmax where they stop. `admit` splits a verification budget over rows
+by prefix survival (DSpark's scheduler, on the device).
 
 Randomness is a pure function of (request seed, position, purpose): the accept test's uniform uses
 PURPOSE_ACCEPT, the residual draw PURPOSE_RESIDUAL, and the bonus token PURPOSE_SAMPLE, the purpose of plain
@@ -15,6 +16,7 @@ decoding, so a bonus token is the very token non-speculative decoding would have
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -39,26 +41,35 @@ def _draw(probs: Float[Array, " V"], key) -> Int[Array, ""]:
     return jnp.argmax(jnp.log(probs) + jax.random.gumbel(key, probs.shape, jnp.float32))
 
 
-def _verify_row(logits, drafts, draft_probs, num_drafts, greedy, seed, positions):
+def _verify_row(logits, drafts, draft_probs, num_drafts, greedy, seed, positions, sampling: bool):
+    """One row; `sampling` (static) is False when every row of the batch is greedy: then no noise is drawn."""
     v = logits.shape[0]
-    target = jax.nn.softmax(logits, axis=-1)  # [v, V]
     j = jnp.arange(v - 1)
-    q = jnp.take_along_axis(draft_probs, drafts[:, None], axis=1)[:, 0]
-    p = jnp.take_along_axis(target[:-1], drafts[:, None], axis=1)[:, 0]
-    uniform = jax.vmap(lambda pos: jax.random.uniform(request_key(seed, pos, PURPOSE_ACCEPT)))(positions[:-1])
     is_argmax = drafts == jnp.argmax(logits[:-1], axis=-1)
-    ok = jnp.where(greedy, is_argmax, uniform * q < p) & (j < num_drafts)
-    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
-    rejected = accepted < num_drafts
-    residual = jnp.maximum(target[accepted] - jnp.where(rejected, draft_probs[jnp.minimum(accepted, v - 2)], 0), 0)
-    residual = jnp.where(jnp.sum(residual) > 0, residual, target[accepted])
-    sampled = jnp.where(rejected, _draw(residual, request_key(seed, positions[accepted], PURPOSE_RESIDUAL)),
-                        _draw(target[accepted], request_key(seed, positions[accepted], PURPOSE_SAMPLE)))
-    final = jnp.where(greedy, jnp.argmax(logits[accepted]), sampled).astype(jnp.int32)
+    if not sampling:
+        accepted = jnp.sum(jnp.cumprod((is_argmax & (j < num_drafts)).astype(jnp.int32)))
+        final = jnp.argmax(logits[accepted]).astype(jnp.int32)
+        accept_prob = is_argmax.astype(jnp.float32)
+    else:
+        target = jax.nn.softmax(logits, axis=-1)  # [v, V]
+        q = jnp.take_along_axis(draft_probs, drafts[:, None], axis=1)[:, 0]
+        p = jnp.take_along_axis(target[:-1], drafts[:, None], axis=1)[:, 0]
+        uniform = jax.vmap(lambda pos: jax.random.uniform(request_key(seed, pos, PURPOSE_ACCEPT)))(positions[:-1])
+        ok = jnp.where(greedy, is_argmax, uniform * q < p) & (j < num_drafts)
+        accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+        rejected = accepted < num_drafts
+        residual = jnp.maximum(target[accepted] - jnp.where(rejected, draft_probs[jnp.minimum(accepted, v - 2)], 0), 0)
+        residual = jnp.where(jnp.sum(residual) > 0, residual, target[accepted])
+        # the bonus token is drawn exactly as the plain sampler draws (`serving.sampling.draw_tokens`)
+        gumbel = jax.random.gumbel(request_key(seed, positions[accepted], PURPOSE_SAMPLE), logits.shape[1:])
+        sampled = jnp.where(rejected, _draw(residual, request_key(seed, positions[accepted], PURPOSE_RESIDUAL)),
+                            jnp.argmax(logits[accepted] + gumbel))
+        final = jnp.where(greedy, jnp.argmax(logits[accepted]), sampled).astype(jnp.int32)
+        overlap = jnp.sum(jnp.minimum(target[:-1], draft_probs), axis=-1)
+        accept_prob = jnp.where(greedy, is_argmax.astype(jnp.float32), overlap)
     slots = jnp.arange(v)
     tokens = jnp.where(slots < accepted, jnp.pad(drafts, (0, 1)), jnp.where(slots == accepted, final, -1))
-    overlap = jnp.sum(jnp.minimum(target[:-1], draft_probs), axis=-1)
-    return accepted, tokens, jnp.where(greedy, is_argmax.astype(jnp.float32), overlap)
+    return accepted, tokens, accept_prob
 
 
 def verify(
@@ -66,6 +77,23 @@ def verify(
     num_drafts: Int[Array, " r"], greedy: Bool[Array, " r"], seeds: UInt32[Array, "r 2"],
     positions: Int[Array, "r v"],
 ) -> Verdict:
-    """Verify each row's first `num_drafts` drafts (g = v - 1 slots) against the target's processed logits at
-    its v positions; `positions[:, j]` is the sequence position of the token emitted after row position j."""
-    return Verdict(*jax.vmap(_verify_row)(logits, drafts, draft_probs, num_drafts, greedy, seeds, positions))
+    """Verify each row's first `num_drafts` drafts (g = v - 1 >= 1 slots) against the target's processed logits
+    at its v positions; `positions[:, j]` is the sequence position of the token emitted after row position j.
+    A batch of greedy rows draws no randomness (a batch-level `cond` that changes no row's result)."""
+
+    def rows(sampling: bool):
+        one = functools.partial(_verify_row, sampling=sampling)
+        return lambda: Verdict(*jax.vmap(one)(logits, drafts, draft_probs, num_drafts, greedy, seeds, positions))
+
+    return jax.lax.cond(jnp.all(greedy), rows(False), rows(True))
+
+
+def admit(survival: Float[Array, "r g"], caps: Int[Array, " r"], budget: Int[Array, ""]) -> Int[Array, " r"]:
+    """Drafts to verify per row: the `budget` (row, position) pairs of highest prefix survival among each row's
+    first `caps` positions. Survival never rises along a row and ties go to the earlier position, so every row
+    gets a prefix of its block."""
+    r, g = survival.shape
+    valid = jnp.arange(g)[None, :] < caps[:, None]
+    order = jnp.argsort(-jnp.where(valid, survival, -1.0).reshape(-1), stable=True)
+    rank = jnp.zeros(r * g, jnp.int32).at[order].set(jnp.arange(r * g, dtype=jnp.int32)).reshape(r, g)
+    return jnp.sum(valid & (rank < budget), axis=1).astype(jnp.int32)

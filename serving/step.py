@@ -1,10 +1,16 @@
-"""The engine's compiled step: `(params, cache, batch) -> (outputs, cache)` for one static (rows, tokens) bucket.
+"""The engine's compiled step: `(weights, cache, batch) -> (outputs, cache)` for one static (rows, tokens, verify)
+bucket.
 
-Each row is one request's chunk: a prefill chunk, one decode token, or (later) a verify block. The model runs
-all rows as one batch, each at its own position: the weight-heavy parts (projections, MoE, mHC) as batched
-matmuls, the attention against each row's own state as vmapped one-row calls, so a row's numbers depend only
-on its own inputs and the bucket shape. The first token of a decode row comes from the previous step's sampled token on the
-device (`from_prev`), so the host can dispatch step N+1 before it has read step N.
+Each row is one request's chunk: a prefill chunk, one decode token, or a verify block (the last committed token
+and the drafts the drafter left in the slot). The model runs all rows as one batch, each at its own position:
+the weight-heavy parts (projections, MoE, mHC) as batched matmuls, the attention against each row's own state as
+vmapped one-row calls, so a row's numbers depend only on its own inputs and the bucket shape. A decode or verify
+row takes its tokens and start position from the device (the slot's last token, position and drafts), so the
+host can dispatch step N+1 before it has read step N, however many drafts step N accepted.
+
+With a DSpark drafter the step also verifies (`serving.speculative.verify`: greedy matching or rejection
+sampling), commits the accepted drafts and the final token, and drafts the slot's next block from the target's
+features of the committed positions, all on the device.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from serving.kv_cache import CacheLayout, gather_rows, scatter_rows
-from serving.sampling import SamplingBatch, sample
+from serving.kv_cache import CacheLayout, gather_rows, gather_slots, scatter_rows
+from serving.sampling import GREEDY_BELOW, SamplingBatch, draw_tokens, processed_logits, token_logprobs
+from serving.speculative import admit, verify
 
 
 class StepBatch(NamedTuple):
@@ -28,13 +35,15 @@ class StepBatch(NamedTuple):
     slots: Int[Array, " r"]
     starts: Int[Array, " r"]
     counts: Int[Array, " r"]  # real tokens in the row (0: padding row)
-    from_prev: Bool[Array, " r"]  # token 0 is the slot's last sampled token (on the device)
+    from_prev: Bool[Array, " r"]  # a decode / verify row: tokens and start come from the slot on the device
     reset: Bool[Array, " r"]  # the slot starts a new request: clear its state first
-    sample: Bool[Array, "r v"]  # the row emits a token after each of its last v real positions (v: verify length)
+    sample: Bool[Array, " r"]  # the row emits tokens (decode, verify, or a prompt's last chunk)
     kinds: Int[Array, "r t"]  # PROMPT, RECOMPUTED (a generated token replayed after preemption), COUNTED or DRAFT
     block_tables: Int[Array, "r p"]
     sampling: SamplingBatch
     engram_rows: tuple  # V4.1: per Engram layer, looked-up table rows [r, t, n_lookups, head_dim]
+    caps: Int[Array, " r"]  # verify rows: the most drafts the row may verify
+    budget: Int[Array, ""]  # verify buckets: drafts verified over all rows, split by prefix survival
 
 
 # What a token of a row is, for the penalty statistics: prompt tokens join the prompt mask, replayed
@@ -44,83 +53,168 @@ PROMPT, RECOMPUTED, COUNTED, DRAFT = 0, 1, 2, 3
 
 
 class StepOutput(NamedTuple):
+    """Per row and verify position j: the emitted token (-1 past the row's last), its logprob and the top
+    alternatives; per row the drafts accepted and verified; per verified draft its acceptance probability given
+    its prefix survived and the confidence it was scheduled with; the slot's next block of drafts and their
+    confidences (drafter steps only: [r, 0] otherwise)."""
+
     tokens: Int[Array, "r v"]
     logprob: Float[Array, "r v"]
     top_ids: Int[Array, "r v n"]
     top_logprobs: Float[Array, "r v n"]
-    logits: Float[Array, "r v vocab"]  # the sampled positions' logits ([r, v, 0] unless the engine asks for them)
+    logits: Float[Array, "r v vocab"]  # the verify positions' logits ([r, v, 0] unless the engine asks for them)
+    accepted: Int[Array, " r"]
+    verified: Int[Array, " r"]
+    accept_prob: Float[Array, "r g"]
+    confidence: Float[Array, "r g"]
+    next_drafts: Int[Array, "r k"]
+    next_confidence: Float[Array, "r k"]
 
 
-def empty_batch(layout: CacheLayout, rows: int, tokens: int, verify: int = 1, engram_shapes=()) -> StepBatch:
-    """An all-padding batch of the bucket (rows, tokens, verify) (used to compile ahead of time and to fill
-    unused rows); `engram_shapes` gives (n_lookups, head_dim) per Engram layer."""
+def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=()) -> StepBatch:
+    """An all-padding batch of `rows` rows of `tokens` tokens (used to compile ahead of time and to fill unused
+    rows); `engram_shapes` gives (n_lookups, head_dim) per Engram layer."""
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     return StepBatch(
         tokens=z(rows, tokens), slots=np.full(rows, layout.scratch_slot, np.int32), starts=z(rows),
-        counts=z(rows), from_prev=z(rows, dtype=bool), reset=z(rows, dtype=bool),
-        sample=z(rows, verify, dtype=bool),
-        kinds=z(rows, tokens), block_tables=np.full((rows, layout.pages_per_slot),
-                                                                     layout.scratch_page, np.int32),
+        counts=z(rows), from_prev=z(rows, dtype=bool), reset=z(rows, dtype=bool), sample=z(rows, dtype=bool),
+        kinds=z(rows, tokens), block_tables=np.full((rows, layout.pages_per_slot), layout.scratch_page, np.int32),
         sampling=SamplingBatch.from_params([], rows),
-        engram_rows=tuple(np.zeros((rows, tokens, *shape), np.float32) for shape in engram_shapes))
+        engram_rows=tuple(np.zeros((rows, tokens, *shape), np.float32) for shape in engram_shapes),
+        caps=z(rows), budget=np.zeros((), np.int32))
 
 
-def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_top: int, return_logits: bool):
-    """The pure step function (jit it with the cache donated). It takes the parameters as the flat list of
-    leaves of the tree structure `param_tree` (flattening the nnx state on every call costs host time);
-    `empty_layers` is a fresh one-row state, `page_tokens` the cache layout's page size."""
+class DrafterSpec(NamedTuple):
+    """What the step needs of a DSpark drafter: its graph, parameter tree structure, one-row empty context state
+    and the target layers whose features it reads."""
 
-    def step(weights: list, cache: dict, batch: StepBatch) -> tuple[StepOutput, dict]:
-        module = nnx.merge(graphdef, jax.tree.unflatten(param_tree, weights))
-        slots, counts = batch.slots, batch.counts
+    graphdef: object
+    param_tree: object
+    empty_state: list
+    target_layers: tuple[int, ...]
+
+
+def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_top: int, return_logits: bool,
+               drafter: DrafterSpec | None = None):
+    """The pure step function `step(weights, cache, batch, verify)` (jit it with the cache donated and `verify`
+    static). `weights` is (the target's flat parameter leaves of tree structure `param_tree`, the drafter's
+    leaves or []): flattening nnx state on every call costs host time. `empty_layers` is a fresh one-row
+    state, `page_tokens` the cache layout's page size. `verify` is the bucket's verify length: 1 for prefill and
+    decode buckets (each emitting row samples after its last real position), the row width for verify buckets
+    (a DSpark drafter is required)."""
+
+    def step(weights: tuple, cache: dict, batch: StepBatch, verify_len: int) -> tuple[StepOutput, dict]:
+        target_leaves, drafter_leaves = weights
+        module = nnx.merge(graphdef, jax.tree.unflatten(param_tree, target_leaves))
+        slots = batch.slots
         rows, width = batch.tokens.shape
+        scratch = cache["last_token"].shape[0] - 1
         cache = {**cache, "block_tables": cache["block_tables"].at[slots].set(batch.block_tables)}
         # materialised before use, so the slot buffers are no longer read when they are updated in place
         states = jax.lax.optimization_barrier(gather_rows(cache, slots, empty_layers, batch.reset))
-        first = jnp.where(batch.from_prev, cache["last_token"][slots], batch.tokens[:, 0])
-        tokens = batch.tokens.at[:, 0].set(first)
+        device = batch.from_prev
+        starts = jnp.where(device, cache["next_pos"][slots], batch.starts)
+        if verify_len > 1:  # a verify row: [last token, its admitted drafts]
+            drafted = admit(jnp.cumprod(cache["confidence"][slots], axis=1), jnp.where(device, batch.caps, 0),
+                            batch.budget)
+            block = jnp.concatenate([cache["last_token"][slots][:, None], cache["drafts"][slots]], 1)[:, :width]
+            tokens = jnp.where(device[:, None], block, batch.tokens)
+            counts = jnp.where(device, drafted + 1, batch.counts)
+            kinds = jnp.where(device[:, None], jnp.where(jnp.arange(width) == 0, COUNTED, DRAFT), batch.kinds)
+        else:
+            drafted = jnp.zeros(rows, jnp.int32)
+            tokens = batch.tokens.at[:, 0].set(jnp.where(device, cache["last_token"][slots], batch.tokens[:, 0]))
+            counts, kinds = batch.counts, batch.kinds
 
         extra = {"engram_rows": batch.engram_rows} if batch.engram_rows else {}
-        logits, new = module(tokens, {"pos": batch.starts, "layers": states}, count=counts, **extra)
+        if drafter is not None:
+            extra["collect"] = drafter.target_layers
+        logits, new, *taps = module(tokens, {"pos": starts, "layers": states}, count=counts, **extra)
         pages = min(batch.block_tables.shape[1], (width - 1) // page_tokens + 2)  # a chunk spans at most these
-        cache = scatter_rows(cache, slots, new["layers"], batch.starts // page_tokens, pages)
-        verify, vocab = batch.sample.shape[1], logits.shape[-1]
-        at = jnp.clip(counts[:, None] - verify + jnp.arange(verify), 0, width - 1)  # the sampled positions [r, v]
-        picked = jnp.take_along_axis(logits, at[:, :, None], axis=1)  # [r, v, vocab]
+        cache = scatter_rows(cache, slots, new["layers"], starts // page_tokens, pages)
 
+        # the verify positions: the last drafted + 1 real ones (a prefill or decode row: its last)
+        at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
+        picked = jnp.take_along_axis(logits, at[:, :, None], axis=1)  # [r, v, vocab]
+        cache, processed = _processed(cache, batch, slots, tokens, kinds, counts, at, picked)
+        emitted, accepted, accept_prob = _decide(cache, batch, slots, starts, tokens, drafted, at, processed)
+
+        # commit: the accepted drafts and the final token count as outputs; the final token is the slot's last
+        emit = jnp.where(batch.sample, slots, scratch)
+        final = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
+        committed = jnp.arange(verify_len)[None, :] <= accepted[:, None]
+        output_counts = cache["output_counts"].at[emit[:, None], jnp.maximum(emitted, 0)].add(
+            committed.astype(jnp.int32))
+        cache = {**cache, "output_counts": output_counts, "last_token": cache["last_token"].at[emit].set(final),
+                 "next_pos": cache["next_pos"].at[emit].set(starts + at[:, 0] + accepted + 1)}
+
+        g = verify_len - 1
+        confidence = cache["confidence"][slots][:, :g] if drafter is not None else jnp.zeros((rows, 0))
+        next_drafts, next_confidence = jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32)
+        if drafter is not None:  # the committed positions' features, then the next block after the final token
+            dmodule = nnx.merge(drafter.graphdef, jax.tree.unflatten(drafter.param_tree, drafter_leaves))
+            dstate = jax.lax.optimization_barrier(gather_slots(cache["drafter"], slots, drafter.empty_state,
+                                                               batch.reset))
+            absorbed = jnp.where(batch.sample, at[:, 0] + accepted + 1, counts)
+            out = dmodule.draft(module.embed.weight[...], module.head.weight[...], taps[0], starts, absorbed, dstate,
+                                final, batch.sampling.seed, batch.sampling.temperature)
+            cache = {**cache, "drafter": jax.tree.map(lambda leaf, row: leaf.at[slots].set(row), cache["drafter"],
+                                                      out.state),
+                     "drafts": cache["drafts"].at[emit].set(out.tokens),
+                     "draft_probs": cache["draft_probs"].at[emit].set(out.probs),
+                     "confidence": cache["confidence"].at[emit].set(out.confidences)}
+            next_drafts, next_confidence = out.tokens, out.confidences
+
+        flat = lambda x: x.reshape(rows * verify_len, *x.shape[2:])  # noqa: E731
+        lp = token_logprobs(flat(picked), flat(jnp.maximum(emitted, 0)), num_top)
+        lp = jax.tree.map(lambda x: x.reshape(rows, verify_len, *x.shape[1:]), lp)
+        kept_logits = picked if return_logits else jnp.zeros((rows, verify_len, 0), picked.dtype)
+        return StepOutput(emitted, lp.logprob, lp.top_ids, lp.top_logprobs, kept_logits, accepted, drafted,
+                          accept_prob, confidence, next_drafts, next_confidence), cache
+
+    def _processed(cache, batch, slots, tokens, kinds, counts, at, picked):
+        """Update the slots' prompt masks and replayed output counts; the processed logits of every verify
+        position, whose output counts include the drafts before it."""
+        rows, width = tokens.shape
+        verify_len, vocab = picked.shape[1], picked.shape[2]
         scratch = cache["last_token"].shape[0] - 1
         real = jnp.arange(width)[None, :] < counts[:, None]
         fresh = jnp.where(batch.reset, slots, scratch)
         prompt_mask = cache["prompt_mask"].at[fresh].set(False)
         output_counts = cache["output_counts"].at[fresh].set(0)
-        as_prompt = jnp.where(real & (batch.kinds == PROMPT), slots[:, None], scratch)
+        as_prompt = jnp.where(real & (kinds == PROMPT), slots[:, None], scratch)
         prompt_mask = prompt_mask.at[as_prompt, tokens].set(True)
-        output_counts = output_counts.at[slots[:, None], tokens].add(
-            (real & (batch.kinds == RECOMPUTED)).astype(jnp.int32))
-        counts_at = jnp.broadcast_to(output_counts[slots][:, None], (rows, verify, vocab))
-        if verify > 1:  # drafts up to each verify position count as its outputs
-            drafted = (jnp.arange(width) <= at[:, :, None]) & (real & (batch.kinds == DRAFT))[:, None, :]
-            counts_at = counts_at.at[jnp.arange(rows)[:, None, None], jnp.arange(verify)[None, :, None],
-                                     tokens[:, None, :]].add(drafted.astype(jnp.int32))
+        output_counts = output_counts.at[slots[:, None], tokens].add((real & (kinds == RECOMPUTED)).astype(jnp.int32))
+        counts_at = jnp.broadcast_to(output_counts[slots][:, None], (rows, verify_len, vocab))
+        if verify_len > 1:  # drafts up to each verify position count as its outputs
+            drafts = (jnp.arange(width) <= at[:, :, None]) & (real & (kinds == DRAFT))[:, None, :]
+            counts_at = counts_at.at[jnp.arange(rows)[:, None, None], jnp.arange(verify_len)[None, :, None],
+                                     tokens[:, None, :]].add(drafts.astype(jnp.int32))
+        flat = lambda x: x.reshape(rows * verify_len, *x.shape[2:])  # noqa: E731
+        per_position = jax.tree.map(lambda x: jnp.repeat(x, verify_len, axis=0), batch.sampling)
+        processed = processed_logits(flat(picked), per_position, jnp.repeat(prompt_mask[slots], verify_len, axis=0),
+                                     flat(counts_at))
+        cache = {**cache, "prompt_mask": prompt_mask, "output_counts": output_counts}
+        return cache, processed.reshape(rows, verify_len, vocab)
 
-        flat = lambda x: x.reshape(rows * verify, *x.shape[2:])  # noqa: E731
-        per_position = jax.tree.map(lambda x: jnp.repeat(x, verify, axis=0), batch.sampling)
-        out = sample(flat(picked), per_position, flat(batch.starts[:, None] + at + 1),
-                     jnp.repeat(prompt_mask[slots], verify, axis=0), flat(counts_at), num_top)
-        out = jax.tree.map(lambda x: x.reshape(rows, verify, *x.shape[1:]), out)
-        # a decode or prefill row (v = 1) commits its token; a verify row commits nothing: acceptance decides
-        emit = jnp.where(batch.sample[:, -1] & (verify == 1), slots, scratch)
-        cache = {**cache, "prompt_mask": prompt_mask,
-                 "output_counts": output_counts.at[emit, out.tokens[:, -1]].add(1),
-                 "last_token": cache["last_token"].at[emit].set(out.tokens[:, -1])}
-        kept_logits = picked if return_logits else jnp.zeros((rows, verify, 0), picked.dtype)
-        return StepOutput(out.tokens, out.logprob, out.top_ids, out.top_logprobs, kept_logits), cache
+    def _decide(cache, batch, slots, starts, tokens, drafted, at, processed):
+        """(emitted tokens [r, v], accepted drafts [r], acceptance probabilities [r, v - 1]): a verify bucket
+        verifies its drafts, any other samples one token per row."""
+        rows, verify_len = at.shape
+        positions = starts[:, None] + at + 1  # of the token emitted after each verify position
+        if verify_len == 1:
+            token = draw_tokens(processed[:, 0], batch.sampling, positions[:, 0])
+            return token[:, None], jnp.zeros(rows, jnp.int32), jnp.zeros((rows, 0), jnp.float32)
+        greedy = batch.sampling.temperature < GREEDY_BELOW
+        verdict = verify(processed, tokens[:, 1:verify_len], cache["draft_probs"][slots][:, :verify_len - 1],
+                         drafted, greedy, batch.sampling.seed, positions)
+        return verdict.tokens, verdict.accepted, verdict.accept_prob
 
     return step
 
 
-def compile_step(step_fn, weights: list, cache: dict, batch: StepBatch):
+def compile_step(step_fn, weights: tuple, cache: dict, batch: StepBatch, verify_len: int):
     """Ahead-of-time compile for one bucket (the cache is donated); calling it never recompiles."""
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
-    return jax.jit(step_fn, donate_argnums=1).lower(
-        jax.tree.map(spec, weights), jax.tree.map(spec, cache), jax.tree.map(spec, batch)).compile()
+    return jax.jit(step_fn, donate_argnums=1, static_argnums=3).lower(
+        jax.tree.map(spec, weights), jax.tree.map(spec, cache), jax.tree.map(spec, batch), verify_len).compile()

@@ -1,62 +1,78 @@
-"""The compiled step's verify-length buckets: a row sampled at its last v positions, against the plain model."""
+"""The compiled step's verify buckets against the plain model: a verify row [last token, drafts] takes its
+tokens and start from the slot on the device, is sampled at every position with the drafts before a position
+counted as its outputs, commits the accepted drafts and the final token, and the next step continues from
+the right position."""
 
 import jax
 import numpy as np
 import pytest
 
-from model.config import preset
+from model.api import init_model
+from model.dspark import init_drafter
 from serving.kv_cache import CacheLayout, PageAllocator, init_engine_cache
 from serving.sampling import SamplingBatch, SamplingParams
-from serving.step import COUNTED, DRAFT, PROMPT, build_step, empty_batch
-from tests.helpers import random_model
+from serving.step import COUNTED, PROMPT, DrafterSpec, build_step, empty_batch
+from tests.test_dspark import CONFIG, TARGET
 
-CONFIG = preset("tiny")
 PENALTY = -2.0  # a frequency *bonus*: drafted tokens win the later positions, so miscounting shows
 
 
 @pytest.fixture(scope="module")
 def setup():
-    model = random_model(CONFIG, seed=5, noise=0.05)
-    layout = CacheLayout.for_model(CONFIG, max_slots=2, max_len=64, page_tokens=16)
-    module = model.module()
+    model = init_model(TARGET, seed=2)
+    drafter = init_drafter(TARGET, CONFIG, seed=4)
+    layout = CacheLayout.for_model(TARGET, max_slots=2, max_len=64, page_tokens=16, backtrack=CONFIG.block_size + 1)
+    module, draft_module = model.module(), drafter.module()
     empty = module.init_cache(1, layout.pages_per_slot * layout.page_tokens, layout.ring)["layers"]
+    spec = DrafterSpec(drafter.graphdef, jax.tree.structure(drafter.params), draft_module.init_state(1),
+                       CONFIG.target_layer_ids)
     step = jax.jit(build_step(model.graphdef, jax.tree.structure(model.params), empty, layout.page_tokens, 2,
-                              True), donate_argnums=1)
+                              True, spec), donate_argnums=1, static_argnums=3)
     pages = PageAllocator(layout)
     pages.grow(0, layout.max_len)
-    return model, layout, step, jax.tree.leaves(model.params), pages.table(0)
+    weights = (jax.tree.leaves(model.params), jax.tree.leaves(drafter.params))
+    return model, layout, step, weights, pages.table(0), init_engine_cache(module, layout, draft_module)
 
 
-def _row(layout, table, width, verify, tokens, kinds, start, params, **flags):
-    batch = empty_batch(layout, 1, width, verify)
+def _row(layout, table, width, tokens, kinds, start, params, caps=0, **flags):
+    batch = empty_batch(layout, 1, width)
     n = len(tokens)
     batch.tokens[0, :n], batch.kinds[0, :n] = tokens, kinds
     batch.slots[0], batch.starts[0], batch.counts[0], batch.block_tables[0] = 0, start, n, table
-    batch.sample[0, verify - min(verify, n):] = True
+    batch.sample[0], batch.caps[0], batch.budget[...] = True, caps, caps
     batch.reset[0], batch.from_prev[0] = flags.get("reset", False), flags.get("from_prev", False)
     return batch._replace(sampling=SamplingBatch.from_params([params], 1))
 
 
-@pytest.mark.parametrize("draft", [3, 7, 30])
-def test_verify_bucket_samples_every_position_with_drafts_counted(setup, draft):
-    """Prefill (v = 1), then a verify row [last token, d, d, d] (v = 4) with a frequency penalty: its logits
-    equal the plain model's at those positions, and its greedy token at position j is the argmax of the logits
-    penalised by the outputs so far, the drafts before j included."""
-    model, layout, step, weights, table = setup
-    prompt = np.random.default_rng(draft).integers(0, CONFIG.vocab_size, 11).tolist()
+@pytest.mark.parametrize("caps", [0, 1, 3])
+def test_verify_row_checks_its_drafts_against_the_penalised_argmax(setup, caps):
+    model, layout, step, weights, table, fresh = setup
+    cache = jax.tree.map(lambda x: x.copy(), fresh)
+    prompt = np.random.default_rng(caps).integers(0, TARGET.vocab_size, 11).tolist()
     params = SamplingParams(temperature=0.0, frequency_penalty=PENALTY, seed=0)
-    cache = init_engine_cache(model.module(), layout)
-    out, cache = step(weights, cache, _row(layout, table, 16, 1, prompt, [PROMPT] * 11, 0, params, reset=True))
-    first = int(out.tokens[0, -1])
-    block = [first, draft, draft, draft]
-    out, cache = step(weights, cache, _row(layout, table, 4, 4, [0, draft, draft, draft],
-                                           [COUNTED, DRAFT, DRAFT, DRAFT], 11, params, from_prev=True))
+    out, cache = step(weights, cache, _row(layout, table, 16, prompt, [PROMPT] * 11, 0, params, reset=True), 1)
+    first, drafts = int(out.tokens[0, 0]), np.asarray(out.next_drafts[0]).tolist()
+    out, cache = step(weights, cache, _row(layout, table, 4, [0], [COUNTED], 0, params, caps, from_prev=True), 4)
 
-    expected_logits = np.asarray(model.logits(np.array([prompt + block])))[0, 11 + np.arange(4)]
-    got = np.asarray(out.logits[0])
-    np.testing.assert_allclose(got, expected_logits, rtol=1e-4, atol=1e-4)
-    counts = np.zeros((4, CONFIG.vocab_size))
+    block = [first] + drafts[:caps]
+    logits = np.asarray(model.logits(np.array([prompt + block])))[0, 11:]
+    np.testing.assert_allclose(np.asarray(out.logits[0, :caps + 1]), logits, rtol=1e-4, atol=1e-4)
+    counts = np.zeros((caps + 1, TARGET.vocab_size))
     counts[:, first] += 1
-    counts[np.arange(4), draft] += np.arange(4)  # drafts at row positions 1..j precede position j's token
-    np.testing.assert_array_equal(np.asarray(out.tokens[0]), np.argmax(got - PENALTY * counts, axis=-1))
-    assert int(out.tokens[0, 3]) == draft  # three drafts before the last position: a bonus of 6
+    for j in range(caps + 1):
+        counts[j, drafts[:j]] += 1  # drafts at row positions 1..j precede position j's token
+    argmax = np.argmax(logits - PENALTY * counts, axis=-1)
+    accepted = 0
+    while accepted < caps and drafts[accepted] == argmax[accepted]:
+        accepted += 1
+    assert int(out.accepted[0]) == accepted and int(out.verified[0]) == caps
+    emitted = drafts[:accepted] + [int(argmax[accepted])]
+    assert np.asarray(out.tokens[0, :accepted + 1]).tolist() == emitted
+
+    # the next decode row starts after the committed tokens, with them counted as outputs
+    out, cache = step(weights, cache, _row(layout, table, 1, [0], [COUNTED], 0, params, from_prev=True), 1)
+    sequence = prompt + [first] + emitted
+    expected = np.asarray(model.logits(np.array([sequence])))[0, -1]
+    np.testing.assert_allclose(np.asarray(out.logits[0, 0]), expected, rtol=1e-4, atol=1e-4)
+    outputs = np.bincount([first] + emitted, minlength=TARGET.vocab_size)
+    assert int(out.tokens[0, 0]) == int(np.argmax(expected - PENALTY * outputs))

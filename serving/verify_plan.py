@@ -1,0 +1,81 @@
+"""DSpark's verification scheduler (host side): how many drafts each request verifies in the next step.
+
+A draft at block position j survives verification only if every draft before it does, so its chance of being
+accepted is the prefix survival a_j = c_0 * ... * c_j of the drafter's calibrated confidences. The planner
+admits (request, position) pairs in descending a and picks the total budget B that maximises
+(expected tokens emitted) x (steps per second): every verifying row emits its accepted drafts plus one token,
+so a step emits rows + sum of the admitted a in expectation, and its time is that of the compiled verify bucket
+the admitted pairs need (rows bucket x width = 1 + the longest admitted prefix), from a cost table profiled at
+start-up and corrected online by the step times the engine observes.
+
+With zero-overhead scheduling the host does not know the confidences of the drafts it is about to verify (the
+step producing them is still running): it plans B and the width from the confidences it read one step earlier,
+and the device splits B over the rows by rank of the newest ones (`serving.speculative.admit`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jaxtyping import Float, Int
+
+
+@dataclasses.dataclass
+class Plan:
+    """The next verify step: its bucket width (1 + drafts per row at most), the drafts each row may verify
+    (`caps`, what the device admits from) and the total `budget` the device splits by prefix survival."""
+
+    width: int
+    caps: Int[np.ndarray, " r"]
+    budget: int
+    expected_tokens: float
+
+
+class CostTable:
+    """Seconds per step of each compiled (rows, width) decode / verify bucket: profiled, then corrected by an
+    exponential moving average of observed step times (`observe`)."""
+
+    def __init__(self, seconds: dict[tuple[int, int], float], smoothing: float = 0.2):
+        if not seconds or min(seconds.values()) <= 0:
+            raise ValueError("a cost table needs a positive time for every bucket")
+        self.seconds, self.smoothing = dict(seconds), smoothing
+
+    def __call__(self, rows: int, width: int) -> float:
+        return self.seconds[rows, width]
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        if (rows, width) in self.seconds and seconds > 0:
+            self.seconds[rows, width] += self.smoothing * (seconds - self.seconds[rows, width])
+
+
+def prefix_survival(confidence: Float[np.ndarray, "r g"]) -> Float[np.ndarray, "r g"]:
+    """a[i, j] = c[i, 0] * ... * c[i, j]: the chance that draft j of row i and all before it are accepted."""
+    return np.cumprod(np.clip(confidence, 0.0, 1.0), axis=1)
+
+
+def plan_verify(survival: Float[np.ndarray, "r g"], caps: Int[np.ndarray, " r"], rows_bucket: int,
+                widths: tuple[int, ...], cost: CostTable) -> Plan:
+    """The budget maximising expected tokens x steps/s over the compiled `widths` (1 = plain decode); per row
+    the admitted prefix length (at most its cap: drafts past max_tokens / max_len are not worth verifying)."""
+    r, g = survival.shape
+    caps = np.minimum(np.asarray(caps, np.int64), min(g, max(widths) - 1))
+    rows_idx, pos_idx = np.nonzero(np.arange(g)[None, :] < caps[:, None])
+    values = survival[rows_idx, pos_idx]
+    order = np.lexsort((pos_idx, rows_idx, -values))  # descending survival; ties: earlier row, then position
+    rows_idx, pos_idx, values = rows_idx[order], pos_idx[order], values[order]
+    need = np.maximum.accumulate(pos_idx + 2) if len(order) else pos_idx  # width after admitting each pair
+    best = Plan(1, np.zeros(r, np.int64), 0, float(r))
+    best_rate = r / cost(rows_bucket, 1)
+    gained = float(r)
+    for b in range(len(order)):
+        gained += values[b]
+        fitting = [w for w in widths if w >= need[b]]
+        if not fitting:
+            break
+        width = fitting[0]
+        rate = gained / cost(rows_bucket, width)
+        if rate > best_rate:
+            best_rate = rate
+            best = Plan(width, np.bincount(rows_idx[:b + 1], minlength=r).astype(np.int64), b + 1, gained)
+    return best

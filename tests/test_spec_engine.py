@@ -1,0 +1,131 @@
+"""Speculative decoding in the engine: lossless against the plain model in every mode (greedy token for token;
+sampled tokens distributed as the target's, by a chi-square test against the exact distribution), the budget
+admission and the DSpark planner, metrics."""
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from model.api import init_model
+from model.dspark import init_drafter
+from serving.engine import Engine
+from serving.sampling import SamplingParams
+from serving.speculative import admit
+from serving.verify_plan import CostTable, plan_verify, prefix_survival
+from tests.test_dspark import CONFIG, TARGET
+
+V = TARGET.vocab_size
+RNG = np.random.default_rng(3)
+PROMPTS = [RNG.integers(0, V, n).tolist() for n in (5, 19, 11)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = init_model(TARGET, seed=0)
+    m.drafter = init_drafter(TARGET, CONFIG, seed=1)
+    return m
+
+
+def run(model, mode, prompts, params, **kw):
+    engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
+                    speculation=mode, **kw)
+    engine.warmup()
+    return engine, engine.generate(prompts, params)
+
+
+def plain_greedy(model, prompt, steps):
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(np.asarray(model.logits(np.array([tokens])))[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("mode,zero_overhead", [("fixed", True), ("dspark", False), ("dspark", True)])
+def test_greedy_speculation_equals_plain_decoding(model, mode, zero_overhead):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    engine, outputs = run(model, mode, PROMPTS, params, zero_overhead=zero_overhead, verify_widths=(2, 4),
+                          num_drafts=3)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.token_ids == plain_greedy(model, prompt, 12)
+        assert len(out.logprobs) == 12 and out.finish_reason == "length"
+    metrics = engine.speculation_metrics()
+    assert metrics["verified_per_step"] > 0 and metrics["tokens_per_step"] >= 1
+    assert len(engine.scheduler.pages.free) == engine.layout.num_pages  # every page came back
+
+
+def exact_marginals(model, prompt, temperature):
+    """P(first, second, third generated token) of the target at `temperature`: [V], [V], [V]."""
+    soft = lambda x: np.exp(x / temperature - np.max(x / temperature, -1, keepdims=True))  # noqa: E731
+    norm = lambda p: p / p.sum(-1, keepdims=True)  # noqa: E731
+    p1 = norm(soft(np.asarray(model.logits(np.array([prompt])))[0, -1]))
+    seqs = np.array([prompt + [a] for a in range(V)])
+    p2_given = norm(soft(np.asarray(model.logits(seqs))[:, -1]))  # [V(first), V]
+    seqs3 = np.array([prompt + [a, b] for a in range(V) for b in range(V)])
+    p3_given = norm(soft(np.asarray(model.logits(seqs3))[:, -1])).reshape(V, V, V)
+    joint12 = p1[:, None] * p2_given
+    return p1, joint12.sum(0), np.einsum("ab,abc->c", joint12, p3_given)
+
+
+def chi_square_p(counts, probs):
+    """p-value of observed counts against probabilities, bins with expected < 5 merged into one."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+
+
+def test_sampled_speculation_has_the_target_distribution(model):
+    """1,500 requests (seeds 0..1499) of three tokens with drafts verified by rejection sampling: the second and
+    third tokens (emitted by verification) follow the target's exact marginals; the same test tells apart the
+    target at twice the temperature. (The random model's logits are small: temperature 0.1 makes them peaked.)"""
+    prompt, temperature, n = PROMPTS[0], 0.1, 1500
+    engine = Engine(model, max_slots=8, max_len=32, page_tokens=16, prefill_chunk=8, max_prefill_rows=4,
+                    speculation="fixed", num_drafts=2)
+    engine.warmup()
+    outputs = engine.generate([prompt] * n, [SamplingParams(temperature=temperature, max_tokens=3, seed=s,
+                                                            ignore_eos=True) for s in range(n)])
+    tokens = np.array([o.token_ids for o in outputs])
+    assert 0.1 * n < engine.stats["accepted"] < 0.9 * engine.stats["verified"]  # drafts accepted and rejected
+    p1, p2, p3 = exact_marginals(model, prompt, temperature)
+    for j, p in enumerate((p1, p2, p3)):
+        counts = np.bincount(tokens[:, j], minlength=V)
+        assert chi_square_p(counts, p) > 1e-3, f"token {j + 1}"
+    _, wrong2, _ = exact_marginals(model, prompt, temperature * 2)
+    assert chi_square_p(np.bincount(tokens[:, 1], minlength=V), wrong2) < 1e-6
+
+
+def test_admit_splits_the_budget_by_prefix_survival():
+    survival = prefix_survival(np.array([[0.9, 0.9, 0.9], [0.5, 0.9, 0.9], [0.95, 0.2, 0.9]]))
+    k = np.asarray(admit(survival, np.array([3, 3, 1]), np.int32(4)))
+    # pairs by survival: (0,0) .9, (2,0) .95 ... (0,1) .81, (0,2) .729, (1,0) .5: the top 4 within caps
+    np.testing.assert_array_equal(k, [3, 0, 1])
+    np.testing.assert_array_equal(np.asarray(admit(survival, np.array([3, 3, 3]), np.int32(9))), [3, 3, 3])
+
+
+def test_planner_trades_expected_tokens_against_bucket_cost():
+    survival = prefix_survival(np.array([[0.9, 0.8, 0.5, 0.2, 0.1]]))
+    flat = CostTable({(1, w): 1.0 for w in range(1, 7)})
+    plan = plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), flat)
+    assert plan.width == 6 and plan.budget == 5  # free verification: verify everything
+    steep = CostTable({(1, w): 1.0 + 0.2 * (w - 1) for w in range(1, 7)})
+    plan = plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), steep)
+    # expected tokens 1 + cumulative survival = 1.9, 2.62, 2.98, 3.05, 3.06 over costs 1.2 .. 2.0
+    rates = [(1 + np.cumsum(survival[0])[b - 1]) / (1 + 0.2 * b) for b in range(1, 6)]
+    assert plan.budget == int(np.argmax(rates)) + 1 and plan.width == plan.budget + 1
+    assert plan_verify(survival, np.array([2]), 1, (1, 2, 4, 6), flat).caps.tolist() == [2]  # capped, width 4
+    costly = CostTable({(1, 1): 1.0, **{(1, w): 10.0 for w in range(2, 7)}})
+    assert plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), costly).width == 1
+
+
+def test_speculation_needs_a_drafter_and_valid_sizes(model):
+    from tests.helpers import random_model
+    from model.config import preset
+    with pytest.raises(ValueError, match="DSpark drafter"):
+        Engine(random_model(preset("tiny")), speculation="fixed")
+    with pytest.raises(ValueError, match="num_drafts"):
+        Engine(model, speculation="fixed", num_drafts=CONFIG.block_size + 1)
+    with pytest.raises(ValueError, match="speculation must be"):
+        Engine(model, speculation="sometimes")
