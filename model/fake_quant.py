@@ -8,13 +8,14 @@ reference's quantisers as transcribed by transformers' V4.1 model (huggingface/t
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 FP8_MAX, FP4_MAX = 448.0, 6.0
-_E2M1 = jnp.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)  # numpy: importing starts no backend
 # midpoints between e2m1 magnitudes; a tie rounds to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, ...)
-_MIDPOINTS = jnp.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_TIE_ROUNDS_UP = jnp.array([False, True, False, True, False, True, False])
+_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+_TIE_ROUNDS_UP = np.array([False, True, False, True, False, True, False])
 
 
 def pow2_ceil(x: Float[Array, "..."]) -> Float[Array, "..."]:
@@ -42,7 +43,7 @@ def e2m1_round(q: Float[Array, "..."]) -> Float[Array, "..."]:
     """Nearest e2m1 value of pre-clipped q (ties to the even code)."""
     mag = jnp.abs(q)[..., None]
     above = jnp.where(_TIE_ROUNDS_UP, mag >= _MIDPOINTS, mag > _MIDPOINTS)
-    return jnp.sign(q) * _E2M1[jnp.sum(above, axis=-1)]
+    return jnp.sign(q) * jnp.asarray(_E2M1)[jnp.sum(above, axis=-1)]
 
 
 def fake_quant_fp4(x: Float[Array, "... n"], block: int, e4m3_scales: bool = False) -> Float[Array, "... n"]:
