@@ -98,7 +98,8 @@ def cmd_generate(args) -> int:
                     else engine_shape(requests, args.max_slots, args.prefill_chunk))
     engine = Engine(model, max_slots=slots, max_len=args.max_len, prefill_chunk=chunk,
                     batch_invariant=args.batch_invariant, zero_overhead=not args.no_zero_overhead,
-                    num_top_logprobs=num_top, seed=args.seed, detokenize=tokenizer.decode)
+                    num_top_logprobs=num_top, seed=args.seed, detokenize=tokenizer.decode,
+                    speculation=args.speculation, num_drafts=args.num_drafts)
     submit(engine, requests)
     loaded = time.perf_counter()
     if not args.no_warmup and engine.has_work:
@@ -211,6 +212,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="a request's tokens never depend on what else runs (one bucket per step kind)")
     e.add_argument("--no-zero-overhead", action="store_true",
                    help="read each step's results before dispatching the next")
+    e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
+                   help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
+                   "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
+    e.add_argument("--num-drafts", type=_int_at_least(1), help="drafts per step at most (default: the "
+                   "drafter's block size)")
     e.add_argument("--no-warmup", action="store_true",
                    help="compile step buckets when first used instead of all up front")
     e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
