@@ -36,15 +36,6 @@ def _paged(path) -> bool:
     return getattr(path[-1], "key", None) in PAGED_LEAVES
 
 
-def _unread_steps(request) -> int:
-    """Steps dispatched for the request whose results the host has not read. The engine is moving from a count
-    of dispatched tokens (`dispatched`) to a queue of unread steps (`in_flight`, speculative decoding): both
-    are read here until the move lands."""
-    if hasattr(request, "in_flight"):
-        return len(request.in_flight)
-    return request.dispatched - len(request.output)
-
-
 @dataclasses.dataclass
 class SlotState:
     """One request's engine state, on the host (numpy), ready to cross a process boundary."""
@@ -59,6 +50,8 @@ class SlotState:
     layers: dict  # the cache's layer tree: paged leaves [pages, entries per page, d], slot leaves [...]
     slot: dict  # every other per-slot cache entry at this slot: last token, penalty statistics, ...
     engram_history: np.ndarray | None
+    drafts: list[int]  # speculative decoding: the drafted block the host last read, and its confidences
+    confidence: list[float]
     elapsed: float  # seconds since the request arrived at the prefill engine
 
     @property
@@ -69,7 +62,7 @@ class SlotState:
 def export_slot(engine, request_id: str) -> SlotState:
     """The state of a running request whose prompt is in the cache (read between engine steps)."""
     request = engine.requests[request_id]
-    if request.status is not Status.RUNNING or request.prefilling or _unread_steps(request):
+    if request.status is not Status.RUNNING or request.prefilling or request.in_flight:
         raise ValueError(f"request {request_id} is not between steps with its prompt prefilled")
     slot, pages = request.slot, np.asarray(engine.scheduler.pages.owned.get(request.slot, []), np.int32)
     layers = jax.tree.map_with_path(
@@ -79,8 +72,9 @@ def export_slot(engine, request_id: str) -> SlotState:
     return SlotState(
         request_id=request_id, prompt=list(request.prompt), params=request.params, output=list(request.output),
         logprobs=list(request.logprobs), computed=request.computed, page_tokens=engine.layout.page_tokens,
-        layers=layers, slot=per_slot, engram_history=None if request.engram_history is None else np.array(request.engram_history),
-        elapsed=time.perf_counter() - request.arrival)
+        layers=layers, slot=per_slot,
+        engram_history=None if request.engram_history is None else np.array(request.engram_history),
+        drafts=list(request.drafts), confidence=list(request.confidence), elapsed=time.perf_counter() - request.arrival)
 
 
 def import_slot(engine, state: SlotState) -> bool:
@@ -116,9 +110,8 @@ def import_slot(engine, state: SlotState) -> bool:
     now = time.perf_counter()
     request = Request(state.request_id, list(state.prompt), state.params, arrival=now - state.elapsed,
                       status=Status.RUNNING, output=list(state.output), logprobs=list(state.logprobs), slot=slot,
-                      computed=state.computed, first_token_time=now, engram_history=state.engram_history)
-    if hasattr(request, "dispatched"):  # see _unread_steps: nothing of it is in flight
-        request.dispatched = len(state.output)
+                      computed=state.computed, first_token_time=now, engram_history=state.engram_history,
+                      drafts=list(state.drafts), confidence=list(state.confidence))
     engine.requests[request.request_id] = request
     scheduler.running.append(request)
     return True
