@@ -1,8 +1,10 @@
 """Offline batch inference (`jaxseek generate`): read prompts (command line, a text file, or an OpenAI batch JSONL
 file), run them through the `Engine`, write one JSON result per request in input order.
 
-A request that fails validation (bad JSON, unknown sampling field, empty or too long prompt, ...) becomes an
-error record `{"custom_id", "error": {"message"}}`; every other request still runs.
+A JSONL body may constrain its output (`response_format` as in the OpenAI API, or vLLM's `structured_outputs`;
+see `serving.constraints`). A request that fails validation (bad JSON, unknown sampling field, empty or too long
+prompt, invalid constraint, ...) becomes an error record `{"custom_id", "error": {"message"}}`; every other
+request still runs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from serving.constraints import CONSTRAINT_FIELDS, ConstraintSpec, constraint_from_body
 from serving.sampling import SEED_LIMIT, SamplingParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -26,7 +29,8 @@ BOM = b"\xef\xbb\xbf"
 
 @dataclasses.dataclass
 class BatchRequest:
-    """One input request: its prompt (text, or token ids) and sampling fields, or why it cannot run."""
+    """One input request: its prompt (text, or token ids), sampling fields and output constraint, or why it
+    cannot run."""
 
     index: int
     custom_id: str
@@ -35,6 +39,7 @@ class BatchRequest:
     error: str | None = None
     params: SamplingParams | None = None
     prompt_ids: list[int] | None = None
+    constraint: ConstraintSpec | None = None
 
 
 # ---- reading inputs -------------------------------------------------------------------------------------------
@@ -120,7 +125,8 @@ def _parse_line(request: BatchRequest, line: dict) -> None:
         if "prompt" in body:
             raise ValueError(f"{CHAT} takes messages, not a prompt")
         request.prompt = chat_prompt(body.get("messages"))
-    request.sampling = {k: v for k, v in body.items() if k not in PROMPT_FIELDS}
+    request.constraint = constraint_from_body(body)
+    request.sampling = {k: v for k, v in body.items() if k not in PROMPT_FIELDS and k not in CONSTRAINT_FIELDS}
 
 
 def _completion_prompt(prompt) -> str | list[int]:
@@ -240,12 +246,14 @@ def engine_shape(requests: list[BatchRequest], max_slots: int, prefill_chunk: in
 
 
 def submit(engine, requests: list[BatchRequest]) -> None:
-    """Queue each encoded request on the engine (its id is its index); a prompt the engine refuses (empty, too
-    long, ids outside the vocabulary) becomes the request's error."""
+    """Queue each encoded request on the engine (its id is its index); a prompt or constraint the engine refuses
+    (empty, too long, ids outside the vocabulary, an invalid schema / regex / grammar) becomes the request's
+    error."""
     for r in requests:
         if r.error is None:
             try:
-                engine.add_request(r.prompt_ids, r.params, request_id=str(r.index))
+                constrained = {} if r.constraint is None else {"constraint": r.constraint}
+                engine.add_request(r.prompt_ids, r.params, request_id=str(r.index), **constrained)
             except ValueError as e:
                 r.error = str(e)
 

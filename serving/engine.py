@@ -10,6 +10,14 @@ Speculation (`speculation`): "none"; "fixed" verifies every drafted token (up to
 the verification scheduler (`serving.verify_plan`) choose the drafts per row from the drafter's confidences and
 the profiled cost of each verify bucket. Verification is lossless: greedy outputs are those of plain decoding
 and sampled outputs are distributed as the target's.
+
+Structured outputs (`add_request(..., constraint=)`): a constrained request's rows carry packed token masks that
+the compiled step applies before sampling and verification. A mask depends on every token before it, so before
+dispatching a step with a constrained request whose tokens are still in flight the host reads them first
+(zero-overhead scheduling pauses while such requests decode). A verify row gets one mask per position, its
+drafts cut at the first one the grammar refuses; the matcher takes the drafts tentatively and settles on the
+number the device accepted. A request ends ("stop") when its constraint is complete and admits no more tokens,
+or with an EOS the constraint allows.
 """
 
 from __future__ import annotations
@@ -21,9 +29,12 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import jax
+import llguidance as llg
 import numpy as np
 
 from model.api import Model
+from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer
+from serving.grammar_mask import RequestGrammar, fill_masks, speculate_masks
 from serving.kv_cache import CacheLayout, init_engine_cache
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
@@ -112,6 +123,9 @@ class Engine:
         self.costs: CostTable | None = None  # DSpark: seconds per decode / verify bucket (`profile`)
         self._last_ready = 0.0
         self.requests: dict[str, Request] = {}
+        self._compiler: ConstraintCompiler | None = None  # built with the first constrained request
+        self._executor: llg.LLExecutor | None = None
+        self._all_allowed: dict[tuple[int, int], jax.Array] = {}  # bitmask of unconstrained batches, on device
         self.pending: list[tuple[list[Row], object]] = []
         self._cancelled: list[RequestOutput] = []
         self._seeds = np.random.default_rng(seed)
@@ -142,7 +156,7 @@ class Engine:
         for rows, width, verify_len in self.buckets():
             if width != verify_len and width != 1:
                 continue  # a prefill bucket
-            batch = empty_batch(self.layout, rows, width, self._engram_shapes())
+            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len)
             times = []
             for _ in range(repeats + 1):
                 start = time.perf_counter()
@@ -156,8 +170,8 @@ class Engine:
         if bucket not in self.compiled:
             rows, width, verify_len = bucket
             self.compiled[bucket] = compile_step(self._step_fn, self.weights, self.cache,
-                                                 empty_batch(self.layout, rows, width, self._engram_shapes()),
-                                                 verify_len)
+                                                 empty_batch(self.layout, rows, width, self._engram_shapes(),
+                                                             verify_len), verify_len)
         return self.compiled[bucket]
 
     def _engram_shapes(self) -> tuple:
@@ -167,8 +181,11 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises ValueError (and keeps nothing) if the prompt or parameters cannot run."""
+                    request_id: str | None = None, constraint: ConstraintSpec | None = None,
+                    constraint_trigger: int | None = None) -> str:
+        """Queue a request; raises ValueError (and keeps nothing) if the prompt, parameters or constraint cannot
+        run. `constraint` restricts the output (`serving.constraints.constraint_from_body` reads one from a
+        request body), from the start or, with `constraint_trigger`, after that token (e.g. `</think>`)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -184,14 +201,34 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = None
+        if constraint is not None:
+            grammar = RequestGrammar(self._constraints().compile(constraint), constraint_trigger)
+        elif constraint_trigger is not None:
+            raise ValueError("constraint_trigger needs a constraint")
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
-        request = Request(request_id, prompt, params)
+        request = Request(request_id, prompt, params, grammar=grammar)
         if self.engram is not None:
             request.engram_history = self.engram.empty_history(1)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def _constraints(self) -> ConstraintCompiler:
+        """The engine's constraint compiler over the model's tokenizer (built on first use)."""
+        if self._compiler is None:
+            if not isinstance(self.config.eos_token_id, int):
+                raise ValueError("structured outputs need a model with an eos_token_id (a constrained output ends "
+                                 "with it)")
+            tokenizer = getattr(self.model, "tokenizer", None)
+            if tokenizer is None:
+                raise ValueError("structured outputs need the model's own tokenizer (tokenizer.json); this model "
+                                 "has none")
+            self._compiler = ConstraintCompiler(grammar_tokenizer(tokenizer, self.config.vocab_size,
+                                                                  [self.config.eos_token_id]))
+            self._executor = llg.LLExecutor()
+        return self._compiler
 
     def cancel(self, request_id: str) -> None:
         """Stop a request; its result has finish_reason 'cancelled'."""
@@ -208,14 +245,15 @@ class Engine:
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: dispatch the next steps, then read the previous ones; returns requests finished."""
+        finished = []
+        if any(r.grammar is not None and r.in_flight for r in self.scheduler.running):
+            finished, self.pending = self._read(self.pending), []  # its next masks follow the tokens in flight
         try:
             decode, prefill = self.scheduler.schedule(in_flight=bool(self.pending))
         except NeedsFlush:
-            finished = self._read(self.pending)
+            finished += self._read(self.pending)
             self.pending = []
             decode, prefill = self.scheduler.schedule(in_flight=False)
-        else:
-            finished = []
         finished, self._cancelled = finished + self._cancelled, []
         dispatched = [self._dispatch_decode(decode)] if decode else []
         if prefill:
@@ -277,7 +315,7 @@ class Engine:
         """Build the batch of a bucket, launch its compiled step (async) and do the host bookkeeping; a verify
         bucket's rows split `budget` drafts (default: every row verifies its cap)."""
         bucket = (next(r for r in row_buckets if r >= len(rows)), width, verify_len)
-        batch = self._batch(rows, bucket[0], width, budget)
+        batch = self._batch(rows, bucket[0], width, verify_len, budget)
         start = time.perf_counter()
         outputs, self.cache = self._executable(bucket)(self.weights, self.cache, batch)
         for row in rows:
@@ -294,8 +332,9 @@ class Engine:
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
         return rows, outputs, bucket, start
 
-    def _batch(self, rows: list[Row], num_rows: int, width: int, budget: int | None) -> StepBatch:
-        b = empty_batch(self.layout, num_rows, width, self._engram_shapes())
+    def _batch(self, rows: list[Row], num_rows: int, width: int, verify_len: int, budget: int | None) -> StepBatch:
+        b = empty_batch(self.layout, num_rows, width, self._engram_shapes(), verify_len)
+        b = b._replace(bitmask=self._bitmask(rows, b.bitmask))
         for i, row in enumerate(rows):
             n = len(row.tokens)
             if self.engram is not None:
@@ -307,6 +346,26 @@ class Engine:
         b.budget[...] = b.caps.sum() if budget is None else budget
         sampling = SamplingBatch.from_params([r.request.params for r in rows], num_rows)
         return b._replace(sampling=sampling)
+
+    def _bitmask(self, rows: list[Row], masks: np.ndarray):
+        """The step's token masks [rows, v, W]: constrained rows from their grammars (a verify row's drafts are
+        taken tentatively and its cap cut to those the grammar allows), the rest all allowed. A batch without
+        constrained rows passes an all-allowed array kept on the device."""
+        grammars = [row.request.grammar if row.sample else None for row in rows]
+        if all(g is None for g in grammars):
+            shape = masks.shape
+            if shape not in self._all_allowed:
+                self._all_allowed[shape] = jax.device_put(masks)
+            return self._all_allowed[shape]
+        num_rows, verify_len, words = masks.shape
+        if verify_len == 1:
+            fill_masks(grammars, masks.reshape(num_rows, words), self._executor)
+            return masks
+        drafts = [row.request.drafts[:row.caps] for row in rows]
+        allowed = speculate_masks(grammars, drafts, masks, self._executor)
+        for row, n in zip(rows, allowed):
+            row.caps = min(row.caps, n)
+        return masks
 
     def _engram_row(self, batch: StepBatch, i: int, row: Row) -> None:
         """Hash the row's tokens with its request's n-gram history (host) and gather its table rows. A decode /
@@ -344,13 +403,27 @@ class Engine:
                     request.engram_history = self.engram.advance(np.array([inputs]), request.engram_history)
                 if out.next_drafts.shape[1]:
                     request.drafts, request.confidence = out.next_drafts[i].tolist(), out.next_confidence[i].tolist()
+                complete = request.grammar is not None and self._advance_grammar(request.grammar, out, i, accepted)
                 for j in range(accepted + 1):
                     self._emit(request, out, i, j)
+                    if complete and j == accepted and request.status is not Status.FINISHED:
+                        request.finish("stop")
                     if request.status is Status.FINISHED:
                         self.scheduler.release(request)
                         finished.append(request.result(self.detokenize))
                         break
         return finished
+
+    @staticmethod
+    def _advance_grammar(grammar: RequestGrammar, out, i: int, accepted: int) -> bool:
+        """Move a constrained request's matcher over row i's emitted tokens (settling a verify row's drafts);
+        whether the output is complete (the constraint admits no further token, or it took an EOS)."""
+        tokens = out.tokens[i, :accepted + 1].tolist()
+        if grammar.speculating:
+            grammar.settle(accepted)
+            tokens = tokens[accepted:]
+        grammar.accept(tokens)
+        return grammar.finished
 
     def _emit(self, request: Request, out, i: int, j: int) -> None:
         """Give `request` the token of row i, verify position j."""

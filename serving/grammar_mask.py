@@ -85,6 +85,11 @@ class RequestGrammar:
         self._taken: list[_Taken] | None = None  # drafts under verification (`speculate` .. `settle`)
 
     @property
+    def speculating(self) -> bool:
+        """Drafts are under verification (`speculate` was called, `settle` not yet)."""
+        return self._taken is not None
+
+    @property
     def finished(self) -> bool:
         """The output is complete: only EOS may follow."""
         return self.ended or self.error is not None or (self.active and self.matcher.is_stopped())

@@ -35,7 +35,7 @@ class RequestOutput:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "stop" (EOS, stop token or string), "length", "cancelled"
+    finish_reason: str  # "stop" (EOS, stop token or string, a complete constrained output), "length", "cancelled"
     logprobs: list[TokenLogprob] | None
     preemptions: int
     time_to_first_token: float | None
@@ -69,6 +69,7 @@ class Request:
     engram_history: object = None  # V4.1: the canonical ids before the next token (host n-gram hashing)
     drafts: list[int] = dataclasses.field(default_factory=list)  # the slot's drafted block, as last read
     confidence: list[float] = dataclasses.field(default_factory=list)  # and its confidences
+    grammar: object = None  # a constrained request's `serving.grammar_mask.RequestGrammar`, following `output`
 
     @property
     def sequence(self) -> list[int]:

@@ -8,6 +8,10 @@ vmapped one-row calls, so a row's numbers depend only on its own inputs and the 
 row takes its tokens and start position from the device (the slot's last token, position and drafts), so the
 host can dispatch step N+1 before it has read step N, however many drafts step N accepted.
 
+A constrained request's rows carry packed token masks (`serving.grammar_mask`), one per verify position,
+applied to the picked logits before anything reads them: sampling, verification (a draft the grammar refuses has
+probability 0 and is always rejected) and the reported logprobs all see the masked distribution.
+
 With a DSpark drafter the step also verifies (`serving.speculative.verify`: greedy matching or rejection
 sampling), commits the accepted drafts and the final token, and drafts the slot's next block from the target's
 features of the committed positions, all on the device.
@@ -23,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from serving.grammar_mask import ALL_ALLOWED, apply_token_bitmask, bitmask_width
 from serving.kv_cache import CacheLayout, gather_rows, gather_slots, scatter_rows
 from serving.sampling import GREEDY_BELOW, SamplingBatch, draw_tokens, processed_logits, token_logprobs
 from serving.speculative import admit, verify
@@ -44,6 +49,7 @@ class StepBatch(NamedTuple):
     engram_rows: tuple  # V4.1: per Engram layer, looked-up table rows [r, t, n_lookups, head_dim]
     caps: Int[Array, " r"]  # verify rows: the most drafts the row may verify
     budget: Int[Array, ""]  # verify buckets: drafts verified over all rows, split by prefix survival
+    bitmask: Int[Array, "r v words"]  # per verify position the allowed tokens, packed (-1: all; constraints)
 
 
 # What a token of a row is, for the penalty statistics: prompt tokens join the prompt mask, replayed
@@ -71,9 +77,10 @@ class StepOutput(NamedTuple):
     next_confidence: Float[Array, "r k"]
 
 
-def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=()) -> StepBatch:
+def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=(), verify_len: int = 1) -> StepBatch:
     """An all-padding batch of `rows` rows of `tokens` tokens (used to compile ahead of time and to fill unused
-    rows); `engram_shapes` gives (n_lookups, head_dim) per Engram layer."""
+    rows); `engram_shapes` gives (n_lookups, head_dim) per Engram layer; `verify_len` the bucket's verify
+    positions (the bitmask's second axis; every token allowed)."""
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     return StepBatch(
         tokens=z(rows, tokens), slots=np.full(rows, layout.scratch_slot, np.int32), starts=z(rows),
@@ -81,7 +88,8 @@ def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=()) -
         kinds=z(rows, tokens), block_tables=np.full((rows, layout.pages_per_slot), layout.scratch_page, np.int32),
         sampling=SamplingBatch.from_params([], rows),
         engram_rows=tuple(np.zeros((rows, tokens, *shape), np.float32) for shape in engram_shapes),
-        caps=z(rows), budget=np.zeros((), np.int32))
+        caps=z(rows), budget=np.zeros((), np.int32),
+        bitmask=np.full((rows, verify_len, bitmask_width(layout.vocab_size)), ALL_ALLOWED, np.int32))
 
 
 class DrafterSpec(NamedTuple):
@@ -136,6 +144,7 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
         # the verify positions: the last drafted + 1 real ones (a prefill or decode row: its last)
         at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
         picked = jnp.take_along_axis(logits, at[:, :, None], axis=1)  # [r, v, vocab]
+        picked = apply_token_bitmask(picked, batch.bitmask)  # constrained rows: refused tokens -inf
         cache, processed = _processed(cache, batch, slots, tokens, kinds, counts, at, picked)
         emitted, accepted, accept_prob = _decide(cache, batch, slots, starts, tokens, drafted, at, processed)
 

@@ -1,0 +1,150 @@
+"""Structured outputs through the engine: the bundled model's constrained outputs, sampled or greedy, with
+speculation off and on, are checked by independent parsers (`jsonschema`, Python `re`); a constrained row
+leaves its unconstrained neighbours' tokens as they are alone; an invalid constraint fails only its own
+request; `jaxseek generate`'s JSONL bodies carry constraints; a tiny random model with a character tokenizer
+runs the zero-overhead path (constrained requests read their tokens before the next step) under DSpark."""
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from model.api import init_model
+from model.dspark import init_drafter
+from serving.batch import read_jsonl, resolve_params, submit
+from serving.constraints import ConstraintSpec
+from serving.engine import Engine
+from serving.sampling import SamplingParams
+from tests.test_dspark import CONFIG, TARGET
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
+SHORT = ["tool_call", "matrix", "string_lengths", "const", "pattern_phone", "exact_items"]  # bounded outputs
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from model import load_model
+
+    return load_model()
+
+
+def engine_for(model, speculation):
+    engine = Engine(model, max_slots=4, max_len=160, prefill_chunk=32, max_prefill_rows=1, batch_invariant=True,
+                    speculation=speculation, num_drafts=3 if speculation != "none" else None,
+                    detokenize=model.tokenizer.decode)
+    engine.warmup()
+    return engine
+
+
+@pytest.fixture(scope="module", params=["none", "fixed"])
+def engine(bundled, request):
+    return engine_for(bundled, request.param)
+
+
+def prompt(model, text="ROMEO.\n"):
+    return model.tokenizer.encode(text)
+
+
+def run(engine, requests):
+    """Add (prompt, params, constraint) triples; results in order."""
+    ids = [engine.add_request(p, q, constraint=c) for p, q, c in requests]
+    results = engine.run()
+    return [results[i] for i in ids]
+
+
+def test_json_schema_outputs_validate(engine, bundled):
+    sampled = [(prompt(bundled), SamplingParams(temperature=1.0, max_tokens=120, seed=s),
+                ConstraintSpec.json_schema(SCHEMAS[name])) for s, name in enumerate(SHORT)]
+    for name, out in zip(SHORT, run(engine, sampled)):
+        assert out.finish_reason == "stop", (name, out.text)
+        jsonschema.validate(json.loads(out.text), SCHEMAS[name])
+
+
+def test_regex_and_choice_outputs(engine, bundled):
+    greedy = SamplingParams(temperature=0.0, max_tokens=60)
+    patterns = [r"(yes|no), because [a-z ]{3,20}\.", r"[A-Z][a-z]{2,8} [0-9]{1,3}", r"\d{4}-\d{2}-\d{2}"]
+    choices = ["Romeo", "Juliet", "Mercutio and Tybalt"]
+    requests = [(prompt(bundled), greedy, ConstraintSpec.regex(p)) for p in patterns]
+    requests.append((prompt(bundled), SamplingParams(temperature=1.0, seed=1), ConstraintSpec.choice(choices)))
+    outputs = run(engine, requests)
+    for pattern, out in zip(patterns, outputs):
+        assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), (pattern, out.text)
+    assert outputs[-1].text in choices and outputs[-1].finish_reason == "stop"
+
+
+def test_unconstrained_rows_are_unchanged_and_bad_constraints_refused(engine, bundled):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    free = prompt(bundled, "JULIET.\nO Romeo, Romeo")
+    alone = run(engine, [(free, params, None)])[0]
+    for bad, message in [(ConstraintSpec.regex("(unclosed"), "invalid regex"),
+                         (ConstraintSpec.json_schema({"type": "object", "properties": {"a": {"type": "nope"}}}),
+                          "invalid JSON Schema")]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(free, params, constraint=bad)
+    constrained = (prompt(bundled), SamplingParams(temperature=0.0, max_tokens=60),
+                   ConstraintSpec.json_schema(SCHEMAS["tool_call"]))
+    together = run(engine, [constrained, (free, params, None), constrained])
+    assert together[1].token_ids == alone.token_ids and together[1].finish_reason == "length"
+    jsonschema.validate(json.loads(together[0].text), SCHEMAS["tool_call"])
+    assert len(engine.scheduler.pages.free) == engine.layout.num_pages
+
+
+def test_generate_reads_constraints_from_jsonl_bodies(engine, bundled, tmp_path):
+    schema = SCHEMAS["tool_call"]
+    lines = [{"url": "/v1/completions", "body": {"prompt": "ROMEO.\n", "max_tokens": 80, "response_format": {
+                 "type": "json_schema", "json_schema": {"name": "call", "schema": schema}}}},
+             {"url": "/v1/completions", "body": {"prompt": "ROMEO.\n", "structured_outputs": {"regex": "(Ay|Nay)!"}}},
+             {"url": "/v1/completions", "body": {"prompt": "ROMEO.\n", "structured_outputs": {"regex": "(a"}}},
+             {"url": "/v1/completions", "body": {"prompt": "ROMEO.\n", "structured_outputs": {"choice": "no list"}}}]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": f"r{i}", **line}) + "\n" for i, line in enumerate(lines)))
+    requests = read_jsonl(path)
+    resolve_params(requests, {"temperature": 0.0}, seed=0)
+    for r in requests:
+        if r.error is None:
+            r.prompt_ids = bundled.tokenizer.encode(r.prompt)
+    assert "choice must be a non-empty list" in requests[3].error
+    submit(engine, requests)
+    assert "invalid regex" in requests[2].error
+    assert requests[0].error is None and requests[1].error is None
+    results = engine.run()
+    jsonschema.validate(json.loads(results["0"].text), schema)
+    assert results["1"].text in ("Ay!", "Nay!")
+
+
+# ---- zero-overhead scheduling with speculation: a tiny random model and a character tokenizer -----------------
+CHARS = "<>" + "0123456789abcdefghijklmnopqrstuvwxyz ,.:;-+*/()[]{}\"'!?=_#@$%"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    assert len(CHARS) <= TARGET.vocab_size
+    chars = Tokenizer(models.BPE({c.replace(" ", "\u0120"): i for i, c in enumerate(CHARS)}, [], unk_token="<"))
+    chars.decoder, chars.pre_tokenizer = decoders.ByteLevel(), pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model = init_model(TARGET, seed=0)
+    model.drafter = init_drafter(TARGET, CONFIG, seed=1)
+    model.tokenizer = type("Chars", (), {"tokenizer": chars})()  # what `grammar_tokenizer` reads
+    return model
+
+
+def test_zero_overhead_speculative_outputs_match_the_regex(tiny):
+    eos = TARGET.eos_token_id
+    assert CHARS[eos] in "<>"  # a special character that no pattern uses
+    engine = Engine(tiny, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
+                    batch_invariant=True, speculation="dspark", verify_widths=(2, 4), num_drafts=3)
+    assert engine.zero_overhead
+    rng = np.random.default_rng(0)
+    patterns = [r"[a-c]{3,6}(,[0-9]{1,3}){2}\.", r"\((x|y|z){1,5}\)", r"[0-9]{2}:[0-9]{2}"]
+    requests = [(rng.integers(0, TARGET.vocab_size, 7).tolist(), SamplingParams(temperature=t, max_tokens=40, seed=s),
+                 ConstraintSpec.regex(p)) for s, (p, t) in enumerate(zip(patterns * 2, [0.0] * 3 + [1.0] * 3))]
+    free = (requests[0][0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), None)
+    outputs = run(engine, requests + [free])
+    for (_, _, spec), out in zip(requests, outputs):
+        text = "".join(CHARS[t] for t in out.token_ids if t != eos)
+        assert out.finish_reason == "stop" and re.fullmatch(spec.source, text), (spec.source, text)
+    assert outputs[-1].token_ids == run(engine, [free])[0].token_ids
+    assert engine.speculation_metrics()["verified_per_step"] > 0
