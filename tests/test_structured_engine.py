@@ -69,11 +69,18 @@ def test_regex_and_choice_outputs(engine, bundled):
     patterns = [r"(yes|no), because [a-z ]{3,20}\.", r"[A-Z][a-z]{2,8} [0-9]{1,3}", r"\d{4}-\d{2}-\d{2}"]
     choices = ["Romeo", "Juliet", "Mercutio and Tybalt"]
     requests = [(prompt(bundled), greedy, ConstraintSpec.regex(p)) for p in patterns]
-    requests.append((prompt(bundled), SamplingParams(temperature=1.0, seed=1), ConstraintSpec.choice(choices)))
+    requests.append((prompt(bundled), SamplingParams(temperature=1.0, seed=1, logprobs=5),
+                     ConstraintSpec.choice(choices)))
     outputs = run(engine, requests)
     for pattern, out in zip(patterns, outputs):
         assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), (pattern, out.text)
-    assert outputs[-1].text in choices and outputs[-1].finish_reason == "stop"
+    chosen = outputs[-1]
+    assert chosen.text in choices and chosen.finish_reason == "stop"
+    # logprobs are of the masked distribution: the first token's alternatives all start some choice
+    first = chosen.logprobs[0]
+    assert first.top and all(any(c.startswith(bundled.tokenizer.decode([t])) for c in choices) for t, _ in first.top)
+    assert all(np.isfinite(lp.logprob) for lp in chosen.logprobs)
+    assert np.exp([v for _, v in first.top]).sum() <= 1 + 1e-5
 
 
 def test_unconstrained_rows_are_unchanged_and_bad_constraints_refused(engine, bundled):
