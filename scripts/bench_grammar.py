@@ -26,7 +26,7 @@ next. The engine fills a constrained batch's masks after reading the previous st
 before it), so this host time adds to the step.
 
 `--engine` measures it end to end: the bundled model's engine at batch 16 (`--speculation`) runs `--requests`
-JSON-Schema requests (sampled, the schemas round robin, `--engine-tokens` at most each), timing the engine's own
+JSON-Schema requests (sampled, the schemas round robin, `--engine-tokens` at most each; a first round of both runs warms up), timing the engine's own
 mask work per step (filling the step's masks, advancing the matchers over the tokens read): `engine_mask_ms_*`
 and `engine_mask_fraction` of the mean step time. Then the same prompts run unconstrained, each with
 max_tokens = its constrained output's length and EOS ignored (the same tokens per request, so the same batches):
@@ -217,11 +217,13 @@ def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, specula
 
     specs = [ConstraintSpec.json_schema(schemas[i % len(schemas)]) for i in range(requests)]
     sampled = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i) for i in range(requests)]
-    spent.clear()
-    outputs, constrained_s, steps = run(sampled, specs)
-    mask_s = sum(spent)
+    outputs, _, _ = run(sampled, specs)  # warm-up round: every schema compiled, every code path run once
     same = [SamplingParams(temperature=1.0, max_tokens=len(o.token_ids), seed=i, ignore_eos=True)
             for i, o in enumerate(outputs)]
+    run(same, [None] * requests)
+    spent.clear()
+    _, constrained_s, steps = run(sampled, specs)
+    mask_s = sum(spent)
     _, free_s, free_steps = run(same, [None] * requests)
     return {"engine_speculation": speculation, "engine_requests": requests,
             "engine_tokens": sum(len(o.token_ids) for o in outputs), "engine_steps": steps,
