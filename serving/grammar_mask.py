@@ -240,7 +240,7 @@ def speculate_masks(grammars: Sequence[RequestGrammar | None], drafts: Sequence[
         raise ValueError(f"{len(grammars)} grammars but {len(drafts)} draft lists")
     rows, verify, words = masks.shape
     masks[len(grammars):] = ALL_ALLOWED
-    allowed, parallel = [], []
+    allowed, parallel, undrafted = [], [], []
     for i, (g, d) in enumerate(zip(grammars, drafts)):
         if len(d) + 1 > verify:
             raise ValueError(f"row {i}: {len(d)} drafts need {len(d) + 1} mask rows, got {verify}")
@@ -249,24 +249,29 @@ def speculate_masks(grammars: Sequence[RequestGrammar | None], drafts: Sequence[
             allowed.append(len(d))
         elif g.active and not g.finished:
             g._check_settled()
-            parallel.append((g.matcher, i * verify, [int(t) for t in d]))
+            if len(d):
+                parallel.append((g.matcher, i * verify, [int(t) for t in d]))
+            else:  # llguidance's draft fill takes no empty draft list: a plain fill of the row's first mask
+                undrafted.append((g.matcher, i * verify))
             allowed.append(-1)  # taken below, after the parallel fill
         else:
             allowed.append(g.speculate(d, masks[i]))
+    flat = masks.reshape(rows * verify, words)
     if parallel:
-        flat = masks.reshape(rows * verify, words)
         executor.unsafe_compute_mask_ptr_with_draft_token(parallel, flat.ctypes.data, flat[0].nbytes, rows * verify)
-        for _, at, d in parallel:
-            i = at // verify
-            g = grammars[i]
-            g._taken = g._take_active(d)
-            n = len(g._taken)
-            if g.ended:  # the last draft taken is an EOS: only EOS follows
-                _only(g.eos_ids, masks[i, n])
-            for j in range(n + 1):
-                g._check_filled(masks[i, j])
-            masks[i, n + 1:] = masks[i, n]
-            allowed[i] = n
+    if undrafted:
+        executor.unsafe_compute_mask_ptr(undrafted, flat.ctypes.data, flat[0].nbytes, rows * verify)
+    for at, d in [(at, d) for _, at, d in parallel] + [(at, []) for _, at in undrafted]:
+        i = at // verify
+        g = grammars[i]
+        g._taken = g._take_active(d)
+        n = len(g._taken)
+        if g.ended:  # the last draft taken is an EOS: only EOS follows
+            _only(g.eos_ids, masks[i, n])
+        for j in range(n + 1):
+            g._check_filled(masks[i, j])
+        masks[i, n + 1:] = masks[i, n]
+        allowed[i] = n
     return allowed
 
 

@@ -18,6 +18,7 @@ from model.dspark import init_drafter
 from serving.batch import read_jsonl, resolve_params, submit
 from serving.constraints import ConstraintSpec
 from serving.engine import Engine
+from serving.grammar_mask import RequestGrammar, fill_masks, speculate_masks
 from serving.sampling import SamplingParams
 from tests.test_dspark import CONFIG, TARGET
 
@@ -155,3 +156,20 @@ def test_zero_overhead_speculative_outputs_match_the_regex(tiny):
         assert out.finish_reason == "stop" and re.fullmatch(spec.source, text), (spec.source, text)
     assert outputs[-1].token_ids == run(engine, [free])[0].token_ids
     assert engine.speculation_metrics()["verified_per_step"] > 0
+
+
+def test_a_verify_row_without_drafts_gets_its_plain_mask(bundled):
+    """A constrained verify row may have no drafts (its cap is 0 at its last token): its mask is the decode
+    mask, whatever the other rows draft."""
+    engine = Engine(bundled, max_slots=2, max_len=64)
+    compiled = engine._constraints().compile(ConstraintSpec.json_schema(SCHEMAS["tool_call"]))
+    prefix = bundled.tokenizer.encode('{"name":"search","arguments":{"city":"')
+    grammars = [RequestGrammar(compiled), RequestGrammar(compiled)]
+    assert all(g.accept(prefix) for g in grammars)
+    expected = np.empty((1, grammars[0].words), np.int32)
+    fill_masks(grammars[:1], expected, engine._executor)
+    masks = np.zeros((2, 4, grammars[0].words), np.int32)
+    assert speculate_masks(grammars, [[], bundled.tokenizer.encode("Ve")], masks, engine._executor)[0] == 0
+    np.testing.assert_array_equal(masks[0], np.repeat(expected, 4, axis=0))
+    grammars[0].settle(0)
+    assert grammars[0].accept(bundled.tokenizer.encode("V"))
