@@ -142,23 +142,39 @@ class DraftOutput(NamedTuple):
     state: list
 
 
+def draft_noise(
+    seeds: UInt32[Array, "r 2"], positions: Int[Array, "r g"], temperature: Float[Array, " r"], vocab: int
+) -> Float[Array, "r g V"]:
+    """The Gumbel noise of every draft position, from `request_key(seed, position, PURPOSE_DRAFT)`, generated in
+    one batched call; zeros when every row is greedy (a batch-level `cond` that changes no row's draft)."""
+
+    def noise():
+        one = lambda seed, pos: jax.random.gumbel(request_key(seed, pos, PURPOSE_DRAFT), (vocab,), jnp.float32)  # noqa: E731
+        return jax.vmap(jax.vmap(one, in_axes=(None, 0)))(seeds, positions)
+
+    return jax.lax.cond(jnp.any(temperature >= GREEDY_BELOW), noise,
+                        lambda: jnp.zeros((*positions.shape, vocab), jnp.float32))
+
+
 def draw_draft(
     logits: Float[Array, "r V"], seeds: UInt32[Array, "r 2"], positions: Int[Array, " r"],
-    temperature: Float[Array, " r"],
+    temperature: Float[Array, " r"], gumbel: Float[Array, "r V"] | None = None,
 ) -> tuple[Int[Array, " r"], Float[Array, "r V"]]:
     """(token, the distribution it was drawn from) per row: softmax(logits / T) by the Gumbel-max trick with
-    noise from `request_key(seed, position, PURPOSE_DRAFT)`; greedy rows (T < 1e-5) take the argmax, one-hot."""
+    noise from `request_key(seed, position, PURPOSE_DRAFT)` (or the same noise precomputed by `draft_noise`);
+    greedy rows (T < 1e-5) take the argmax, one-hot."""
+    if gumbel is None:
+        gumbel = draft_noise(seeds, positions[:, None], temperature, logits.shape[-1])[:, 0]
 
-    def row(logits, seed, position, temp):
+    def row(logits, temp, noise):
         greedy = temp < GREEDY_BELOW
         scaled = logits / jnp.where(greedy, 1.0, temp)
-        gumbel = jax.random.gumbel(request_key(seed, position, PURPOSE_DRAFT), logits.shape, jnp.float32)
-        token = jnp.argmax(jnp.where(greedy, logits, scaled + gumbel)).astype(jnp.int32)
+        token = jnp.argmax(jnp.where(greedy, logits, scaled + noise)).astype(jnp.int32)
         probs = jnp.where(greedy, jax.nn.one_hot(token, logits.shape[-1], dtype=jnp.float32),
                           jax.nn.softmax(scaled))
         return token, probs
 
-    return jax.vmap(row)(logits.astype(jnp.float32), seeds, positions, temperature)
+    return jax.vmap(row)(logits.astype(jnp.float32), temperature, gumbel)
 
 
 class DraftAttention(LatentAttention):
@@ -299,11 +315,13 @@ class DSparkDrafter(nnx.Module):
     ) -> tuple[Int[Array, "n g"], Float[Array, "n g V"], Float[Array, "n g"]]:
         """The sequential stage: left to right, logits + Markov bias of the previous token, drawn by
         `draw_draft`; returns (tokens, their distributions, raw confidence logits)."""
+        g = base_logits.shape[1]
+        noise = draft_noise(seeds, anchor_pos[:, None] + 1 + jnp.arange(g), temperature, base_logits.shape[-1])
         previous, tokens, probs, conf = anchor, [], [], []
-        for k in range(base_logits.shape[1]):
+        for k in range(g):
             bias, e = self.markov_head(previous)
             conf.append(self.confidence_head(h[:, k], e))
-            previous, p = draw_draft(base_logits[:, k] + bias, seeds, anchor_pos + 1 + k, temperature)
+            previous, p = draw_draft(base_logits[:, k] + bias, seeds, anchor_pos + 1 + k, temperature, noise[:, k])
             tokens.append(previous)
             probs.append(p)
         return jnp.stack(tokens, 1), jnp.stack(probs, 1), jnp.stack(conf, 1)

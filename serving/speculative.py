@@ -36,11 +36,6 @@ class Verdict(NamedTuple):
     accept_prob: Float[Array, "r g"]
 
 
-def _draw(probs: Float[Array, " V"], key) -> Int[Array, ""]:
-    """A sample of a categorical distribution by the Gumbel-max trick (zero-probability tokens never win)."""
-    return jnp.argmax(jnp.log(probs) + jax.random.gumbel(key, probs.shape, jnp.float32))
-
-
 def _verify_row(logits, drafts, draft_probs, num_drafts, greedy, seed, positions, sampling: bool):
     """One row; `sampling` (static) is False when every row of the batch is greedy: then no noise is drawn."""
     v = logits.shape[0]
@@ -60,10 +55,12 @@ def _verify_row(logits, drafts, draft_probs, num_drafts, greedy, seed, positions
         rejected = accepted < num_drafts
         residual = jnp.maximum(target[accepted] - jnp.where(rejected, draft_probs[jnp.minimum(accepted, v - 2)], 0), 0)
         residual = jnp.where(jnp.sum(residual) > 0, residual, target[accepted])
-        # the bonus token is drawn exactly as the plain sampler draws (`serving.sampling.draw_tokens`)
-        gumbel = jax.random.gumbel(request_key(seed, positions[accepted], PURPOSE_SAMPLE), logits.shape[1:])
-        sampled = jnp.where(rejected, _draw(residual, request_key(seed, positions[accepted], PURPOSE_RESIDUAL)),
-                            jnp.argmax(logits[accepted] + gumbel))
+        # one Gumbel-max draw: from the residual (keyed PURPOSE_RESIDUAL) or, for the bonus token, from the
+        # target exactly as the plain sampler draws (`serving.sampling.draw_tokens`, keyed PURPOSE_SAMPLE)
+        key = jnp.where(rejected, *(jax.random.key_data(request_key(seed, positions[accepted], purpose))
+                                    for purpose in (PURPOSE_RESIDUAL, PURPOSE_SAMPLE)))
+        gumbel = jax.random.gumbel(jax.random.wrap_key_data(key, impl="threefry2x32"), logits.shape[1:])
+        sampled = jnp.argmax(jnp.where(rejected, jnp.log(residual), logits[accepted]) + gumbel)
         final = jnp.where(greedy, jnp.argmax(logits[accepted]), sampled).astype(jnp.int32)
         overlap = jnp.sum(jnp.minimum(target[:-1], draft_probs), axis=-1)
         accept_prob = jnp.where(greedy, is_argmax.astype(jnp.float32), overlap)
