@@ -237,6 +237,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-len", type=_int_at_least(1), default=1024, help="tokens per request (default 1024)")
     e.add_argument("--prefill-chunk", type=_int_at_least(1), default=64, help="prompt tokens per prefill row")
     e.add_argument("--batch-invariant", action="store_true", help="tokens never depend on what else runs")
+    e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
+                   help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
+                   "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
+    e.add_argument("--num-drafts", type=_int_at_least(1), help="drafts per step at most (default: the "
+                   "drafter's block size)")
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets when first used")
     e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
                    metavar="DIR", help="compiled steps kept on disk ('off' disables)")
