@@ -11,10 +11,22 @@ import queue
 import threading
 from collections.abc import Sequence
 
+from serving.constraints import ConstraintSpec
 from serving.request import RequestOutput, TokenLogprob
 from serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    """One choice to run: its prompt, sampling parameters and output constraint (None: free text), which starts
+    after the token `trigger` when one is given (a reasoning block's end)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    constraint: ConstraintSpec | None = None
+    trigger: int | None = None
 
 
 @dataclasses.dataclass
@@ -67,11 +79,12 @@ class _Tracked:
 class EngineLoop:
     """Owns an `Engine` on one daemon thread (the engine is not thread-safe: only this thread touches it).
 
-    `submit` queues a group of requests (the choices of one HTTP request) and returns a future of their ids,
-    or of the `ValueError` that refused one of them (then none of the group runs). After each engine step the
-    thread sends every tracked request's new tokens (`Delta`, several per step once the engine decodes
-    speculatively) and its result (`Done`) to the request's `Sink`. `observe` (optional) is called after each
-    step with the engine and the finished outputs, on the engine thread (metrics).
+    `submit` queues a group of `Submission`s (the choices of one HTTP request) and returns a future of their
+    ids, or of the `ValueError` that refused one of them (then none of the group runs; an invalid constraint is
+    refused here, when the engine compiles it). After each engine step the thread sends every tracked request's
+    new tokens (`Delta`, several per step once the engine decodes speculatively) and its result (`Done`) to the
+    request's `Sink`. `observe` (optional) is called after each step with the engine and the finished outputs,
+    on the engine thread (metrics).
     """
 
     def __init__(self, engine, observe=None):
@@ -92,7 +105,7 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def submit(self, requests: Sequence[tuple[list[int], SamplingParams]], sink: Sink) -> concurrent.futures.Future:
+    def submit(self, requests: Sequence[Submission], sink: Sink) -> concurrent.futures.Future:
         future = concurrent.futures.Future()
         if not self.alive:
             future.set_exception(RuntimeError(f"the engine is not running: {self.error or 'stopped'}"))
@@ -144,8 +157,10 @@ class EngineLoop:
         _, requests, sink, future = command
         added = []
         try:
-            for index, (prompt, params) in enumerate(requests):
-                request_id = self.engine.add_request(prompt, params)
+            for index, s in enumerate(requests):
+                constrained = {} if s.constraint is None else {"constraint": s.constraint,
+                                                                "constraint_trigger": s.trigger}
+                request_id = self.engine.add_request(s.prompt, s.params, **constrained)
                 added.append(request_id)
                 self.tracked[request_id] = _Tracked(sink, index)
         except ValueError as e:

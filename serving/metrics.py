@@ -1,5 +1,6 @@
-"""Prometheus metrics of the server: request latencies (TTFT, TPOT, E2E), queue depths, KV-page usage and
-token counts, in a registry of their own (so several servers can live in one process)."""
+"""Prometheus metrics of the server: request latencies (TTFT, TPOT, E2E), queue depths, KV-page usage, token
+counts and, under speculative decoding, drafts verified and accepted (per block position), in a registry of
+their own (so several servers can live in one process)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, num_drafts: int = 0):
+        """`num_drafts`: the engine's most drafts per step (0: no speculation, no spec-decode series)."""
+        if num_drafts < 0:
+            raise ValueError(f"num_drafts must be >= 0, got {num_drafts}")
         self.registry = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": self.registry}
         self.ttft = Histogram("jaxseek:time_to_first_token_seconds", "Time from arrival to the first token.",
@@ -40,12 +44,51 @@ class ServerMetrics:
         self.rejected = Counter("jaxseek:request_rejected", "Requests answered with a 4xx status, by status.",
                                 ["model_name", "status"], registry=self.registry)
         self.model_name = model_name
+        self.num_drafts = num_drafts
+        if num_drafts:
+            self._spec_series(label)
+        self._seen = {"decode_rows": 0, "verified": 0, "accepted": 0, "accepted_at": [0] * num_drafts}
+
+    def _spec_series(self, label: dict) -> None:
+        name = self.model_name
+        self.spec_steps = Counter("jaxseek:spec_decode_num_drafts", "Decode / verify rows run (one per request "
+                                  "per step).", **label).labels(name)
+        self.spec_verified = Counter("jaxseek:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                     **label).labels(name)
+        self.spec_accepted = Counter("jaxseek:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                     **label).labels(name)
+        per_pos = Counter("jaxseek:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position "
+                          "in the drafted block (0: the first draft).", ["model_name", "position"],
+                          registry=self.registry)
+        self.spec_accepted_at = [per_pos.labels(name, str(i)) for i in range(self.num_drafts)]
+        self.spec_tokens_per_step = Gauge("jaxseek:spec_decode_tokens_per_step", "Tokens emitted per decode / "
+                                          "verify row since start (1 + accepted drafts).", **label).labels(name)
+        self.spec_acceptance = Gauge("jaxseek:spec_decode_acceptance_rate", "Accepted / verified draft tokens "
+                                     "since start.", **label).labels(name)
 
     def observe_engine(self, running: int, waiting: int, pages_used: int, pages_total: int) -> None:
         """Queue depths and KV usage after an engine step."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(pages_used / max(pages_total, 1))
+
+    def observe_speculation(self, stats: dict) -> None:
+        """The engine's cumulative speculation counts (`Engine.stats`: decode_rows, verified, accepted,
+        accepted_at) after a step; counters advance by what changed since the last call."""
+        if not self.num_drafts:
+            return
+        seen = self._seen
+        for key, counter in (("decode_rows", self.spec_steps), ("verified", self.spec_verified),
+                             ("accepted", self.spec_accepted)):
+            counter.inc(int(stats[key]) - seen[key])
+            seen[key] = int(stats[key])
+        for i, counter in enumerate(self.spec_accepted_at):
+            now = int(stats["accepted_at"][i])
+            counter.inc(now - seen["accepted_at"][i])
+            seen["accepted_at"][i] = now
+        rows = max(seen["decode_rows"], 1)
+        self.spec_tokens_per_step.set((seen["accepted"] + seen["decode_rows"]) / rows)
+        self.spec_acceptance.set(seen["accepted"] / max(seen["verified"], 1))
 
     def observe_finished(self, output) -> None:
         """A finished request's latencies and tokens (a `serving.request.RequestOutput`)."""

@@ -5,6 +5,10 @@ Streaming is server-sent events with hand-written `data:` lines, ending in `data
 detokenised incrementally and never ends in half a character or in what may be the start of a stop string. A
 client that disconnects has its requests cancelled. Every bad request gets a 4xx with an OpenAI-style error
 body `{"error": {"message", "type", "param", "code"}}`.
+
+Structured outputs: `response_format` (`json_schema`, `json_object`) or vLLM's `structured_outputs` (`json`,
+`regex`, `choice`, `grammar`, `json_object`) constrain a request's output; the engine compiles the constraint,
+and an invalid one is that request's 400. In thinking mode the constraint starts after the end of the reasoning.
 """
 
 from __future__ import annotations
@@ -25,19 +29,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.chat_format import Reply, format_for, normalize_messages, normalize_tools
+from serving.constraints import CONSTRAINT_FIELDS, ConstraintSpec, constraint_from_body
 from serving.detokenize import ChoiceStream, markup_decoder
 from serving.disagg import DisaggregatedEngine
 from serving.engine import Engine
-from serving.engine_loop import Delta, Done, EngineLoop, Failed, Sink
+from serving.engine_loop import Delta, Done, EngineLoop, Failed, Sink, Submission
 from serving.metrics import ServerMetrics
 from serving.sampling import SEED_LIMIT, SamplingParams, sampling_fields
 from serving.tokenizer import tokenizer_for
 
-COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "user"})
+COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "user"}) | CONSTRAINT_FIELDS
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                               "thinking", "reasoning_effort", "response_format"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "response_format"}
-STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                               "thinking", "reasoning_effort"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older names
 MAX_CHOICES = 16
 
 
@@ -88,11 +93,11 @@ class Server:
         self.fmt = format_for(self.tokenizer, config.chat_format, config.checkpoint)
         cfg = model.config
         self.decode = markup_decoder(self.tokenizer, (cfg.eos_token_id, getattr(cfg, "bos_token_id", None)))
-        self.engine = Engine(model, detokenize=self.decode, **engine_args)
+        self.engine = self.decode_engine = Engine(model, detokenize=self.decode, **engine_args)
         if config.disaggregate:
             self.engine = DisaggregatedEngine(self.engine, config.checkpoint, engine_args,
                                               jax.config.jax_compilation_cache_dir)
-        self.metrics = ServerMetrics(config.model_name)
+        self.metrics = ServerMetrics(config.model_name, self.decode_engine.num_drafts)
         self.loop = EngineLoop(self.engine, self._observe)
         self.in_flight, self.max_concurrency = 0, config.max_concurrency
         self.state = {"running": 0, "waiting": 0, "free_pages": self.engine.layout.num_pages,
@@ -113,6 +118,7 @@ class Server:
         free, total = len(s.pages.free), engine.layout.num_pages
         self.state = {"running": len(s.running), "waiting": len(s.waiting), "free_pages": free, "total_pages": total}
         self.metrics.observe_engine(len(s.running), len(s.waiting), total - free, total)
+        self.metrics.observe_speculation(self.decode_engine.stats)
         for output in finished:
             self.metrics.observe_finished(output)
 
@@ -192,13 +198,11 @@ class Server:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-        structured = [f for f in STRUCTURED_FIELDS if f in body]
-        rf = body.get("response_format")
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            structured.append("response_format")
-        if structured:
-            raise ApiError(400, f"structured outputs ({', '.join(structured)}) are not available on this server "
-                                "yet", param=structured[0])
+        guided = [f for f in GUIDED_FIELDS if f in body]
+        if guided:
+            raise ApiError(400, f"{guided[0]} is vLLM's older spelling; send structured_outputs "
+                                "({\"json\" | \"regex\" | \"choice\" | \"grammar\": ...}) or response_format",
+                           param=guided[0])
         unknown = sorted(set(body) - allowed - sampling_fields())
         if unknown:
             raise ApiError(400, f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
@@ -216,6 +220,27 @@ class Server:
         if options is not None and not body.get("stream"):
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         return body
+
+    def _constraint(self, body: dict, thinking: bool = False) -> tuple[ConstraintSpec | None, int | None]:
+        """The body's output constraint, and the token it starts after (a thinking-mode chat's end of
+        reasoning) or None. The engine compiles it when the request is submitted."""
+        param = "response_format" if body.get("response_format") is not None else "structured_outputs"
+        try:
+            spec = constraint_from_body(body)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=param) from None
+        if spec is None:
+            return None, None
+        if self.config.disaggregate:
+            raise ApiError(400, "structured outputs are not available on a disaggregated (--disaggregate) server",
+                           param=param)
+        if not thinking or self.fmt.reasoning_end is None:
+            return spec, None
+        end = self.tokenizer.encode(self.fmt.reasoning_end)
+        if len(end) != 1:
+            raise ApiError(400, f"structured outputs in thinking mode need {self.fmt.reasoning_end!r} to be one "
+                                f"token of this tokenizer (it is {len(end)}); disable thinking", param=param)
+        return spec, end[0]
 
     def _params(self, body: dict, prompt_tokens: int) -> tuple[list[SamplingParams], int]:
         """The sampling parameters of each of the body's `n` choices, and n."""
@@ -238,7 +263,7 @@ class Server:
         return [dataclasses.replace(params, seed=s) for s in seeds], n
 
     # ---- running ------------------------------------------------------------------------------------------
-    async def _submit(self, requests: list[tuple[list[int], SamplingParams]]) -> tuple[Sink, list[str]]:
+    async def _submit(self, requests: list[Submission]) -> tuple[Sink, list[str]]:
         if self.in_flight >= self.max_concurrency:
             raise ApiError(429, f"the server is at its limit of {self.max_concurrency} requests in flight; "
                                 "retry later")
@@ -355,10 +380,11 @@ class Server:
         if body.get("echo"):
             raise ApiError(400, "echo is not supported", param="echo")
         prompts = self._prompts(body.get("prompt"))
+        constraint, _ = self._constraint(body)
         subs, n = [], 1
         for ids in prompts:
             params, n = self._params(body, len(ids))
-            subs += [(ids, p) for p in params]
+            subs += [Submission(ids, p, constraint) for p in params]
         sink, ids = await self._submit(subs)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name
         usage_prompt = sum(len(p) for p in prompts)
@@ -375,7 +401,7 @@ class Server:
             return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
                     "usage": usage(outputs)}
 
-        streams = [ChoiceStream(self.decode, s[1].stop) for s in subs]
+        streams = [ChoiceStream(self.decode, s.params.stop) for s in subs]
         include_usage = (body.get("stream_options") or {}).get("include_usage", False)
         done: list = [None] * len(subs)
 
@@ -389,7 +415,8 @@ class Server:
                          "usage": usage(done)}] if include_usage else []
             if isinstance(event, Delta):
                 text = "".join(t for _, t in streams[event.index].push(event.token_ids))
-                lps = self._completion_logprobs(event.logprobs) if subs[event.index][1].logprobs is not None else None
+                wants = subs[event.index].params.logprobs is not None
+                lps = self._completion_logprobs(event.logprobs) if wants else None
                 return [chunk(event.index, text, logprobs=lps)] if text or lps else []
             done[event.index] = event.output
             text = "".join(t for _, t in streams[event.index].finish(event.output.text))
@@ -416,8 +443,8 @@ class Server:
             raise ApiError(400, "reasoning_effort must be low, medium, high or max", param="reasoning_effort")
         choice = body.get("tool_choice", "auto")
         if choice not in ("auto", "none", None):
-            raise ApiError(400, "tool_choice must be 'auto' or 'none': forcing a tool call needs structured "
-                                "outputs, which are not available on this server yet", param="tool_choice")
+            raise ApiError(400, "tool_choice must be 'auto' or 'none': forcing a tool call is not supported",
+                           param="tool_choice")
         try:
             tools = normalize_tools(body.get("tools"))
         except ValueError as e:
@@ -431,8 +458,9 @@ class Server:
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         prompt_ids = self.tokenizer.encode(prompt)
+        constraint, trigger = self._constraint(body, thinking)
         params, n = self._params(body, len(prompt_ids))
-        sink, ids = await self._submit([(prompt_ids, p) for p in params])
+        sink, ids = await self._submit([Submission(prompt_ids, p, constraint, trigger) for p in params])
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name
 
         def usage(outputs) -> dict:
@@ -581,7 +609,8 @@ def serve(args, model) -> int:
                           max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model,
                           disaggregate=args.disaggregate)
     server = Server(model, config, max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    batch_invariant=args.batch_invariant, num_top_logprobs=args.max_logprobs, seed=args.seed)
+                    batch_invariant=args.batch_invariant, num_top_logprobs=args.max_logprobs, seed=args.seed,
+                    speculation=args.speculation, num_drafts=args.num_drafts)
     if not args.no_warmup:
         server.engine.warmup()
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")

@@ -1,11 +1,16 @@
 """The OpenAI-compatible server against the real `openai` client (and raw httpx for malformed requests), over
-the bundled model on a small engine shared by the module. Greedy text is checked against the model's own
-full-sequence forward (not the engine), streamed text against the non-streamed reply."""
+the bundled model on a small engine shared by the module (and a second one decoding speculatively). Greedy text
+is checked against the model's own full-sequence forward (not the engine), streamed text against the
+non-streamed reply, structured outputs by `jsonschema` and Python `re`."""
 
+import concurrent.futures
 import json
+import re
 import time
+from pathlib import Path
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 
@@ -17,6 +22,7 @@ from serving.server import Server, ServerConfig, serve_in_thread  # noqa: E402
 KEY = "test-key"
 MODEL = "bundled"
 MAX_LEN = 96
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +128,12 @@ def test_n_seed_stop_and_logprobs(served, client):
     ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
     ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens must be an integer"),
     ({"model": MODEL, "prompt": "x" * 400, "max_tokens": 4}, 400, "exceeds the engine's max_len"),
-    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, 400, "structured outputs"),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}, 400,
+     "invalid JSON Schema"),
+    ({"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}}, 400, "'xml' is not supported"),
+    ({"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "exactly one"),
+    ({"model": MODEL, "prompt": "x", "guided_json": {}}, 400, "send structured_outputs"),
     ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "unknown field"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role one of"),
@@ -134,6 +145,50 @@ def test_bad_requests_get_clear_4xx(served, body, status, message):
     r = httpx.post(url, content=data, headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert r.status_code == status, r.text
     assert message in r.json()["error"]["message"]
+
+
+def test_json_schema_response_format_and_structured_outputs(served, client):
+    """A json_schema chat reply parses and validates (streamed too); vLLM-style regex and choice completions
+    match; a constrained reply ends with 'stop' once the constraint is complete."""
+    schema = SCHEMAS["tool_call"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}
+    ask = [{"role": "user", "content": "Call a tool."}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=60, temperature=0, response_format=fmt)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert r.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=60, temperature=0.8, seed=3,
+                                            response_format=fmt, stream=True)
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), schema)
+    # any JSON object: the toy model writes a long key, so only its start shows (free, it writes Shakespeare)
+    obj = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith('{"')
+    pattern = r"[A-Z]{2,5} [0-9]{1,3}"
+    rx = client.completions.create(model=MODEL, prompt="KING:\n", max_tokens=12, temperature=1.0, seed=5,
+                                   extra_body={"structured_outputs": {"regex": pattern}})
+    assert re.fullmatch(pattern, rx.choices[0].text) and rx.choices[0].finish_reason == "stop"
+    pick = client.completions.create(model=MODEL, prompt="Is it so?", max_tokens=8, n=2, temperature=1.0, seed=2,
+                                     extra_body={"structured_outputs": {"choice": ["yes, my lord", "no"]}})
+    assert all(c.text in ("yes, my lord", "no") for c in pick.choices)
+    wait_idle(served[1])
+
+
+def test_invalid_schema_refused_while_a_good_request_completes(served, client):
+    server = served[1]
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "z"}}}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        good = pool.submit(client.completions.create, model=MODEL, prompt="HAMLET:\n", max_tokens=40,
+                           temperature=0, extra_body={"ignore_eos": True})
+        end = time.time() + 20
+        while server.state["running"] == 0 and not good.done() and time.time() < end:
+            time.sleep(0.01)
+        with pytest.raises(openai.BadRequestError, match="invalid JSON Schema") as refused:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                           response_format=bad)
+        r = good.result(timeout=60)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40
+    assert httpx.get(served[2] + "/health").json()["status"] == "ok"
+    wait_idle(server)
 
 
 @pytest.fixture
@@ -193,6 +248,53 @@ def test_concurrency_limit_and_metrics(served, client):
     assert 'jaxseek:request_rejected_total{model_name="bundled",status="429"} 1.0' in text
 
 
+@pytest.fixture(scope="module")
+def speculative(served):
+    """A second server on the same model decoding speculatively (fixed: every one of 3 drafts verified), on the
+    engine tests/test_structured_engine.py runs, so the persistent compile cache serves both modules."""
+    server = Server(served[0], ServerConfig(model_name=MODEL), max_slots=4, max_len=160, prefill_chunk=32,
+                    max_prefill_rows=1, batch_invariant=True, speculation="fixed", num_drafts=3)
+    server.engine.warmup()
+    url, stop = serve_in_thread(server.app)
+    yield server, url
+    stop()
+
+
+def metric(text: str, name: str) -> float:
+    [line] = [line for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")]
+    return float(line.split()[-1])
+
+
+def test_speculative_server_metrics_and_constraints(served, speculative):
+    """Speculation is lossless (greedy text equals the full forward) and /metrics counts its drafts: accepted
+    ones by block position (a draft is accepted only after every one before it), a constrained reply still
+    validates. The non-speculative server has no spec-decode series."""
+    model, (server, url) = served[0], speculative
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    prompt = "ROMEO:\nBut soft, what light"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == model.tokenizer.decode(greedy_reference(model, model.tokenizer.encode(prompt), 12))
+    schema = SCHEMAS["tool_call"]
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Call a tool."}],
+                                       max_tokens=60, temperature=0.8, seed=4, response_format={
+                                           "type": "json_schema", "json_schema": {"name": "call", "schema": schema}})
+    jsonschema.validate(json.loads(c.choices[0].message.content), schema)
+    wait_idle(server)
+    text = httpx.get(url + "/metrics").text
+    rows = metric(text, "jaxseek:spec_decode_num_drafts_total")
+    verified = metric(text, "jaxseek:spec_decode_num_draft_tokens_total")
+    accepted = metric(text, "jaxseek:spec_decode_num_accepted_tokens_total")
+    at = [metric(text, f'jaxseek:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{MODEL}",position="{i}"}}')
+          for i in range(3)]
+    assert 0 < rows and 0 < verified <= 3 * rows and accepted <= verified
+    assert sum(at) == accepted and at[0] >= at[1] >= at[2]
+    assert metric(text, "jaxseek:spec_decode_tokens_per_step") == pytest.approx((accepted + rows) / rows)
+    assert metric(text, "jaxseek:spec_decode_acceptance_rate") == pytest.approx(accepted / verified)
+    assert "jaxseek:e2e_request_latency_seconds_count" in text
+    assert "spec_decode" not in httpx.get(served[2] + "/metrics").text
+
+
 def test_load_with_disconnects_and_bad_requests(served):
     """16 concurrent streaming clients: some hang up mid-stream, some send bad requests; every good one
     completes, every bad one gets a 4xx with a message, and the page pool is back to its baseline."""
@@ -220,15 +322,16 @@ class ScriptedEngine:
         from types import SimpleNamespace
 
         self.reply, self.layout, self.decode, self.per_step = reply, layout, decode, per_step
-        self.requests, self.active, self.prompts = {}, [], []
+        self.requests, self.active, self.prompts, self.constraints = {}, [], [], []
         self.scheduler = SimpleNamespace(running=self.active, waiting=[],
                                          pages=SimpleNamespace(free=list(range(layout.num_pages))))
 
-    def add_request(self, prompt, params, request_id=None):
+    def add_request(self, prompt, params, request_id=None, constraint=None, constraint_trigger=None):
         from serving.request import Request
 
         request = Request(f"scripted-{len(self.prompts)}", list(prompt), params)
         self.prompts.append(list(prompt))
+        self.constraints.append((constraint, constraint_trigger))
         self.requests[request.request_id] = request
         self.active.append(request)
         return request.request_id
@@ -262,6 +365,7 @@ def test_tool_calls_round_trip_with_the_v4_format(served):
 
     from model.tokenizer import TextTokenizer
     from serving.chat_format import DeepSeekV4Format
+    from serving.constraints import ConstraintSpec
     from serving.detokenize import markup_decoder
     from serving.engine_loop import EngineLoop
 
@@ -304,5 +408,10 @@ def test_tool_calls_round_trip_with_the_v4_format(served):
         prompt = v4.tokenizer.decode(server.engine.prompts[-1], skip_special_tokens=False)
         assert prompt.endswith(f"I'll look it up.\n\n{reply[reply.index('<' + d):]}<｜end▁of▁sentence｜><｜User｜>"
                                "<tool_result>sunny</tool_result><｜Assistant｜></think>")
+        # a constraint in thinking mode starts after </think>; in chat mode at once
+        for thinking, trigger in ((True, v4.tokenizer.token_to_id("</think>")), (False, None)):
+            client.chat.completions.create(model=MODEL, messages=ask, response_format={"type": "json_object"},
+                                           extra_body={"thinking": {"type": "enabled" if thinking else "disabled"}})
+            assert server.engine.constraints[-1] == (ConstraintSpec.json_object(), trigger)
     finally:
         stop()
