@@ -9,7 +9,8 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from serving.constraints import ConstraintSpec
 from serving.request import RequestOutput, TokenLogprob
@@ -84,11 +85,12 @@ class EngineLoop:
     refused here, when the engine compiles it). After each engine step the thread sends every tracked request's
     new tokens (`Delta`, several per step once the engine decodes speculatively) and its result (`Done`) to the
     request's `Sink`. `observe` (optional) is called after each step with the engine and the finished outputs,
-    on the engine thread (metrics).
+    on the engine thread (metrics); `observe_constraint` (optional) with the seconds the engine took to add each
+    constrained request (compiling its constraint, or finding it in the engine's cache), refused ones included.
     """
 
-    def __init__(self, engine, observe=None):
-        self.engine, self.observe = engine, observe
+    def __init__(self, engine, observe=None, observe_constraint: Callable[[float], None] | None = None):
+        self.engine, self.observe, self.observe_constraint = engine, observe, observe_constraint
         self.inbox: queue.Queue = queue.Queue()
         self.tracked: dict[str, _Tracked] = {}
         self.error: str | None = None
@@ -158,9 +160,7 @@ class EngineLoop:
         added = []
         try:
             for index, s in enumerate(requests):
-                constrained = {} if s.constraint is None else {"constraint": s.constraint,
-                                                                "constraint_trigger": s.trigger}
-                request_id = self.engine.add_request(s.prompt, s.params, **constrained)
+                request_id = self._add(s)
                 added.append(request_id)
                 self.tracked[request_id] = _Tracked(sink, index)
         except ValueError as e:
@@ -170,6 +170,16 @@ class EngineLoop:
             future.set_exception(e)
             return
         future.set_result(added)
+
+    def _add(self, s: Submission) -> str:
+        if s.constraint is None:
+            return self.engine.add_request(s.prompt, s.params)
+        start = time.perf_counter()
+        try:
+            return self.engine.add_request(s.prompt, s.params, constraint=s.constraint, constraint_trigger=s.trigger)
+        finally:
+            if self.observe_constraint is not None:
+                self.observe_constraint(time.perf_counter() - start)
 
     def _deliver(self, finished: list[RequestOutput]) -> None:
         events: dict[Sink, list] = {}

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server: request latencies (TTFT, TPOT, E2E), queue depths, KV-page usage, token
-counts and, under speculative decoding, drafts verified and accepted (per block position), in a registry of
-their own (so several servers can live in one process)."""
+counts, the time to add a constrained request (its grammar's compilation) and, under speculative decoding,
+drafts verified and accepted (per block position), in a registry of their own (so several servers can live in
+one process)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+COMPILE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class ServerMetrics:
@@ -43,6 +45,9 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=self.registry)
         self.rejected = Counter("jaxseek:request_rejected", "Requests answered with a 4xx status, by status.",
                                 ["model_name", "status"], registry=self.registry)
+        self.constraint_setup = Histogram("jaxseek:constraint_setup_seconds", "Engine time to add a constrained "
+                                          "request: its grammar compiled, or found compiled (refusals included).",
+                                          buckets=COMPILE_BUCKETS, **label).labels(model_name)
         self.model_name = model_name
         self.num_drafts = num_drafts
         if num_drafts:

@@ -98,7 +98,7 @@ class Server:
             self.engine = DisaggregatedEngine(self.engine, config.checkpoint, engine_args,
                                               jax.config.jax_compilation_cache_dir)
         self.metrics = ServerMetrics(config.model_name, self.decode_engine.num_drafts)
-        self.loop = EngineLoop(self.engine, self._observe)
+        self.loop = EngineLoop(self.engine, self._observe, self.metrics.constraint_setup.observe)
         self.in_flight, self.max_concurrency = 0, config.max_concurrency
         self.state = {"running": 0, "waiting": 0, "free_pages": self.engine.layout.num_pages,
                       "total_pages": self.engine.layout.num_pages}

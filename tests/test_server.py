@@ -63,6 +63,12 @@ def wait_idle(server, timeout=20.0):
     raise AssertionError(f"server did not go idle: {server.state}, in flight {server.in_flight}")
 
 
+def metric(text: str, name: str) -> float:
+    """The value of one series (a name with its labels, or a name with one label set) in /metrics text."""
+    [line] = [line for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")]
+    return float(line.split()[-1])
+
+
 def test_models_and_auth(served, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     bad = openai.OpenAI(base_url=served[2] + "/v1", api_key="wrong", max_retries=0)
@@ -149,7 +155,9 @@ def test_bad_requests_get_clear_4xx(served, body, status, message):
 
 def test_json_schema_response_format_and_structured_outputs(served, client):
     """A json_schema chat reply parses and validates (streamed too); vLLM-style regex and choice completions
-    match; a constrained reply ends with 'stop' once the constraint is complete."""
+    match; a constrained reply ends with 'stop' once the constraint is complete. /metrics times each
+    constrained request's setup (its grammar's compilation)."""
+    setups = metric(httpx.get(served[2] + "/metrics").text, "jaxseek:constraint_setup_seconds_count")
     schema = SCHEMAS["tool_call"]
     fmt = {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}
     ask = [{"role": "user", "content": "Call a tool."}]
@@ -171,6 +179,8 @@ def test_json_schema_response_format_and_structured_outputs(served, client):
                                      extra_body={"structured_outputs": {"choice": ["yes, my lord", "no"]}})
     assert all(c.text in ("yes, my lord", "no") for c in pick.choices)
     wait_idle(served[1])
+    text = httpx.get(served[2] + "/metrics").text
+    assert metric(text, "jaxseek:constraint_setup_seconds_count") == setups + 6  # 2 choices of the last one
 
 
 def test_invalid_schema_refused_while_a_good_request_completes(served, client):
@@ -182,7 +192,7 @@ def test_invalid_schema_refused_while_a_good_request_completes(served, client):
         end = time.time() + 20
         while server.state["running"] == 0 and not good.done() and time.time() < end:
             time.sleep(0.01)
-        with pytest.raises(openai.BadRequestError, match="invalid JSON Schema") as refused:
+        with pytest.raises(openai.BadRequestError, match="invalid JSON Schema"):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                            response_format=bad)
         r = good.result(timeout=60)
@@ -258,11 +268,6 @@ def speculative(served):
     url, stop = serve_in_thread(server.app)
     yield server, url
     stop()
-
-
-def metric(text: str, name: str) -> float:
-    [line] = [line for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " ")]
-    return float(line.split()[-1])
 
 
 def test_speculative_server_metrics_and_constraints(served, speculative):
