@@ -125,7 +125,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._compiler: ConstraintCompiler | None = None  # built with the first constrained request
         self._executor: llg.LLExecutor | None = None
-        self._all_allowed: dict[tuple[int, int], jax.Array] = {}  # bitmask of unconstrained batches, on device
+        self._all_allowed: dict[tuple[int, ...], jax.Array] = {}  # bitmask of unconstrained batches, on device
         self.pending: list[tuple[list[Row], object]] = []
         self._cancelled: list[RequestOutput] = []
         self._seeds = np.random.default_rng(seed)
