@@ -121,7 +121,7 @@ class Engine:
                                    self.layout.page_tokens, num_top_logprobs, return_logits, spec)
         self.compiled: dict[tuple[int, int, int], Callable] = {}
         self.costs: CostTable | None = None  # DSpark: seconds per decode / verify bucket (`profile`)
-        self._last_ready = 0.0
+        self._steady_since: float | None = None  # end of the last iteration that ran no prefill step
         self.requests: dict[str, Request] = {}
         self._compiler: ConstraintCompiler | None = None  # built with the first constrained request
         self._executor: llg.LLExecutor | None = None
@@ -264,7 +264,18 @@ class Engine:
             self.pending = dispatched
         else:
             finished += self._read(dispatched)
+        self._observe_period(dispatched)
         return finished
+
+    def _observe_period(self, dispatched) -> None:
+        """Correct the DSpark cost table with the period of steady decode iterations (no prefill step in this or
+        the previous iteration): what a decode / verify step really costs, host work included."""
+        now = time.perf_counter()
+        steady = len(dispatched) == 1 and dispatched[0][2][1] == dispatched[0][2][2]
+        if self.costs is not None and steady and self._steady_since is not None:
+            rows, width, _ = dispatched[0][2]
+            self.costs.observe(rows, width, now - self._steady_since)
+        self._steady_since = now if steady else None
 
     def run(self) -> dict[str, RequestOutput]:
         """Step until every request has finished; results by request id."""
@@ -316,7 +327,6 @@ class Engine:
         bucket's rows split `budget` drafts (default: every row verifies its cap)."""
         bucket = (next(r for r in row_buckets if r >= len(rows)), width, verify_len)
         batch = self._batch(rows, bucket[0], width, verify_len, budget)
-        start = time.perf_counter()
         outputs, self.cache = self._executable(bucket)(self.weights, self.cache, batch)
         for row in rows:
             request = row.request
@@ -330,7 +340,7 @@ class Engine:
                 self.stats["prefill_tokens"] += len(row.tokens)
         self.stats["steps"] += 1
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
-        return rows, outputs, bucket, start
+        return rows, outputs, bucket
 
     def _batch(self, rows: list[Row], num_rows: int, width: int, verify_len: int, budget: int | None) -> StepBatch:
         b = empty_batch(self.layout, num_rows, width, self._engram_shapes(), verify_len)
@@ -384,12 +394,8 @@ class Engine:
     def _read(self, dispatched) -> list[RequestOutput]:
         """Apply the results of dispatched steps to their requests; returns those that finished."""
         finished = []
-        for rows, outputs, bucket, start in dispatched:
+        for rows, outputs, bucket in dispatched:
             out = jax.tree.map(np.asarray, outputs)
-            ready = time.perf_counter()
-            if self.costs is not None and bucket[1] == bucket[2]:  # a decode / verify bucket
-                self.costs.observe(bucket[0], bucket[1], ready - max(start, self._last_ready))
-            self._last_ready = ready
             for i, row in enumerate(rows):
                 request = row.request
                 if not row.sample or request.status is Status.FINISHED:

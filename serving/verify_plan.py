@@ -5,8 +5,8 @@ accepted is the prefix survival a_j = c_0 * ... * c_j of the drafter's calibrate
 admits (request, position) pairs in descending a and picks the total budget B that maximises
 (expected tokens emitted) x (steps per second): every verifying row emits its accepted drafts plus one token,
 so a step emits rows + sum of the admitted a in expectation, and its time is that of the compiled verify bucket
-the admitted pairs need (rows bucket x width = 1 + the longest admitted prefix), from a cost table profiled at
-start-up and corrected online by the step times the engine observes.
+the admitted pairs need (rows bucket x width = 1 + the longest admitted prefix): the device time profiled at
+start-up plus the host work per iteration, learnt online from the step periods the engine observes.
 
 With zero-overhead scheduling the host does not know the confidences of the drafts it is about to verify (the
 step producing them is still running): it plans B and the width from the confidences it read one step earlier,
@@ -33,20 +33,22 @@ class Plan:
 
 
 class CostTable:
-    """Seconds per step of each compiled (rows, width) decode / verify bucket: profiled, then corrected by an
-    exponential moving average of observed step times (`observe`)."""
+    """Seconds per step of each compiled (rows, width) decode / verify bucket: the device time profiled at
+    start-up plus the host work of an iteration, one shared offset corrected online (an exponential moving
+    average of observed step periods minus the profiled device time)."""
 
     def __init__(self, seconds: dict[tuple[int, int], float], smoothing: float = 0.2):
         if not seconds or min(seconds.values()) <= 0:
             raise ValueError("a cost table needs a positive time for every bucket")
-        self.seconds, self.smoothing = dict(seconds), smoothing
+        self.seconds, self.smoothing, self.host = dict(seconds), smoothing, 0.0
 
     def __call__(self, rows: int, width: int) -> float:
-        return self.seconds[rows, width]
+        return self.seconds[rows, width] + self.host
 
-    def observe(self, rows: int, width: int, seconds: float) -> None:
-        if (rows, width) in self.seconds and seconds > 0:
-            self.seconds[rows, width] += self.smoothing * (seconds - self.seconds[rows, width])
+    def observe(self, rows: int, width: int, period: float) -> None:
+        """A steady iteration of bucket (rows, width) took `period` seconds."""
+        if (rows, width) in self.seconds:
+            self.host = max(0.0, self.host + self.smoothing * (period - self.seconds[rows, width] - self.host))
 
 
 def prefix_survival(confidence: Float[np.ndarray, "r g"]) -> Float[np.ndarray, "r g"]:

@@ -118,6 +118,10 @@ def test_planner_trades_expected_tokens_against_bucket_cost():
     assert plan_verify(survival, np.array([2]), 1, (1, 2, 4, 6), flat).caps.tolist() == [2]  # capped, width 4
     costly = CostTable({(1, 1): 1.0, **{(1, w): 10.0 for w in range(2, 7)}})
     assert plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), costly).width == 1
+    for _ in range(50):  # host work of 20 per step makes the device cost difference small: verify again
+        costly.observe(1, 1, 21.0)
+    assert abs(costly.host - 20) < 0.01 and costly(1, 6) == 10.0 + costly.host
+    assert plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), costly).width > 1
 
 
 def test_speculation_needs_a_drafter_and_valid_sizes(model):
