@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--modes", default="none,fixed,dspark", help="comma-separated subset of none,fixed,dspark")
     args = parser.parse_args()
     if args.quick:
         args.repeats = 1
@@ -81,7 +82,8 @@ def main() -> None:
     prompts16 = [model.tokenizer.encode(p) for p in PROMPTS]
     prompts1 = prompts16[:2 if args.quick else 4]
     result = {"load_avg_start": os.getloadavg()[0], "temperature": args.temperature, "max_tokens": args.max_tokens}
-    for mode in ("none", "fixed", "dspark"):
+    modes = args.modes.split(",")
+    for mode in modes:
         tok_s_b1, metrics_b1 = run(model, mode, 1, prompts1, args)
         tok_s_b16, metrics = run(model, mode, 16, prompts16, args)
         result[mode] = {**{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()},
@@ -90,6 +92,9 @@ def main() -> None:
                         "tok_s_b1": round(tok_s_b1, 1), "tok_s_b16": round(tok_s_b16, 1)}
         print(f"{mode:7s} b1 {tok_s_b1:7.1f} tok/s  b16 {tok_s_b16:7.1f} tok/s  accepted/step "
               f"{metrics['accepted_per_step']:.3f}  verified/step {metrics['verified_per_step']:.3f}", file=sys.stderr)
+    if modes != ["none", "fixed", "dspark"]:
+        print(json.dumps(result))
+        return
     shipped = model.drafter
     model.drafter = without_sts(shipped)
     _, before = run(model, "fixed", 16, prompts16, args)

@@ -151,12 +151,14 @@ class Engine:
             self.costs = self.profile()
 
     def profile(self, repeats: int = 3) -> CostTable:
-        """Median seconds of each decode / verify bucket on padding rows (they write only the scratch slot)."""
+        """Median seconds of each decode / verify bucket on padding rows that sample at temperature 1 (the
+        costlier path: drafts and verification draw noise) and write only the scratch slot."""
         seconds = {}
         for rows, width, verify_len in self.buckets():
             if width != verify_len and width != 1:
                 continue  # a prefill bucket
             batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len)
+            batch = batch._replace(sampling=SamplingBatch.from_params([SamplingParams(seed=0)] * rows, rows))
             times = []
             for _ in range(repeats + 1):
                 start = time.perf_counter()

@@ -5,8 +5,8 @@ accepted is the prefix survival a_j = c_0 * ... * c_j of the drafter's calibrate
 admits (request, position) pairs in descending a and picks the total budget B that maximises
 (expected tokens emitted) x (steps per second): every verifying row emits its accepted drafts plus one token,
 so a step emits rows + sum of the admitted a in expectation, and its time is that of the compiled verify bucket
-the admitted pairs need (rows bucket x width = 1 + the longest admitted prefix): the device time profiled at
-start-up plus the host work per iteration, learnt online from the step periods the engine observes.
+the admitted pairs need (rows bucket x width = 1 + the longest admitted prefix), from a cost table profiled at
+start-up and corrected online by the periods of the steps the engine runs, host work included.
 
 With zero-overhead scheduling the host does not know the confidences of the drafts it is about to verify (the
 step producing them is still running): it plans B and the width from the confidences it read one step earlier,
@@ -33,22 +33,31 @@ class Plan:
 
 
 class CostTable:
-    """Seconds per step of each compiled (rows, width) decode / verify bucket: the device time profiled at
-    start-up plus the host work of an iteration, one shared offset corrected online (an exponential moving
-    average of observed step periods minus the profiled device time)."""
+    """Seconds per step of each compiled (rows, width) decode / verify bucket: profiled at start-up, then
+    replaced by an exponential moving average of the observed periods of steady iterations that ran it (host
+    work included); a bucket not yet observed is its profiled time plus the mean gap between observed and
+    profiled times."""
 
     def __init__(self, seconds: dict[tuple[int, int], float], smoothing: float = 0.2):
         if not seconds or min(seconds.values()) <= 0:
             raise ValueError("a cost table needs a positive time for every bucket")
-        self.seconds, self.smoothing, self.host = dict(seconds), smoothing, 0.0
+        self.profiled, self.smoothing = dict(seconds), smoothing
+        self.observed: dict[tuple[int, int], float] = {}
+
+    @property
+    def offset(self) -> float:
+        """Mean observed minus profiled seconds over the observed buckets (0 before any observation)."""
+        gaps = [self.observed[b] - self.profiled[b] for b in self.observed]
+        return sum(gaps) / len(gaps) if gaps else 0.0
 
     def __call__(self, rows: int, width: int) -> float:
-        return self.seconds[rows, width] + self.host
+        return self.observed.get((rows, width), self.profiled[rows, width] + self.offset)
 
     def observe(self, rows: int, width: int, period: float) -> None:
         """A steady iteration of bucket (rows, width) took `period` seconds."""
-        if (rows, width) in self.seconds:
-            self.host = max(0.0, self.host + self.smoothing * (period - self.seconds[rows, width] - self.host))
+        if (rows, width) in self.profiled:
+            before = self(rows, width)
+            self.observed[rows, width] = before + self.smoothing * (period - before)
 
 
 def prefix_survival(confidence: Float[np.ndarray, "r g"]) -> Float[np.ndarray, "r g"]:

@@ -118,9 +118,9 @@ def test_planner_trades_expected_tokens_against_bucket_cost():
     assert plan_verify(survival, np.array([2]), 1, (1, 2, 4, 6), flat).caps.tolist() == [2]  # capped, width 4
     costly = CostTable({(1, 1): 1.0, **{(1, w): 10.0 for w in range(2, 7)}})
     assert plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), costly).width == 1
-    for _ in range(50):  # host work of 20 per step makes the device cost difference small: verify again
+    for _ in range(50):  # plain decoding really takes 21 (host work): unobserved buckets shift by the same gap
         costly.observe(1, 1, 21.0)
-    assert abs(costly.host - 20) < 0.01 and costly(1, 6) == 10.0 + costly.host
+    assert abs(costly(1, 1) - 21) < 0.01 and abs(costly(1, 6) - 30) < 0.01
     assert plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), costly).width > 1
 
 
