@@ -93,6 +93,12 @@ class Router:
     def mark_down(self, replica: Replica) -> None:
         replica.healthy, replica.failures = False, max(replica.failures, self.fail_threshold)
 
+    def _fail_over(self, replica: Replica, tried: set[str]) -> None:
+        """A request failed on `replica`: take it out of rotation and try another one next."""
+        self.mark_down(replica)
+        tried.add(replica.url)
+        self.retries += 1
+
     # ---- health -------------------------------------------------------------------------------------------------
     async def check(self) -> None:
         """One health check of every replica."""
@@ -184,9 +190,7 @@ class Router:
                 replica.served += 1
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
             except (httpx.HTTPError, ReplicaDown):
-                self.mark_down(replica)
-                tried.add(replica.url)
-                self.retries += 1
+                self._fail_over(replica, tried)
             finally:
                 replica.in_flight -= 1
 
@@ -209,9 +213,7 @@ class Router:
             if upstream is not None:
                 await upstream.aclose()
             replica.in_flight -= 1
-            self.mark_down(replica)
-            tried.add(replica.url)
-            self.retries += 1
+            self._fail_over(replica, tried)
 
     async def _stream(self, path: str, body: dict, headers: dict) -> Response:
         """A streamed request: open the first replica's stream here, so a refusal (4xx) passes through as is."""
@@ -260,9 +262,7 @@ class Router:
                 yield _sse_error(str(e))
                 return
             except (httpx.HTTPError, ReplicaDown):
-                self.mark_down(replica)
-                tried.add(replica.url)
-                self.retries += 1
+                self._fail_over(replica, tried)
             finally:
                 replica.in_flight -= 1
                 await upstream.aclose()
