@@ -66,6 +66,7 @@ def cmd_generate(args) -> int:
     """Offline batch inference: prompts in, one JSON result per request out (in input order)."""
     from serving.batch import (encode_prompts, engine_shape, from_prompts, read_input, resolve_params, run_batch,
                                submit, summary_lines)
+    from serving.chat_format import format_for
     from serving.engine import Engine
     from serving.sampling import SamplingParams
     from serving.tokenizer import tokenizer_for
@@ -91,7 +92,7 @@ def cmd_generate(args) -> int:
               f"{args.seed}); its text is noise", file=sys.stderr)
     model = _load(args)
     tokenizer = tokenizer_for(model)
-    encode_prompts(tokenizer, requests)
+    encode_prompts(tokenizer, requests, format_for(tokenizer, args.chat_format, args.model))
     num_top = max([r.params.logprobs for r in requests if r.params and r.params.logprobs] + [1])
     # batch-invariant runs keep the flags' shapes: a request's numbers must not depend on the batch's size
     slots, chunk = ((args.max_slots, args.prefill_chunk) if args.batch_invariant
@@ -184,9 +185,12 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--input", metavar="FILE",
                      help="a .txt file (one prompt per non-blank line) or a .jsonl file in the OpenAI batch format: "
                           '{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", '
-                          '"body": {...}}; body has "prompt" (a string or token ids) or "messages" (for now joined '
-                          'as "{role}: {content}\\n" per message, then "assistant: "; the DeepSeek chat format '
-                          "comes later) and sampling fields, which override the command-line flags")
+                          '"body": {...}}; body has "prompt" (a string or token ids) or "messages" (rendered by '
+                          "--chat-format) and sampling fields, which override the command-line flags")
+    p.add_argument("--chat-format", default="auto", choices=["auto", "deepseek-v4", "jinja", "plain"],
+                   help="how chat messages become a prompt: DeepSeek-V4's format, the checkpoint's Jinja template, "
+                        "or the bundled model's plain one (auto: DeepSeek-V4 when the tokenizer has its DSML token, "
+                        "else the checkpoint's template if it ships one, else plain)")
     p.add_argument("--output", metavar="FILE.jsonl", help="where the results go (default: stdout)")
     p.add_argument("--model", help="checkpoint directory (default: the bundled model, a toy V4.1 trained on "
                                     "Shakespeare)")

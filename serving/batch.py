@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from serving.chat_format import normalize_messages
 from serving.constraints import CONSTRAINT_FIELDS, ConstraintSpec, constraint_from_body
 from serving.sampling import SEED_LIMIT, SamplingParams
 
@@ -29,12 +30,13 @@ BOM = b"\xef\xbb\xbf"
 
 @dataclasses.dataclass
 class BatchRequest:
-    """One input request: its prompt (text, or token ids), sampling fields and output constraint, or why it
-    cannot run."""
+    """One input request: its prompt (text, token ids, or chat messages rendered by the model's chat format),
+    sampling fields and output constraint, or why it cannot run."""
 
     index: int
     custom_id: str
     prompt: str | list[int] | None = None
+    messages: list[dict] | None = None  # a chat request's checked messages (`chat_format.normalize_messages`)
     sampling: dict[str, Any] = dataclasses.field(default_factory=dict)  # the body's own sampling fields
     error: str | None = None
     params: SamplingParams | None = None
@@ -124,7 +126,7 @@ def _parse_line(request: BatchRequest, line: dict) -> None:
     else:
         if "prompt" in body:
             raise ValueError(f"{CHAT} takes messages, not a prompt")
-        request.prompt = chat_prompt(body.get("messages"))
+        request.messages = normalize_messages(body.get("messages"))
     request.constraint = constraint_from_body(body)
     request.sampling = {k: v for k, v in body.items() if k not in PROMPT_FIELDS and k not in CONSTRAINT_FIELDS}
 
@@ -136,28 +138,6 @@ def _completion_prompt(prompt) -> str | list[int]:
         return prompt  # token ids (checked against the vocabulary by the engine)
     raise ValueError("prompt must be a string or a list of token ids (one prompt per request), got "
                      f"{json.dumps(prompt)[:80]}")
-
-
-def chat_prompt(messages) -> str:
-    """The prompt of a chat request: `"{role}: {content}\\n"` per message, then `"assistant: "`.
-
-    A placeholder template until the DeepSeek chat format lands. `content` is a string or a list of
-    `{"type": "text", "text": ...}` parts.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} objects")
-    lines = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-            raise ValueError(f"messages[{i}] must be an object with a string role and content")
-        content = m.get("content")
-        if isinstance(content, list) and all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        lines.append(f"{m['role']}: {content}\n")
-    return "".join(lines) + "assistant: "
 
 
 def read_input(path: str | Path) -> list[BatchRequest]:
@@ -228,11 +208,15 @@ class OrderedWriter:
             self.next += 1
 
 
-def encode_prompts(tokenizer, requests: list[BatchRequest]) -> None:
-    """Token ids of each valid request's prompt (a prompt that cannot be encoded becomes the request's error)."""
+def encode_prompts(tokenizer, requests: list[BatchRequest], chat_format) -> None:
+    """Token ids of each valid request's prompt, a chat request's messages rendered by `chat_format` (one of
+    `serving.chat_format`'s formats) first; a prompt that cannot be rendered or encoded becomes the request's
+    error."""
     for r in requests:
         if r.error is None:
             try:
+                if r.messages is not None:
+                    r.prompt = chat_format.render(r.messages)
                 r.prompt_ids = list(r.prompt) if isinstance(r.prompt, list) else tokenizer.encode(r.prompt)
             except ValueError as e:
                 r.error = str(e)

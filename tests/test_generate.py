@@ -13,7 +13,8 @@ import pytest
 from model.api import init_model
 from model.cli import main
 from model.config import preset
-from serving.batch import chat_prompt, merge_sampling, read_jsonl, read_txt, request_seed
+from serving.batch import encode_prompts, merge_sampling, read_jsonl, read_txt, request_seed
+from serving.chat_format import DeepSeekV4Format, PlainFormat
 from serving.tokenizer import ByteTokenizer, tokenizer_for
 
 SEED = 3  # the CLI's --seed: the random model's seed
@@ -22,7 +23,7 @@ REF_LEN = 64  # the reference pads every sequence to this length (one compilatio
 TOK = ByteTokenizer(256, skip_ids=(1,))  # tiny's eos_token_id is 1
 FOX, ONCE = "The quick brown fox", "Once upon a time"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ☃"}]
-CHAT_TEXT = "system: Be brief.\nuser: Hi ☃\nassistant: "
+CHAT_TEXT = "SYSTEM:\nBe brief.\n\nUSER:\nHi ☃\n\nASSISTANT:\n"  # the plain format (a random tiny model)
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
@@ -251,17 +252,24 @@ def test_jsonl_requests(tmp_path):
     ]))
     r = read_jsonl(path)
     assert (r[0].prompt, r[0].sampling, r[0].error) == ("hi", {"temperature": 0.5}, None)
-    assert (r[1].prompt, r[1].error) == ("user: x\nassistant: ", None)
+    assert (r[1].messages, r[1].error) == ([{"role": "user", "content": "x"}], None)
     assert "line 3: method must be POST" in r[2].error
     assert "line 4: expected a JSON object" in r[3].error and r[3].custom_id == "request-3"
     assert "prompt must be a string or a list of token ids" in r[4].error
     assert "takes messages, not a prompt" in r[5].error
 
 
-def test_chat_template():
-    assert chat_prompt(MESSAGES) == CHAT_TEXT
-    with pytest.raises(ValueError, match="messages\\[0\\].content"):
-        chat_prompt([{"role": "user", "content": 3}])
+def test_chat_messages_rendered_by_the_chat_format(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps({"custom_id": c, "url": "/v1/chat/completions", "body": {"messages": m}})
+                              for c, m in (("ok", MESSAGES), ("bad", [{"role": "user", "content": 3}]))))
+    requests = read_jsonl(path)
+    assert "messages[0].content must be a string" in requests[1].error
+    encode_prompts(TOK, requests, PlainFormat())
+    assert (requests[0].prompt, requests[0].prompt_ids) == (CHAT_TEXT, TOK.encode(CHAT_TEXT))
+    requests = read_jsonl(path)
+    encode_prompts(TOK, requests, DeepSeekV4Format())
+    assert requests[0].prompt.endswith("<｜User｜>Hi ☃<｜Assistant｜></think>")
 
 
 def test_body_fields_override_flag_defaults():
