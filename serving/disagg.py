@@ -4,8 +4,10 @@ token, and hands the request's whole cache state to the decode engine, which gen
 The hand-off (`SlotState`) is everything the engine keeps for one request: its compressed-KV pages and indexer
 keys (the paged leaves, in block-table order), its slot leaves (the sliding-window ring, the compressors' open
 windows, ...), every other per-slot cache entry (last sampled token, penalty statistics, ...), the host-side
-Engram n-gram history, and the request itself (prompt, first token, seeded sampling parameters). Sampling is keyed by (seed, position), so the
-decode engine continues exactly as the prefill engine would have: outputs equal a single engine's.
+Engram n-gram history, and the request itself (prompt, first token, seeded sampling parameters, output
+constraint). Sampling is keyed by (seed, position), so the decode engine continues exactly as the prefill engine
+would have: outputs equal a single engine's. A constrained request's grammar state is rebuilt on the decode side
+from its constraint (compiled there once per distinct spec) by taking the tokens already emitted.
 
 The engine offers no export / import hook, so `export_slot` / `import_slot` work on `engine.cache`,
 `engine.scheduler` and `engine.requests` from outside.
@@ -25,6 +27,7 @@ import numpy as np
 
 from serving.engine import Engine
 from serving.kv_cache import PAGED_LEAVES
+from serving.constraints import ConstraintSpec
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingParams
 
@@ -53,6 +56,8 @@ class SlotState:
     drafts: list[int]  # speculative decoding: the drafted block the host last read, and its confidences
     confidence: list[float]
     elapsed: float  # seconds since the request arrived at the prefill engine
+    constraint: ConstraintSpec | None = None  # the output constraint, and the token it starts after
+    constraint_trigger: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +79,8 @@ def export_slot(engine, request_id: str) -> SlotState:
         logprobs=list(request.logprobs), computed=request.computed, page_tokens=engine.layout.page_tokens,
         layers=layers, slot=per_slot,
         engram_history=None if request.engram_history is None else np.array(request.engram_history),
-        drafts=list(request.drafts), confidence=list(request.confidence), elapsed=time.perf_counter() - request.arrival)
+        drafts=list(request.drafts), confidence=list(request.confidence), elapsed=time.perf_counter() - request.arrival,
+        constraint=request.constraint, constraint_trigger=None if request.grammar is None else request.grammar.trigger)
 
 
 def import_slot(engine, state: SlotState) -> bool:
@@ -88,6 +94,9 @@ def import_slot(engine, state: SlotState) -> bool:
     if set(state.slot) != set(engine.cache) - set(NOT_PER_SLOT):
         raise ValueError(f"the hand-off's per-slot state ({', '.join(sorted(state.slot))}) is not this engine's "
                          f"({', '.join(sorted(set(engine.cache) - set(NOT_PER_SLOT)))}): run both engines alike")
+    grammar = engine.request_grammar(state.constraint, state.constraint_trigger)
+    if grammar is not None and not grammar.accept(state.output):
+        raise ValueError(f"the hand-off's output breaks its constraint: {grammar.error}")
     scheduler = engine.scheduler
     if not scheduler.free_slots or scheduler.pages.pages_needed(scheduler.free_slots[-1], state.computed) > len(
             scheduler.pages.free):
@@ -111,7 +120,8 @@ def import_slot(engine, state: SlotState) -> bool:
     request = Request(state.request_id, list(state.prompt), state.params, arrival=now - state.elapsed,
                       status=Status.RUNNING, output=list(state.output), logprobs=list(state.logprobs), slot=slot,
                       computed=state.computed, first_token_time=now, engram_history=state.engram_history,
-                      drafts=list(state.drafts), confidence=list(state.confidence))
+                      drafts=list(state.drafts), confidence=list(state.confidence), grammar=grammar,
+                      constraint=state.constraint)
     engine.requests[request.request_id] = request
     scheduler.running.append(request)
     return True
@@ -147,9 +157,9 @@ def _prefill_worker(inbox, outbox, model_path, engine_args: dict, compile_cache:
                     pending.discard(message[1])
                 outbox.put(("cancelled", message[1]))
             else:
-                _, request_id, prompt, params = message
+                _, request_id, prompt, params, constraint, trigger = message
                 try:
-                    engine.add_request(prompt, params, request_id)
+                    engine.add_request(prompt, params, request_id, constraint=constraint, constraint_trigger=trigger)
                     pending.add(request_id)
                     outbox.put(("accepted", request_id))
                 except ValueError as e:
@@ -211,15 +221,17 @@ class DisaggregatedEngine:
         self.engine.warmup()
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Hand a request to the prefill process; raises ValueError (and keeps nothing) if it refuses it."""
+                    request_id: str | None = None, constraint: ConstraintSpec | None = None,
+                    constraint_trigger: int | None = None) -> str:
+        """Hand a request to the prefill process; raises ValueError (and keeps nothing) if it refuses it (an
+        invalid constraint included: the prefill engine compiles it first)."""
         params = params or SamplingParams()
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
         request_id = request_id or f"pd-{next(self._ids)}"
         if request_id in self.in_prefill or request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.inbox.put(("add", request_id, [int(t) for t in prompt], params))
+        self.inbox.put(("add", request_id, [int(t) for t in prompt], params, constraint, constraint_trigger))
         while request_id not in self.acks:
             self._receive(block=True)
         refusal = self.acks.pop(request_id)

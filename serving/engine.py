@@ -203,19 +203,25 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        grammar = None
-        if constraint is not None:
-            grammar = RequestGrammar(self._constraints().compile(constraint), constraint_trigger)
-        elif constraint_trigger is not None:
-            raise ValueError("constraint_trigger needs a constraint")
+        grammar = self.request_grammar(constraint, constraint_trigger)
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
-        request = Request(request_id, prompt, params, grammar=grammar)
+        request = Request(request_id, prompt, params, grammar=grammar, constraint=constraint)
         if self.engram is not None:
             request.engram_history = self.engram.empty_history(1)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def request_grammar(self, constraint: ConstraintSpec | None,
+                        trigger: int | None = None) -> RequestGrammar | None:
+        """A new request's grammar state for `constraint` (compiled once per distinct spec), starting after the
+        token `trigger` if given; None without a constraint. Raises ValueError for an invalid constraint."""
+        if constraint is None:
+            if trigger is not None:
+                raise ValueError("constraint_trigger needs a constraint")
+            return None
+        return RequestGrammar(self._constraints().compile(constraint), trigger)
 
     def _constraints(self) -> ConstraintCompiler:
         """The engine's constraint compiler over the model's tokenizer (built on first use)."""

@@ -231,9 +231,6 @@ class Server:
             raise ApiError(400, str(e), param=param) from None
         if spec is None:
             return None, None
-        if self.config.disaggregate:
-            raise ApiError(400, "structured outputs are not available on a disaggregated (--disaggregate) server",
-                           param=param)
         if not thinking or self.fmt.reasoning_end is None:
             return spec, None
         end = self.tokenizer.encode(self.fmt.reasoning_end)

@@ -3,11 +3,14 @@ decode engine here; tokens, logprobs and finish reasons equal the single engine'
 sliding window and a page, greedy and seeded sampling with penalties, and a request that ends at its first
 token."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from model import load_model
+from serving.constraints import ConstraintSpec
 from serving.disagg import export_slot, import_slot
 from serving.engine import Engine
 from serving.sampling import SamplingParams
@@ -102,6 +105,22 @@ def test_prefill_process_hands_off_to_decode_engine(setup, pd_server):
     assert dropped[0] not in results and results[dropped[1]].finish_reason == "cancelled"
     assert pd.handoff_bytes > 0 and not pd.in_prefill and not pd.cancelled
     assert len(pd.scheduler.pages.free) == pd.layout.num_pages
+
+
+def test_constrained_request_across_the_handoff(setup, pd_server):
+    """The prefill process samples the first token under the constraint; the decode engine rebuilds the grammar
+    state and continues as a single engine does."""
+    model, engine, prompts, _ = setup
+    spec, params = ConstraintSpec.regex("[A-Z][a-z]+(, [a-z]+)* [a-z]+[.!?]"), SamplingParams(max_tokens=14, seed=5)
+    rid = engine.add_request(prompts[0], params, constraint=spec)
+    expected = engine.run()[rid]
+    pd = pd_server.engine
+    rid = pd.add_request(prompts[0], params, constraint=spec)
+    [out] = pd.run().values()
+    same(out, expected)
+    assert out.finish_reason == "stop" and re.fullmatch("[A-Z][a-z]+(, [a-z]+)* [a-z]+[.!?]", out.text)
+    with pytest.raises(ValueError, match="regex"):  # refused by the prefill engine's compiler
+        pd.add_request(prompts[0], params, constraint=ConstraintSpec.regex("(unclosed"))
 
 
 def test_server_with_a_prefill_process(setup, pd_server):
