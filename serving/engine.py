@@ -133,7 +133,7 @@ class Engine:
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "decode_rows": 0, "verified": 0,
                       "accepted": 0, "verified_at": np.zeros(self.num_drafts, np.int64),
                       "accepted_at": np.zeros(self.num_drafts, np.int64), "calibration_abs": 0.0,
-                      "calibration_n": 0}
+                      "calibration_n": 0, "grammar_seconds": 0.0}
 
     # ---- compilation --------------------------------------------------------------------------------------
     def buckets(self) -> list[tuple[int, int, int]]:
@@ -375,14 +375,16 @@ class Engine:
             if shape not in self._all_allowed:
                 self._all_allowed[shape] = jax.device_put(masks)
             return self._all_allowed[shape]
+        start = time.perf_counter()
         num_rows, verify_len, words = masks.shape
         if verify_len == 1:
             fill_masks(grammars, masks.reshape(num_rows, words), self._executor)
-            return masks
-        drafts = [row.request.drafts[:row.caps] for row in rows]
-        allowed = speculate_masks(grammars, drafts, masks, self._executor)
-        for row, n in zip(rows, allowed):
-            row.caps = min(row.caps, n)
+        else:
+            drafts = [row.request.drafts[:row.caps] for row in rows]
+            allowed = speculate_masks(grammars, drafts, masks, self._executor)
+            for row, n in zip(rows, allowed):
+                row.caps = min(row.caps, n)
+        self.stats["grammar_seconds"] += time.perf_counter() - start
         return masks
 
     def _engram_row(self, batch: StepBatch, i: int, row: Row) -> None:

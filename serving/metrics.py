@@ -1,5 +1,6 @@
 """Prometheus metrics of the server: request latencies (TTFT, TPOT, E2E), queue depths, KV-page usage, token
-counts, the time to add a constrained request (its grammar's compilation) and, under speculative decoding,
+counts, the time to add a constrained request (its grammar's compilation), the host time spent filling token
+masks of constrained requests and, under speculative decoding,
 drafts verified and accepted (per block position), in a registry of their own (so several servers can live in
 one process)."""
 
@@ -48,6 +49,10 @@ class ServerMetrics:
         self.constraint_setup = Histogram("jaxseek:constraint_setup_seconds", "Engine time to add a constrained "
                                           "request: its grammar compiled, or found compiled (refusals included).",
                                           buckets=COMPILE_BUCKETS, **label).labels(model_name)
+        self.grammar_mask = Counter("jaxseek:grammar_mask_seconds", "Host time filling the token masks of "
+                                    "constrained requests (the matchers' work before each step).",
+                                    **label).labels(model_name)
+        self._grammar_seconds = 0.0
         self.model_name = model_name
         self.num_drafts = num_drafts
         if num_drafts:
@@ -76,6 +81,11 @@ class ServerMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(pages_used / max(pages_total, 1))
+
+    def observe_grammar(self, stats: dict) -> None:
+        """The engine's cumulative mask-filling time (`Engine.stats["grammar_seconds"]`) after a step."""
+        self.grammar_mask.inc(max(stats["grammar_seconds"] - self._grammar_seconds, 0.0))
+        self._grammar_seconds = stats["grammar_seconds"]
 
     def observe_speculation(self, stats: dict) -> None:
         """The engine's cumulative speculation counts (`Engine.stats`: decode_rows, verified, accepted,

@@ -119,6 +119,7 @@ class Server:
         self.state = {"running": len(s.running), "waiting": len(s.waiting), "free_pages": free, "total_pages": total}
         self.metrics.observe_engine(len(s.running), len(s.waiting), total - free, total)
         self.metrics.observe_speculation(self.decode_engine.stats)
+        self.metrics.observe_grammar(self.decode_engine.stats)
         for output in finished:
             self.metrics.observe_finished(output)
 
