@@ -65,7 +65,9 @@ class Engine:
     `speculation` "none" | "fixed" | "dspark" with the model's DSpark drafter, verifying up to `num_drafts`
     drafts per step (default: the drafter's block size) in buckets of `verify_widths` tokens (DSpark; default
     every width 2 .. num_drafts + 1, fewer widths compile faster); `backtrack` extra window-ring slots (speculation
-    needs num_drafts + 1 and takes at least that).
+    needs num_drafts + 1 and takes at least that); `draft_fallback` (DSpark): when no verify budget pays, decode
+    without drafting (the drafter only absorbs features) and probe with a drafting step every `probe_every`
+    such steps.
     """
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_len: int = 1024, num_pages: int | None = None,
@@ -74,7 +76,7 @@ class Engine:
                  num_top_logprobs: int = 5, return_logits: bool = False, seed: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, backtrack: int = 0,
                  speculation: str = "none", num_drafts: int | None = None,
-                 verify_widths: Sequence[int] | None = None):
+                 verify_widths: Sequence[int] | None = None, draft_fallback: bool = True, probe_every: int = 8):
         if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if speculation not in SPECULATION:
@@ -86,7 +88,12 @@ class Engine:
         num_drafts = block if num_drafts is None else num_drafts
         if drafter is not None and not 1 <= num_drafts <= block:
             raise ValueError(f"num_drafts must be in [1, {block}] (the drafter's block size), got {num_drafts}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.speculation, self.num_drafts = speculation, num_drafts if drafter is not None else 0
+        self.draft_fallback, self.probe_every = draft_fallback and speculation == "dspark", probe_every
+        self._nodraft_streak = 0  # decode steps since the last one that drafted (the no-draft fallback)
+        self._cost_key: tuple[int, int] | None = None  # the cost-table bucket of the last decode step
         if drafter is not None:
             backtrack = max(backtrack, num_drafts + 1)
         self.model, self.config = model, model.config
@@ -133,7 +140,7 @@ class Engine:
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "decode_rows": 0, "verified": 0,
                       "accepted": 0, "verified_at": np.zeros(self.num_drafts, np.int64),
                       "accepted_at": np.zeros(self.num_drafts, np.int64), "calibration_abs": 0.0,
-                      "calibration_n": 0, "grammar_seconds": 0.0}
+                      "calibration_n": 0, "grammar_seconds": 0.0, "nodraft_steps": 0}
 
     # ---- compilation --------------------------------------------------------------------------------------
     def buckets(self) -> list[tuple[int, int, int]]:
@@ -152,20 +159,23 @@ class Engine:
 
     def profile(self, repeats: int = 3) -> CostTable:
         """Median seconds of each decode / verify bucket on padding rows that sample at temperature 1 (the
-        costlier path: drafts and verification draw noise) and write only the scratch slot."""
+        costlier path: drafts and verification draw noise) and write only the scratch slot; with the no-draft
+        fallback also of decode steps that do not draft (width 0)."""
         seconds = {}
         for rows, width, verify_len in self.buckets():
             if width != verify_len and width != 1:
                 continue  # a prefill bucket
             batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len)
             batch = batch._replace(sampling=SamplingBatch.from_params([SamplingParams(seed=0)] * rows, rows))
-            times = []
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                outputs, self.cache = self._executable((rows, width, verify_len))(self.weights, self.cache, batch)
-                jax.block_until_ready(outputs)
-                times.append(time.perf_counter() - start)
-            seconds[rows, width] = float(np.median(times[1:]))
+            for draft in (True, False) if self.draft_fallback and width == 1 else (True,):
+                times = []
+                for _ in range(repeats + 1):
+                    start = time.perf_counter()
+                    outputs, self.cache = self._executable((rows, width, verify_len))(
+                        self.weights, self.cache, batch._replace(draft=np.asarray(draft)))
+                    jax.block_until_ready(outputs)
+                    times.append(time.perf_counter() - start)
+                seconds[rows, width if draft else 0] = float(np.median(times[1:]))
         return CostTable(seconds)
 
     def _executable(self, bucket: tuple[int, int, int]):
@@ -281,8 +291,7 @@ class Engine:
         now = time.perf_counter()
         steady = len(dispatched) == 1 and dispatched[0][2][1] == dispatched[0][2][2]
         if self.costs is not None and steady and self._steady_since is not None:
-            rows, width, _ = dispatched[0][2]
-            self.costs.observe(rows, width, now - self._steady_since)
+            self.costs.observe(*self._cost_key, now - self._steady_since)
         self._steady_since = now if steady else None
 
     def run(self) -> dict[str, RequestOutput]:
@@ -304,9 +313,7 @@ class Engine:
     def _dispatch_decode(self, rows: list[Row]):
         """The decode step: plain decoding, or a verify bucket whose drafts per row speculation chooses."""
         if self.speculation == "none" or not any(row.caps for row in rows):
-            for row in rows:
-                row.caps = 0
-            return self._dispatch(rows, self.decode_rows, 1, 1)
+            return self._dispatch_plain(rows)
         caps = np.array([row.caps for row in rows])
         budget = None
         if self.speculation == "fixed":
@@ -318,26 +325,51 @@ class Engine:
                 self.costs = self.profile()
             plan = plan_verify(prefix_survival(known), caps, bucket_rows,
                                (1,) + self.verify_widths, self.costs)
+            if plan.width == 1:
+                return self._dispatch_plain(rows)
+            # a block drafted before a step that did not draft is stale: its row verifies nothing
+            stale = np.array([not row.request.drafts_fresh for row in rows])
+            if stale.all():  # verification pays by the last confidences: draft now, verify next step
+                return self._dispatch_plain(rows, draft=True)
             width = plan.width
             if self.zero_overhead:  # old confidences: the device splits the budget by the newest ones
                 budget = plan.budget
             else:
                 caps = plan.caps
+            caps = np.where(stale, 0, caps)
         for row, cap in zip(rows, caps):
             row.caps = int(min(cap, width - 1))
-        if width == 1:
-            return self._dispatch(rows, self.decode_rows, 1, 1)
+        self._nodraft_streak = 0
         return self._dispatch(rows, self.decode_rows, width, width, budget)
 
+    def _dispatch_plain(self, rows: list[Row], draft: bool | None = None):
+        """A decode step of one token per row. With the no-draft fallback its drafter only absorbs features,
+        except every `probe_every + 1`-th consecutive such step, which drafts again so that fresh confidences
+        let the planner resume verification (`draft` True: draft now)."""
+        for row in rows:
+            row.caps = 0
+        self._nodraft_streak += 1
+        if draft is None:
+            draft = not self.draft_fallback or self._nodraft_streak > self.probe_every
+        if draft:
+            self._nodraft_streak = 0
+        return self._dispatch(rows, self.decode_rows, 1, 1, draft=draft)
+
     def _dispatch(self, rows: list[Row], row_buckets: tuple[int, ...], width: int, verify_len: int,
-                  budget: int | None = None):
+                  budget: int | None = None, draft: bool = True):
         """Build the batch of a bucket, launch its compiled step (async) and do the host bookkeeping; a verify
-        bucket's rows split `budget` drafts (default: every row verifies its cap)."""
+        bucket's rows split `budget` drafts (default: every row verifies its cap); `draft` False: a decode
+        step whose drafter does not draft (the no-draft fallback)."""
         bucket = (next(r for r in row_buckets if r >= len(rows)), width, verify_len)
-        batch = self._batch(rows, bucket[0], width, verify_len, budget)
+        batch = self._batch(rows, bucket[0], width, verify_len, budget)._replace(draft=np.asarray(draft))
         outputs, self.cache = self._executable(bucket)(self.weights, self.cache, batch)
+        if width == verify_len:
+            self._cost_key = (bucket[0], width if draft else 0)
+        self.stats["nodraft_steps"] += not draft
         for row in rows:
             request = row.request
+            if row.sample:
+                request.drafts_fresh = draft
             if row.from_prev:  # a decode / verify row
                 request.in_flight.append(row.caps + 1)
                 self.stats["decode_rows"] += 1
@@ -417,7 +449,7 @@ class Engine:
                 if self.engram is not None and row.from_prev:
                     inputs = [request.output[-1]] + request.drafts[:accepted]
                     request.engram_history = self.engram.advance(np.array([inputs]), request.engram_history)
-                if out.next_drafts.shape[1]:
+                if out.next_drafts.shape[1] and out.drafted:
                     request.drafts, request.confidence = out.next_drafts[i].tolist(), out.next_confidence[i].tolist()
                 complete = request.grammar is not None and self._advance_grammar(request.grammar, out, i, accepted)
                 for j in range(accepted + 1):

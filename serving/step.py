@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from model.dspark import DraftOutput
 from serving.grammar_mask import ALL_ALLOWED, apply_token_bitmask, bitmask_width
 from serving.kv_cache import CacheLayout, gather_rows, gather_slots, scatter_rows
 from serving.sampling import GREEDY_BELOW, SamplingBatch, draw_tokens, processed_logits, token_logprobs
@@ -50,6 +51,7 @@ class StepBatch(NamedTuple):
     caps: Int[Array, " r"]  # verify rows: the most drafts the row may verify
     budget: Int[Array, ""]  # verify buckets: drafts verified over all rows, split by prefix survival
     bitmask: Int[Array, "r v words"]  # per verify position the allowed tokens, packed (-1: all; constraints)
+    draft: Bool[Array, ""]  # a drafter step drafts the next blocks (False: its drafter only absorbs features)
 
 
 # What a token of a row is, for the penalty statistics: prompt tokens join the prompt mask, replayed
@@ -62,7 +64,8 @@ class StepOutput(NamedTuple):
     """Per row and verify position j: the emitted token (-1 past the row's last), its logprob and the top
     alternatives; per row the drafts accepted and verified; per verified draft its acceptance probability given
     its prefix survived and the confidence it was scheduled with; the slot's next block of drafts and their
-    confidences (drafter steps only: [r, 0] otherwise)."""
+    confidences (drafter steps only: [r, 0] otherwise), and whether this step drafted them (a step that did not
+    leaves the slots' previous, now stale, drafts in place)."""
 
     tokens: Int[Array, "r v"]
     logprob: Float[Array, "r v"]
@@ -75,6 +78,7 @@ class StepOutput(NamedTuple):
     confidence: Float[Array, "r g"]
     next_drafts: Int[Array, "r k"]
     next_confidence: Float[Array, "r k"]
+    drafted: Bool[Array, ""]
 
 
 def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=(), verify_len: int = 1) -> StepBatch:
@@ -88,7 +92,7 @@ def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=(), v
         kinds=z(rows, tokens), block_tables=np.full((rows, layout.pages_per_slot), layout.scratch_page, np.int32),
         sampling=SamplingBatch.from_params([], rows),
         engram_rows=tuple(np.zeros((rows, tokens, *shape), np.float32) for shape in engram_shapes),
-        caps=z(rows), budget=np.zeros((), np.int32),
+        caps=z(rows), budget=np.zeros((), np.int32), draft=np.ones((), bool),
         bitmask=np.full((rows, verify_len, bitmask_width(layout.vocab_size)), ALL_ALLOWED, np.int32))
 
 
@@ -166,13 +170,24 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
             dstate = jax.lax.optimization_barrier(gather_slots(cache["drafter"], slots, drafter.empty_state,
                                                                batch.reset))
             absorbed = jnp.where(batch.sample, at[:, 0] + accepted + 1, counts)
-            out = dmodule.draft(module.embed.weight[...], module.head.weight[...], taps[0], starts, absorbed, dstate,
-                                final, batch.sampling.seed, batch.sampling.temperature)
+
+            def drafting():
+                return dmodule.draft(module.embed.weight[...], module.head.weight[...], taps[0], starts, absorbed,
+                                     dstate, final, batch.sampling.seed, batch.sampling.temperature)
+
+            def absorbing():  # DSpark's no-draft fallback: keep the drafter's context, draft nothing
+                shape = cache["draft_probs"].shape[1:]
+                return DraftOutput(jnp.zeros((rows, shape[0]), jnp.int32), jnp.zeros((rows, *shape), jnp.float32),
+                                   jnp.zeros((rows, shape[0]), jnp.float32),
+                                   dmodule.absorb(taps[0], starts, absorbed, dstate))
+
+            out = jax.lax.cond(batch.draft, drafting, absorbing)
+            drafted_to = jnp.where(batch.draft, emit, scratch)  # not drafting: the slots keep their old blocks
             cache = {**cache, "drafter": jax.tree.map(lambda leaf, row: leaf.at[slots].set(row), cache["drafter"],
                                                       out.state),
-                     "drafts": cache["drafts"].at[emit].set(out.tokens),
-                     "draft_probs": cache["draft_probs"].at[emit].set(out.probs),
-                     "confidence": cache["confidence"].at[emit].set(out.confidences)}
+                     "drafts": cache["drafts"].at[drafted_to].set(out.tokens),
+                     "draft_probs": cache["draft_probs"].at[drafted_to].set(out.probs),
+                     "confidence": cache["confidence"].at[drafted_to].set(out.confidences)}
             next_drafts, next_confidence = out.tokens, out.confidences
 
         flat = lambda x: x.reshape(rows * verify_len, *x.shape[2:])  # noqa: E731
@@ -180,7 +195,8 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
         lp = jax.tree.map(lambda x: x.reshape(rows, verify_len, *x.shape[1:]), lp)
         kept_logits = picked if return_logits else jnp.zeros((rows, verify_len, 0), picked.dtype)
         return StepOutput(emitted, lp.logprob, lp.top_ids, lp.top_logprobs, kept_logits, accepted, drafted,
-                          accept_prob, confidence, next_drafts, next_confidence), cache
+                          accept_prob, confidence, next_drafts, next_confidence,
+                          jnp.asarray(batch.draft) & (drafter is not None)), cache
 
     def _processed(cache, batch, slots, tokens, kinds, counts, at, picked):
         """Update the slots' prompt masks and replayed output counts; the processed logits of every verify

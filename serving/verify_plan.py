@@ -8,6 +8,12 @@ so a step emits rows + sum of the admitted a in expectation, and its time is tha
 the admitted pairs need (rows bucket x width = 1 + the longest admitted prefix), from a cost table profiled at
 start-up and corrected online by the periods of the steps the engine runs, host work included.
 
+A plain decode step still drafts the next blocks, which costs nearly as much as the step itself on a small
+target. With the no-draft fallback the cost table also holds width 0, a decode step whose drafter only absorbs
+the new features: when no verify budget beats its rate the planner picks it (`Plan.draft` False) and drafting
+pauses; the engine resumes it with a probing decode step that drafts again every few steps, since the
+confidences it would plan with age meanwhile.
+
 With zero-overhead scheduling the host does not know the confidences of the drafts it is about to verify (the
 step producing them is still running): it plans B and the width from the confidences it read one step earlier,
 and the device splits B over the rows by rank of the newest ones (`serving.speculative.admit`).
@@ -24,16 +30,19 @@ from jaxtyping import Float, Int
 @dataclasses.dataclass
 class Plan:
     """The next verify step: its bucket width (1 + drafts per row at most), the drafts each row may verify
-    (`caps`, what the device admits from) and the total `budget` the device splits by prefix survival."""
+    (`caps`, what the device admits from), the total `budget` the device splits by prefix survival, and whether
+    the step drafts the next blocks (False: the no-draft fallback's plain decode)."""
 
     width: int
     caps: Int[np.ndarray, " r"]
     budget: int
     expected_tokens: float
+    draft: bool = True
 
 
 class CostTable:
-    """Seconds per step of each compiled (rows, width) decode / verify bucket: profiled at start-up, then
+    """Seconds per step of each compiled (rows, width) decode / verify bucket (width 0: a decode step that does
+    not draft, where the no-draft fallback is on): profiled at start-up, then
     replaced by an exponential moving average of the observed periods of steady iterations that ran it (host
     work included); a bucket not yet observed is its profiled time plus the mean gap between observed and
     profiled times."""
@@ -49,6 +58,9 @@ class CostTable:
         """Mean observed minus profiled seconds over the observed buckets (0 before any observation)."""
         gaps = [self.observed[b] - self.profiled[b] for b in self.observed]
         return sum(gaps) / len(gaps) if gaps else 0.0
+
+    def __contains__(self, bucket: tuple[int, int]) -> bool:
+        return bucket in self.profiled
 
     def __call__(self, rows: int, width: int) -> float:
         return self.observed.get((rows, width), self.profiled[rows, width] + self.offset)
@@ -67,8 +79,9 @@ def prefix_survival(confidence: Float[np.ndarray, "r g"]) -> Float[np.ndarray, "
 
 def plan_verify(survival: Float[np.ndarray, "r g"], caps: Int[np.ndarray, " r"], rows_bucket: int,
                 widths: tuple[int, ...], cost: CostTable) -> Plan:
-    """The budget maximising expected tokens x steps/s over the compiled `widths` (1 = plain decode); per row
-    the admitted prefix length (at most its cap: drafts past max_tokens / max_len are not worth verifying)."""
+    """The budget maximising expected tokens x steps/s over the compiled `widths` (1 = plain decode, a decode
+    step that does not draft instead where `cost` has width 0); per row the admitted prefix length (at most its
+    cap: drafts past max_tokens / max_len are not worth verifying)."""
     r, g = survival.shape
     caps = np.minimum(np.asarray(caps, np.int64), min(g, max(widths) - 1))
     rows_idx, pos_idx = np.nonzero(np.arange(g)[None, :] < caps[:, None])
@@ -76,8 +89,9 @@ def plan_verify(survival: Float[np.ndarray, "r g"], caps: Int[np.ndarray, " r"],
     order = np.lexsort((pos_idx, rows_idx, -values))  # descending survival; ties: earlier row, then position
     rows_idx, pos_idx, values = rows_idx[order], pos_idx[order], values[order]
     need = np.maximum.accumulate(pos_idx + 2) if len(order) else pos_idx  # width after admitting each pair
-    best = Plan(1, np.zeros(r, np.int64), 0, float(r))
-    best_rate = r / cost(rows_bucket, 1)
+    fallback = (rows_bucket, 0) in cost
+    best = Plan(1, np.zeros(r, np.int64), 0, float(r), draft=not fallback)
+    best_rate = r / cost(rows_bucket, 0 if fallback else 1)
     gained = float(r)
     for b in range(len(order)):
         gained += values[b]

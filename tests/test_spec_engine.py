@@ -124,6 +124,40 @@ def test_planner_trades_expected_tokens_against_bucket_cost():
     assert plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), costly).width > 1
 
 
+def test_planner_falls_back_to_decoding_without_drafts():
+    survival = prefix_survival(np.array([[0.9, 0.8, 0.5, 0.2, 0.1]]))
+    costs = {(1, 0): 1.0, (1, 1): 1.5, **{(1, w): 1.6 for w in range(2, 7)}}
+    plan = plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), CostTable(costs))
+    assert plan.width > 1 and plan.draft  # (1 + 2.62) / 1.6 > 1 / 1.0
+    plan = plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), CostTable({**costs, (1, 0): 0.4}))
+    assert (plan.width, plan.budget, plan.draft) == (1, 0, False)  # 1 / 0.4 beats every verify budget
+
+
+def test_no_draft_fallback_pauses_and_resumes_drafting_losslessly(model):
+    """Costs that make verification a loss: decode steps stop drafting (every third one probes); costs that
+    make it pay: the rows' drafts are stale until a step drafts again, then verification resumes. Greedy
+    tokens equal plain decoding throughout."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
+                    speculation="dspark", verify_widths=(2, 4), num_drafts=3, probe_every=2)
+    engine.warmup()
+    assert (2, 0) in engine.costs and engine.costs(2, 0) < engine.costs(2, 1)  # not drafting is cheaper
+    losing = {(2, 0): 1.0, (2, 1): 2.0, (2, 2): 50.0, (2, 4): 50.0}
+    engine.costs = CostTable({**losing, **{(1, w): c for (_, w), c in losing.items()}}, smoothing=0.0)
+    ids = [engine.add_request(p, params) for p in PROMPTS[:2]]
+    results = {}
+    for _ in range(9):
+        results.update({o.request_id: o for o in engine.step()})
+    paused, probed = engine.stats["nodraft_steps"], engine.stats["decode_rows"]
+    assert engine.stats["verified"] == 0 and 0 < paused < probed / 2  # 2 of every 3 decode steps
+    paying = {(r, w): 1.0 for r in (1, 2) for w in (0, 1, 2, 4)}
+    engine.costs = CostTable(paying, smoothing=0.0)
+    results.update(engine.run())
+    assert engine.stats["verified"] > 0 and engine.stats["nodraft_steps"] == paused
+    for prompt, rid in zip(PROMPTS, ids):
+        assert results[rid].token_ids == plain_greedy(model, prompt, 16)
+
+
 def test_speculation_needs_a_drafter_and_valid_sizes(model):
     from tests.helpers import random_model
     from model.config import preset
@@ -131,5 +165,7 @@ def test_speculation_needs_a_drafter_and_valid_sizes(model):
         Engine(random_model(preset("tiny")), speculation="fixed")
     with pytest.raises(ValueError, match="num_drafts"):
         Engine(model, speculation="fixed", num_drafts=CONFIG.block_size + 1)
+    with pytest.raises(ValueError, match="probe_every"):
+        Engine(model, speculation="dspark", probe_every=0)
     with pytest.raises(ValueError, match="speculation must be"):
         Engine(model, speculation="sometimes")
