@@ -14,9 +14,11 @@ and sampled outputs are distributed as the target's.
 Structured outputs (`add_request(..., constraint=)`): a constrained request's rows carry packed token masks that
 the compiled step applies before sampling and verification. A mask depends on every token before it, so before
 dispatching a step with a constrained request whose tokens are still in flight the host reads them first
-(zero-overhead scheduling pauses while such requests decode). A verify row gets one mask per position, its
-drafts cut at the first one the grammar refuses; the matcher takes the drafts tentatively and settles on the
-number the device accepted. A request ends ("stop") when its constraint is complete and admits no more tokens,
+(zero-overhead scheduling pauses while such requests decode). A verify row gets one mask per position; the
+matcher takes the drafts tentatively and settles on the number the device accepted. A draft the grammar refuses
+has probability 0 under its mask, so verification rejects it and draws from the residual; its row is not cut
+short before it, since whether a draft is verified must not depend on the draft (a sampled row would then lose
+the target's distribution). A request ends ("stop") when its constraint is complete and admits no more tokens,
 or with an EOS the constraint allows.
 """
 
@@ -323,8 +325,8 @@ class Engine:
             known = np.array([(row.request.confidence or [1.0] * self.num_drafts)[:self.num_drafts] for row in rows])
             if self.costs is None:
                 self.costs = self.profile()
-            plan = plan_verify(prefix_survival(known), caps, bucket_rows,
-                               (1,) + self.verify_widths, self.costs)
+            plan = plan_verify(prefix_survival(known), caps, bucket_rows, (1,) + self.verify_widths, self.costs,
+                               early_stop=not self.zero_overhead)
             if plan.width == 1:
                 return self._dispatch_plain(rows)
             # a block drafted before a step that did not draft is stale: its row verifies nothing
@@ -399,8 +401,8 @@ class Engine:
 
     def _bitmask(self, rows: list[Row], masks: np.ndarray):
         """The step's token masks [rows, v, W]: constrained rows from their grammars (a verify row's drafts are
-        taken tentatively and its cap cut to those the grammar allows), the rest all allowed. A batch without
-        constrained rows passes an all-allowed array kept on the device."""
+        taken tentatively, up to the first the grammar refuses, which the verifier will reject), the rest all
+        allowed. A batch without constrained rows passes an all-allowed array kept on the device."""
         grammars = [row.request.grammar if row.sample else None for row in rows]
         if all(g is None for g in grammars):
             shape = masks.shape
@@ -412,10 +414,7 @@ class Engine:
         if verify_len == 1:
             fill_masks(grammars, masks.reshape(num_rows, words), self._executor)
         else:
-            drafts = [row.request.drafts[:row.caps] for row in rows]
-            allowed = speculate_masks(grammars, drafts, masks, self._executor)
-            for row, n in zip(rows, allowed):
-                row.caps = min(row.caps, n)
+            speculate_masks(grammars, [row.request.drafts[:row.caps] for row in rows], masks, self._executor)
         self.stats["grammar_seconds"] += time.perf_counter() - start
         return masks
 

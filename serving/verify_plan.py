@@ -14,6 +14,12 @@ the new features: when no verify budget beats its rate the planner picks it (`Pl
 pauses; the engine resumes it with a probing decode step that drafts again every few steps, since the
 confidences it would plan with age meanwhile.
 
+Planning with the confidences of the very drafts it verifies (no zero-overhead scheduling), the search stops at
+the first admitted pair that lowers the rate (DSpark's Algorithm 1): with a Markov-conditioned confidence head,
+a_{r,j+1} depends on the sampled draft x_{r,j}, so a search past the drop would let x_{r,j} decide whether it is
+verified at all, which biases the output distribution (the paper's Appendix A). Stopping at the first drop only
+looks at pairs ranked above, none of which depends on x_{r,j}.
+
 With zero-overhead scheduling the host does not know the confidences of the drafts it is about to verify (the
 step producing them is still running): it plans B and the width from the confidences it read one step earlier,
 and the device splits B over the rows by rank of the newest ones (`serving.speculative.admit`).
@@ -78,10 +84,11 @@ def prefix_survival(confidence: Float[np.ndarray, "r g"]) -> Float[np.ndarray, "
 
 
 def plan_verify(survival: Float[np.ndarray, "r g"], caps: Int[np.ndarray, " r"], rows_bucket: int,
-                widths: tuple[int, ...], cost: CostTable) -> Plan:
+                widths: tuple[int, ...], cost: CostTable, early_stop: bool = False) -> Plan:
     """The budget maximising expected tokens x steps/s over the compiled `widths` (1 = plain decode, a decode
     step that does not draft instead where `cost` has width 0); per row the admitted prefix length (at most its
-    cap: drafts past max_tokens / max_len are not worth verifying)."""
+    cap: drafts past max_tokens / max_len are not worth verifying). `early_stop`: stop at the first pair that
+    lowers the rate (required when `survival` comes from the drafts about to be verified)."""
     r, g = survival.shape
     caps = np.minimum(np.asarray(caps, np.int64), min(g, max(widths) - 1))
     rows_idx, pos_idx = np.nonzero(np.arange(g)[None, :] < caps[:, None])
@@ -92,7 +99,7 @@ def plan_verify(survival: Float[np.ndarray, "r g"], caps: Int[np.ndarray, " r"],
     fallback = (rows_bucket, 0) in cost
     best = Plan(1, np.zeros(r, np.int64), 0, float(r), draft=not fallback)
     best_rate = r / cost(rows_bucket, 0 if fallback else 1)
-    gained = float(r)
+    gained, last_rate = float(r), best_rate
     for b in range(len(order)):
         gained += values[b]
         fitting = [w for w in widths if w >= need[b]]
@@ -100,6 +107,9 @@ def plan_verify(survival: Float[np.ndarray, "r g"], caps: Int[np.ndarray, " r"],
             break
         width = fitting[0]
         rate = gained / cost(rows_bucket, width)
+        if early_stop and rate < last_rate:
+            break
+        last_rate = rate
         if rate > best_rate:
             best_rate = rate
             best = Plan(width, np.bincount(rows_idx[:b + 1], minlength=r).astype(np.int64), b + 1, gained)

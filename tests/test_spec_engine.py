@@ -124,6 +124,16 @@ def test_planner_trades_expected_tokens_against_bucket_cost():
     assert plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), costly).width > 1
 
 
+def test_planner_early_stop_at_the_first_drop():
+    """Planning on the confidences of the drafts it verifies, the search stops where the rate first drops (a
+    later pair's survival depends on the drafts before it); the full search looks past it."""
+    survival = prefix_survival(np.array([[0.9, 0.8, 0.5, 0.2, 0.1]]))
+    stairs = CostTable({(1, 1): 1.0, (1, 2): 2.0, **{(1, w): 2.0 for w in range(3, 7)}})
+    # rates: 1 / 1 = 1; (1 + .9) / 2 = .95 (a drop); (1 + .9 + .72) / 2 = 1.31 ...
+    assert plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), stairs, early_stop=True).width == 1
+    assert plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), stairs).width > 2
+
+
 def test_planner_falls_back_to_decoding_without_drafts():
     survival = prefix_survival(np.array([[0.9, 0.8, 0.5, 0.2, 0.1]]))
     costs = {(1, 0): 1.0, (1, 1): 1.5, **{(1, w): 1.6 for w in range(2, 7)}}
