@@ -173,12 +173,12 @@ class AttentionV41(LatentAttention):
         group_pos = (start // r + jnp.arange(latents.shape[1])) * r
         if self.is_index_source:
             keys = self.indexer.keys(latents, group_pos, freqs, quant)
-            new_state["index_keys"] = store_complete(state["index_keys"], keys, start, c, r)
+            new_state["index_keys"] = store_complete(state["index_keys"], keys, start, c, r, state.get("frozen"))
             shared["index_keys"] = new_state["index_keys"]
         entries = apply_rope(latents[:, :, None], group_pos, freqs)[:, :, 0]
         if quant:
             entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
-        new_state["entries"] = store_complete(state["entries"], entries, start, c, r)
+        new_state["entries"] = store_complete(state["entries"], entries, start, c, r, state.get("frozen"))
         shared["entries"] = new_state["entries"]
 
     def _select(self, x, q_lat, positions, shared: dict, freqs) -> None:
