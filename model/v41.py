@@ -260,10 +260,11 @@ class DeepseekV41(nnx.Module):
         if not isinstance(replay, Replay):
             raise ValueError(f"replay must be a model.replay.Replay, got {replay!r}")
         split = self.config.n_prefill_layer if replay.active else len(self.layers)
+        if split < len(self.layers):  # before tracing any layer: a bad keep fails fast
+            replay.check(cache["layers"][split]["ring_kv"].shape[1], self.config.sliding_window)
         run = (streams, pre_mix, tokens, rows, {})
         streams, pre_mix, states, shared, taps = self._run_layers(range(split), run, start, cache, count, collect)
         if split < len(self.layers):
-            replay.check(cache["layers"][split]["ring_kv"].shape[1], self.config.sliding_window)
             span = kept_span(start, count, prompt_end, replay.keep, tokens.shape[0])
             run = (streams, pre_mix, tokens, rows, shared)
             replayed = (functools.partial(self._compact, width=min(tokens.shape[1], replay.keep))

@@ -89,11 +89,10 @@ def import_slot(engine, state: SlotState) -> bool:
         raise ValueError(f"the hand-off's per-slot state ({', '.join(sorted(state.slot))}) is not this engine's "
                          f"({', '.join(sorted(set(engine.cache) - set(NOT_PER_SLOT)))}): run both engines alike")
     scheduler = engine.scheduler
-    if not scheduler.free_slots or scheduler.pages.pages_needed(scheduler.free_slots[-1], state.computed) > len(
-            scheduler.pages.free):
+    new = scheduler.pages.grow(scheduler.free_slots[-1], state.computed) if scheduler.free_slots else None
+    if new is None:
         return False
-    slot = scheduler.free_slots.pop()
-    pages = np.asarray(scheduler.pages.grow(slot, state.computed), np.int32)
+    slot, pages = scheduler.free_slots.pop(), np.asarray(new, np.int32)
 
     def install(path, leaf, value):
         if _paged(path):

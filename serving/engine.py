@@ -425,7 +425,7 @@ class Engine:
         request = row.request
         if row.reset:  # the history before the row (a prefix hit replays from a later start)
             before = request.sequence[max(0, row.start - request.engram_history.shape[1]):row.start]
-            request.engram_history = self.engram.advance(np.array([before], np.int64).reshape(1, -1),
+            request.engram_history = self.engram.advance(np.array([before], np.int64),
                                                          self.engram.empty_history(1))
         tokens = [request.output[-1]] + request.drafts[:row.caps] if row.from_prev else row.tokens
         rows, history = self.engram.lookup(np.array([tokens]), request.engram_history)

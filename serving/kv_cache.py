@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -176,24 +177,31 @@ class PageAllocator:
         self.refs = [0] * layout.num_pages
         self.owned: dict[int, list[int]] = {}
         self.frozen: dict[int, int] = {}
+        self.reclaim: Callable[[int], int] | None = None  # frees up to n pages held by a cache (prefix cache)
 
     def pages_needed(self, slot: int, tokens: int) -> int:
         """Additional pages slot `slot` needs to hold `tokens` tokens."""
         return max(0, -(-tokens // self.layout.page_tokens) - len(self.owned.get(slot, [])))
 
     def grow(self, slot: int, tokens: int) -> list[int] | None:
-        """Give `slot` pages for `tokens` tokens; returns the new pages, or None (nothing taken) if the pool
-        is short."""
+        """Give `slot` pages for `tokens` tokens (reclaiming cached pages if the pool is short); returns the new
+        pages, or None (nothing taken) if the pool is still short."""
         if tokens > self.layout.max_len:
             raise ValueError(f"{tokens} tokens exceed the cache's max_len={self.layout.max_len}")
         need = self.pages_needed(slot, tokens)
+        if need > len(self.free) and self.reclaim is not None:
+            self.reclaim(need - len(self.free))
         if need > len(self.free):
             return None
-        new = [self.free.pop() for _ in range(need)]
-        for page in new:
-            self.refs[page] = 1
+        new = [self.allocate() for _ in range(need)]
         self.owned.setdefault(slot, []).extend(new)
         return new
+
+    def allocate(self) -> int:
+        """A free page with one reference, held by the caller (the pool must not be empty)."""
+        page = self.free.pop()
+        self.refs[page] = 1
+        return page
 
     def adopt(self, slot: int, pages: list[int]) -> None:
         """Start an empty slot's table with shared `pages` (a prefix-cache hit): a reference each, read-only."""
@@ -233,6 +241,10 @@ class PageAllocator:
         for page in reversed(self.owned.pop(slot, [])):
             self.drop(page)
         self.frozen.pop(slot, None)
+
+    def idle(self) -> int:
+        """Pages no slot holds: free, or held only by a cache that gives them back on demand."""
+        return self.layout.num_pages - len({page for pages in self.owned.values() for page in pages})
 
     def table(self, slot: int) -> list[int]:
         """The slot's block-table row (scratch page past its pages)."""

@@ -101,17 +101,26 @@ class PrefixAdmission:
         self.held: dict[str, PrefixMatch] = {}  # request id -> the locked path it uses
         self.inserts: list[Request] = []  # prefills dispatched this round: cached from the next one
         self.replayed_tokens = 0
+        pages.reclaim = self.evict  # the pool evicts unlocked cached pages before it reports a shortage
 
     # ---- admission ---------------------------------------------------------------------------------------
     def admit(self, request: Request) -> None:
         """A request just given a fresh slot: adopt the pages of its prompt's cached prefix (restoring pages from
         the host tier where the tree ends) and start its prefill `replay` tokens before the hit's end."""
-        match = self.tree.match(request.prompt, record=False)
-        if self.host.pages:
-            match = self._restore(request, match)
+        prompt = request.prompt
+        match = self.tree.match(prompt, record=False)
+        self.tree.lock(match)  # restoring may evict: never this path
+        restored = self._restore(prompt, match.tokens) if self.host.pages else []
+        if restored:
+            self.tree.unlock(match)
+            taken = self.tree.insert(prompt[:match.tokens + len(restored) * self.tree.block_tokens],
+                                     list(match.pages) + restored)
+            for page in set(restored) - set(taken):
+                self.pages.drop(page)
+            match = self.tree.match(prompt, record=False)
+            self.tree.lock(match)
         if not match.tokens:
             return
-        self.tree.lock(match)
         self.held[request.request_id] = match
         self.pages.adopt(request.slot, list(match.pages))
         request.computed = max(0, match.tokens - self.replay)
@@ -123,24 +132,20 @@ class PrefixAdmission:
         self.tree.record(len(request.prompt), hit)
         self.replayed_tokens += hit - request.computed
 
-    def _restore(self, request: Request, match: PrefixMatch) -> PrefixMatch:
-        """Bring back host-tier pages that continue the match: each into a free page, written on the device, then
-        cached in the tree (which holds it)."""
-        block, prompt, restored = self.tree.block_tokens, request.prompt, []
-        end = match.tokens + block
-        while end <= len(prompt) and self.pages.free:
-            contents = self.host.take(tuple(prompt[:end]))
-            if contents is None:
+    def _restore(self, prompt: list[int], cached: int) -> list[int]:
+        """Pages for the host-tier blocks that continue a cached prefix of `cached` tokens, each written on the
+        device (evicting unlocked cached pages for room); returns them, one reference each."""
+        block, restored = self.tree.block_tokens, []
+        end = cached + block
+        while end <= len(prompt) and tuple(prompt[:end]) in self.host.pages:
+            if not self.pages.free and not self.evict(1):
                 break
-            page = self.pages.free.pop()
-            self.pages.refs[page] = 1
+            contents = self.host.take(tuple(prompt[:end]))
+            page = self.pages.allocate()
             self.write_page(page, contents)
             restored.append(page)
             end += block
-        if not restored:
-            return match
-        self.tree.insert(prompt[:end - block], list(match.pages) + restored)
-        return self.tree.match(prompt, record=False)
+        return restored
 
     # ---- caching -----------------------------------------------------------------------------------------
     def prefilled(self, request: Request) -> None:

@@ -133,7 +133,7 @@ class Scheduler:
         elif size > budget:
             return None
         start = request.computed
-        if not self._grow(request.slot, start + size):
+        if self.pages.grow(request.slot, start + size) is None:
             return None
         kinds = [PROMPT if i < len(request.prompt) else RECOMPUTED for i in range(start, start + size)]
         row = Row(request, sequence[start:start + size], start, False, request.fresh_slot,
@@ -143,18 +143,10 @@ class Scheduler:
             self.prefix.prefilled(request)
         return row
 
-    def _grow(self, slot: int, tokens: int) -> bool:
-        """Pages for `tokens` tokens of `slot`, evicting unlocked prefix-cache pages if the pool is short."""
-        while self.pages.grow(slot, tokens) is None:
-            short = self.pages.pages_needed(slot, tokens) - len(self.pages.free)
-            if self.prefix is None or not self.prefix.evict(short):
-                return False
-        return True
-
     def _ensure_pages(self, request: Request, tokens: int, in_flight: bool) -> bool:
         """Pages for `tokens` tokens of a running request, preempting later arrivals if the pool is short.
         False if `request` itself had to be preempted."""
-        while not self._grow(request.slot, tokens):
+        while self.pages.grow(request.slot, tokens) is None:
             victims = [r for r in self.running if r is not request and r.status is Status.RUNNING]
             victim = max(victims, key=lambda r: r.arrival) if victims else request
             if in_flight:
