@@ -5,7 +5,9 @@ Per request slot (leading axis; the last slot is scratch for padding rows): ever
 last sampled token and the token statistics the penalties need. Compressed entries and indexer keys live
 in fixed-size pages shared by all slots and addressed by each slot's block table; one page holds
 `page_tokens` tokens' worth of entries in every compressed layer (page_tokens / ratio entries), so page
-boundaries are aligned with every compression ratio and one block table serves all layers.
+boundaries are aligned with every compression ratio and one block table serves all layers. Pages are
+reference counted, so slots and the prefix cache (`serving.prefix_admission`) can share them; a step never
+writes a slot's shared pages.
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ per layer. So every per-slot ring (window + backtracking, compressor open window
 exactly what a cold prefill leaves when replay >= ring + (L - 1)(W - 1) for L layers (and the drafter's context
 ring of C positions, fed from the last layers' outputs, when replay >= C + L(W - 1)): `exact_replay_tokens`.
 A hit then gives the same tokens as a cold run, up to float reassociation from the different chunking. A shorter
-replay (at least the largest ring) is the approximate variant vLLM and DeepInfer use: cheaper, not exact.
+replay (at least the window ring) is the approximate variant vLLM and DeepInfer use: cheaper, not exact.
 
 A request's full prompt pages enter the tree when its prefill has been dispatched (from the next scheduling
 round on, so no step reads pages the same step writes); on finish, the full pages of its prompt and output. The
-tree holds one reference per cached page; when the pool is short the scheduler evicts unlocked tree pages (least
-recently used) before it preempts running requests. With a host tier, an evicted page's contents are copied to
+tree holds one reference per cached page; when the pool is short it evicts unlocked tree pages (least recently
+used) before the scheduler preempts running requests. With a host tier, an evicted page's contents are copied to
 host memory (up to `host_pages` pages, least recently used dropped first) and copied back on a later hit
 instead of recomputed.
 """
@@ -84,8 +84,8 @@ class HostTier:
 
 class PrefixAdmission:
     """The engine's prefix cache: the tree over the scheduler's page pool, what each running request holds of
-    it, the replay length and the optional host tier (`read_page` / `write_page` copy one page's paged leaves
-    between the device cache and numpy)."""
+    it, the replay length (`replay`, read at each admission) and the optional host tier (`read_page` /
+    `write_page` copy one page's paged leaves between the device cache and numpy)."""
 
     def __init__(self, pages: PageAllocator, replay: int, host_pages: int = 0,
                  read_page: Callable[[int], list[np.ndarray]] | None = None,

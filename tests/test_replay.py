@@ -1,5 +1,5 @@
 """Bounded decoder replay in prefill (`model.replay`): mask == compact, the exactness rule against a full
-prefill, chunked prefill with a prompt end, keep validation, and the bundled model's greedy continuations.
+prefill, chunked prefill with a prompt end, keep validation, and the bundled model's state after replay.
 
 The reference is always the full prefill (replay off) of the same model: replay must match it exactly where
 the rule in `model.replay` says it is exact (a replay layer at depth d is exact at kept positions
@@ -128,32 +128,24 @@ def test_keep_must_cover_window_and_backtracking(tiny):
 
 # ---- the bundled model: one replay layer (3), window 32 --------------------------------------------------
 
-PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 400, 16
-
-
-def greedy_after_prefill(model, prompts: np.ndarray, replay):
-    """(prefill logits [b, n, v], greedy tokens [b, NEW_TOKENS], their logits [b, NEW_TOKENS, v])."""
-    cache = model.init_cache(prompts.shape[0], prompts.shape[1] + NEW_TOKENS)
-    prefill, cache = model.step(prompts, cache, replay=replay)
-    steps = [np.asarray(prefill[:, -1])]
-    for _ in range(NEW_TOKENS - 1):
-        logits, cache = model.step(steps[-1].argmax(-1)[:, None].astype(np.int32), cache)
-        steps.append(np.asarray(logits[:, -1]))
-    steps = np.stack(steps, axis=1)
-    return np.asarray(prefill), steps.argmax(-1), steps
+PROMPTS, PROMPT_LEN = 8, 400
 
 
 def test_bundled_model_continues_alike_after_replay():
+    """Replay's prefill leaves every cache leaf as a full prefill does (to 1e-4), so decode, greedy or sampled,
+    continues alike from there for any number of tokens (measured: 8 prompts x 16 greedy tokens all agree)."""
     model = load_model()
     text = (__import__("pathlib").Path(__file__).parent / "data" / "heldout_slice.txt").read_text(encoding="utf-8")
     ids = np.asarray(model.tokenizer.encode(text), np.int32)
     prompts = np.stack([ids[i * 190:i * 190 + PROMPT_LEN] for i in range(PROMPTS)])
-    off_prefill, off_tokens, off_steps = greedy_after_prefill(model, prompts, None)
-    on_prefill, on_tokens, on_steps = greedy_after_prefill(model, prompts, Replay("compact"))
+    (off_prefill, off_cache), (on_prefill, on_cache) = (
+        model.step(prompts, model.init_cache(PROMPTS, PROMPT_LEN + 16), replay=replay)
+        for replay in (None, Replay("compact")))
+    off_prefill, on_prefill = np.asarray(off_prefill), np.asarray(on_prefill)
     floor = PROMPT_LEN - Replay().keep
     assert np.abs(on_prefill[:, floor] - off_prefill[:, floor]).max() > 1e-2  # the cut window shows
     # one replay layer: exact from floor + W - 1 on, and its ring holds exact keys, so decode is too
-    assert np.abs(on_prefill[:, floor + model.config.sliding_window - 1:]
-                  - off_prefill[:, floor + model.config.sliding_window - 1:]).max() < 1e-4
-    assert np.abs(on_steps - off_steps).max() < 1e-4
-    assert (on_tokens == off_tokens).mean() == 1.0  # 8 prompts x 16 greedy tokens
+    exact = floor + model.config.sliding_window - 1
+    assert np.abs(on_prefill[:, exact:] - off_prefill[:, exact:]).max() < 1e-4
+    for on, off in zip(jax.tree.leaves(on_cache), jax.tree.leaves(off_cache)):
+        assert np.abs(np.asarray(on, np.float64) - np.asarray(off, np.float64)).max() < 1e-4
