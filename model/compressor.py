@@ -50,7 +50,7 @@ class Compressor(nnx.Module):
         pooled, recent = gated_pool(state, kv, gate, start, count, r, self.overlap)
         window_ids = start // r + jnp.arange(pooled.shape[1])
         pooled = apply_rope(self.norm(pooled)[:, :, None], window_ids * r, freqs)[:, :, 0]
-        return {"entries": store_complete(state["entries"], pooled, start, count, r), **recent}
+        return {"entries": store_complete(state["entries"], pooled, start, count, r, state.get("frozen")), **recent}
 
 
 def recent_slots(batch: int, size: int, width: int) -> dict[str, jax.Array]:
@@ -103,13 +103,22 @@ def push_recent(recent: Float[Array, "b s w"], new: Float[Array, "b c w"], posit
 
 
 def store_complete(
-    entries: Float[Array, "b t d"], values: Float[Array, "b n d"], start, count, ratio: int
+    entries: Float[Array, "b t d"], values: Float[Array, "b n d"], start, count, ratio: int,
+    frozen: Int[Array, " b"] | None = None,
 ) -> Float[Array, "b t d"]:
-    """Write values of windows start//ratio + i that the chunk completed; incomplete ones are dropped."""
+    """Write values of windows start//ratio + i that the chunk completed; incomplete ones are dropped.
+
+    `frozen` (per sequence; a state may carry it under that key) counts the leading tokens whose entries the
+    cache already holds and shares (a prefix-cache hit, `serving.prefix_admission`): windows ending at or before
+    it are kept as they are, so a chunk that replays those tokens to rebuild its window state reads the cached
+    entries and never writes them."""
     window_ids = start // ratio + jnp.arange(values.shape[1])
     complete = (window_ids + 1) * ratio <= start + count
-    rows = jnp.where(complete, window_ids, entries.shape[1])
-    return entries.at[:, rows].set(values.astype(entries.dtype), mode="drop")
+    if frozen is None:
+        rows = jnp.where(complete, window_ids, entries.shape[1])
+        return entries.at[:, rows].set(values.astype(entries.dtype), mode="drop")
+    rows = jnp.where(complete & ((window_ids + 1) * ratio > frozen[:, None]), window_ids, entries.shape[1])
+    return entries.at[jnp.arange(entries.shape[0])[:, None], rows].set(values.astype(entries.dtype), mode="drop")
 
 
 class Indexer(nnx.Module):

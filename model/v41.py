@@ -173,12 +173,12 @@ class AttentionV41(LatentAttention):
         group_pos = (start // r + jnp.arange(latents.shape[1])) * r
         if self.is_index_source:
             keys = self.indexer.keys(latents, group_pos, freqs, quant)
-            new_state["index_keys"] = store_complete(state["index_keys"], keys, start, c, r)
+            new_state["index_keys"] = store_complete(state["index_keys"], keys, start, c, r, state.get("frozen"))
             shared["index_keys"] = new_state["index_keys"]
         entries = apply_rope(latents[:, :, None], group_pos, freqs)[:, :, 0]
         if quant:
             entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
-        new_state["entries"] = store_complete(state["entries"], entries, start, c, r)
+        new_state["entries"] = store_complete(state["entries"], entries, start, c, r, state.get("frozen"))
         shared["entries"] = new_state["entries"]
 
     def _select(self, x, q_lat, positions, shared: dict, freqs) -> None:
@@ -260,10 +260,11 @@ class DeepseekV41(nnx.Module):
         if not isinstance(replay, Replay):
             raise ValueError(f"replay must be a model.replay.Replay, got {replay!r}")
         split = self.config.n_prefill_layer if replay.active else len(self.layers)
+        if split < len(self.layers):  # before tracing any layer: a bad keep fails fast
+            replay.check(cache["layers"][split]["ring_kv"].shape[1], self.config.sliding_window)
         run = (streams, pre_mix, tokens, rows, {})
         streams, pre_mix, states, shared, taps = self._run_layers(range(split), run, start, cache, count, collect)
         if split < len(self.layers):
-            replay.check(cache["layers"][split]["ring_kv"].shape[1], self.config.sliding_window)
             span = kept_span(start, count, prompt_end, replay.keep, tokens.shape[0])
             run = (streams, pre_mix, tokens, rows, shared)
             replayed = (functools.partial(self._compact, width=min(tokens.shape[1], replay.keep))

@@ -1,7 +1,7 @@
 """Prefill benchmark: bounded decoder replay (`model.replay`) off vs on, 2k- and 8k-token prompts, CPU.
 
-    .venv/bin/python scripts/bench_prefill.py             # 5 timed runs per figure (~10 min on 2 busy cores)
-    .venv/bin/python scripts/bench_prefill.py --runs 3
+    .venv/bin/python scripts/bench_prefill.py             # 5 timed runs per figure (~20 min on 2 busy cores)
+    .venv/bin/python scripts/bench_prefill.py --runs 1 --ttft-len 4096
 
 Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
 
@@ -26,8 +26,13 @@ compile-and-warm-up run per mode, the two modes' runs alternating (off, on, then
 them. `load_avg_1m_before` / `_after` come from `os.getloadavg()`:
 a shared machine's other work slows both modes alike only if it is steady, so compare runs with low load.
 
-Not measured here: `ttft_cold_s` / `ttft_hit_s` (time to first token for a prompt sharing 90 % with a cached
-one) need the engine's prefix cache, which does not exist yet.
+Time to first token with the engine's prefix cache (`serving.prefix_admission`), same model, one slot, chunks of
+`--ttft-chunk` tokens: `ttft_cold_s` for a `--ttft-len`-token prompt A with nothing cached (this run then caches
+A's pages), `ttft_hit_s` for a prompt B sharing its first 90 % with A (the exact replay, the engine's default:
+ring + 39 x 127 = 5081 tokens on this 40-layer model, so most of B is recomputed), `ttft_hit_window_s` with the
+approximate replay of one window ring (128 tokens, what vLLM and DeepInfer replay), each with a fresh B suffix,
+the median of `--runs` rounds (the cache cleared before each); `ttft_*_over_cold` are their ratios to cold.
+`ttft_replay_tokens` gives both replays.
 """
 
 from __future__ import annotations
@@ -70,14 +75,50 @@ def prefill_seconds(model: Model, tokens: np.ndarray, chunk: int, replay: Replay
     return time.perf_counter() - t0
 
 
+def ttft_seconds(model: Model, prompt_len: int, chunk: int, runs: int, rng) -> dict:
+    """TTFT figures of the engine's prefix cache (see the module docstring)."""
+    from serving.engine import Engine
+    from serving.sampling import SamplingParams
+
+    # one prefill bucket, compiled in round 0 (a request of one token never decodes)
+    engine = Engine(model, max_slots=1, max_len=prompt_len + 8, prefill_chunk=chunk, max_prefill_rows=1,
+                    batch_invariant=True, prefix_cache=True)
+    prefix, shared = engine.scheduler.prefix, prompt_len * 9 // 10
+    replays = {"hit": prefix.replay, "hit_window": engine.layout.ring}
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times: dict[str, list[float]] = {"cold": [], **{name: [] for name in replays}}
+    for r in range(runs + 1):  # round 0 warms up the host paths
+        prefix.clear()
+        a = rng.integers(0, model.config.vocab_size, prompt_len).tolist()
+        ttft = {"cold": engine.generate([a], one)[0].time_to_first_token}
+        for name, replay in replays.items():
+            prefix.replay = replay
+            b = a[:shared] + rng.integers(0, model.config.vocab_size, prompt_len - shared).tolist()
+            ttft[name] = engine.generate([b], one)[0].time_to_first_token
+        prefix.replay = replays["hit"]
+        print(f"ttft round {r}: " + ", ".join(f"{k} {v:.2f} s" for k, v in ttft.items()), file=sys.stderr)
+        for name, seconds in ttft.items():
+            if r:
+                times[name].append(round(seconds, 4))
+    out = {f"ttft_{name}_s": round(statistics.median(v), 4) for name, v in times.items()}
+    out |= {f"ttft_{name}_over_cold": round(out[f"ttft_{name}_s"] / out["ttft_cold_s"], 3) for name in replays}
+    return out | {f"runs_ttft_{name}": v for name, v in times.items()} | {
+        "ttft_len": prompt_len, "ttft_shared": shared, "ttft_chunk": chunk, "ttft_replay_tokens": replays,
+        "prefix_hit_rate": round(engine.prefix_cache_metrics()["hit_rate"], 3)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="timed runs per figure (median reported)")
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     parser.add_argument("--keep", type=int, default=140, help="replay keep (tokens)")
+    parser.add_argument("--ttft-len", type=int, default=8192, help="prompt tokens of the TTFT figures")
+    parser.add_argument("--ttft-chunk", type=int, default=512, help="engine prefill chunk of the TTFT figures")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.chunk < 1 or 2048 % args.chunk:
         parser.error("--runs must be >= 1 and --chunk a divisor of 2048")
+    if args.ttft_len < 640 or args.ttft_chunk < 1:
+        parser.error("--ttft-len must be >= 640 (a 90 % prefix of whole pages) and --ttft-chunk >= 1")
     model = init_model(bench_config(), seed=0)
     rng = np.random.default_rng(0)
     result: dict = {"load_avg_1m_before": round(os.getloadavg()[0], 2)}
@@ -98,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
             result[f"runs_{label}_{name}"] = runs[name]
         on, off = result[f"prefill_s_{label}_on"], result[f"prefill_s_{label}_off"]
         result[f"ratio_{label}_on_over_off"] = round(on / off, 3)
+    result.update(ttft_seconds(model, args.ttft_len, args.ttft_chunk, args.runs, rng))
     result.update(load_avg_1m_after=round(os.getloadavg()[0], 2), keep=args.keep, chunk=args.chunk,
                   config="bench_config(): v41-flash schedule, 40 layers (21 prefill + 19 replay), hidden 128")
     print(json.dumps(result))

@@ -98,11 +98,10 @@ def import_slot(engine, state: SlotState) -> bool:
     if grammar is not None and not grammar.accept(state.output):
         raise ValueError(f"the hand-off's output breaks its constraint: {grammar.error}")
     scheduler = engine.scheduler
-    if not scheduler.free_slots or scheduler.pages.pages_needed(scheduler.free_slots[-1], state.computed) > len(
-            scheduler.pages.free):
+    new = scheduler.pages.grow(scheduler.free_slots[-1], state.computed) if scheduler.free_slots else None
+    if new is None:
         return False
-    slot = scheduler.free_slots.pop()
-    pages = np.asarray(scheduler.pages.grow(slot, state.computed), np.int32)
+    slot, pages = scheduler.free_slots.pop(), np.asarray(new, np.int32)
 
     def install(path, leaf, value):
         if _paged(path):

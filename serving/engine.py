@@ -11,6 +11,10 @@ the verification scheduler (`serving.verify_plan`) choose the drafts per row fro
 the profiled cost of each verify bucket. Verification is lossless: greedy outputs are those of plain decoding
 and sampled outputs are distributed as the target's.
 
+Prefix caching (`prefix_cache`): a request adopts the cached pages of its prompt's longest cached prefix and
+prefills from shortly before the hit's end, replaying enough tokens to rebuild its window state exactly
+(`serving.prefix_admission`); evicted pages may wait in a host-memory tier.
+
 Structured outputs (`add_request(..., constraint=)`): a constrained request's rows carry packed token masks that
 the compiled step applies before sampling and verification. A mask depends on every token before it, so before
 dispatching a step with a constrained request whose tokens are still in flight the host reads them first
@@ -38,6 +42,7 @@ from model.api import Model
 from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer
 from serving.grammar_mask import RequestGrammar, fill_masks, speculate_masks
 from serving.kv_cache import CacheLayout, init_engine_cache
+from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
@@ -69,7 +74,10 @@ class Engine:
     every width 2 .. num_drafts + 1, fewer widths compile faster); `backtrack` extra window-ring slots (speculation
     needs num_drafts + 1 and takes at least that); `draft_fallback` (DSpark): when no verify budget pays, decode
     without drafting (the drafter only absorbs features) and probe with a drafting step every `probe_every`
-    such steps.
+    such steps; `prefix_cache` shares the pages of cached prompt prefixes (default: on unless
+    `batch_invariant`, since a hit changes how a prompt is chunked), replaying `prefix_replay` tokens before a
+    hit's end (default: the exact replay, `exact_replay_tokens`; fewer is approximate), with up to
+    `host_pages` evicted pages kept in host memory.
     """
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_len: int = 1024, num_pages: int | None = None,
@@ -78,7 +86,8 @@ class Engine:
                  num_top_logprobs: int = 5, return_logits: bool = False, seed: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, backtrack: int = 0,
                  speculation: str = "none", num_drafts: int | None = None,
-                 verify_widths: Sequence[int] | None = None, draft_fallback: bool = True, probe_every: int = 8):
+                 verify_widths: Sequence[int] | None = None, draft_fallback: bool = True, probe_every: int = 8,
+                 prefix_cache: bool | None = None, prefix_replay: int | None = None, host_pages: int = 0):
         if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if speculation not in SPECULATION:
@@ -121,6 +130,7 @@ class Engine:
         module = model.module()
         draft_module = drafter.module() if drafter is not None else None
         self.cache = init_engine_cache(module, self.layout, draft_module)
+        self.scheduler.prefix = self._prefix_cache(prefix_cache, prefix_replay, host_pages)
         # what the compiled steps take (flattened once)
         self.weights = (jax.tree.leaves(model.params), jax.tree.leaves(drafter.params) if drafter else [])
         empty = module.init_cache(1, self.layout.pages_per_slot * self.layout.page_tokens, self.layout.ring)
@@ -156,6 +166,8 @@ class Engine:
         decode and verify buckets for its cost table."""
         for bucket in self.buckets():
             self._executable(bucket)
+        if self.scheduler.prefix is not None:
+            self.device_pages.warmup()
         if self.speculation == "dspark" and self.costs is None:
             self.costs = self.profile()
 
@@ -187,6 +199,29 @@ class Engine:
                                                  empty_batch(self.layout, rows, width, self._engram_shapes(),
                                                              verify_len), verify_len)
         return self.compiled[bucket]
+
+    def _prefix_cache(self, enabled: bool | None, replay: int | None, host_pages: int) -> PrefixAdmission | None:
+        """The engine's prefix cache (None when off), with its device ops on `self.cache`."""
+        if enabled is None:
+            enabled = not self.batch_invariant
+        if not enabled:
+            if replay is not None or host_pages:
+                raise ValueError("prefix_replay and host_pages need prefix_cache=True")
+            return None
+        exact = exact_replay_tokens(self.config, self.cache)
+        replay = exact if replay is None else replay
+        if isinstance(replay, bool) or not isinstance(replay, int) or not self.layout.ring <= replay:
+            raise ValueError(f"prefix_replay must be an integer >= the window ring ({self.layout.ring} tokens) so "
+                             f"decode finds its window filled (exact replay: {exact}), got {replay!r}")
+        self.device_pages = DevicePages(self, self.layout.max_len)
+        return PrefixAdmission(self.scheduler.pages, replay, host_pages, self.device_pages.read,
+                               self.device_pages.write)
+
+    def prefix_cache_metrics(self) -> dict[str, float]:
+        """Prefix-cache counters (`PrefixAdmission.metrics`: `hit_rate` = prompt tokens served from the cache
+        over prompt tokens admitted); empty when the cache is off."""
+        prefix = self.scheduler.prefix
+        return {} if prefix is None else prefix.metrics()
 
     def _engram_shapes(self) -> tuple:
         if self.engram is None:
@@ -364,6 +399,9 @@ class Engine:
         step whose drafter does not draft (the no-draft fallback)."""
         bucket = (next(r for r in row_buckets if r >= len(rows)), width, verify_len)
         batch = self._batch(rows, bucket[0], width, verify_len, budget)._replace(draft=np.asarray(draft))
+        for row in rows:
+            if row.reset and row.start:  # a prefix hit replays from `start`: the prompt tokens before it
+                self.device_pages.start_prompt(row.request.slot, row.request.prompt[:row.start])
         outputs, self.cache = self._executable(bucket)(self.weights, self.cache, batch)
         if width == verify_len:
             self._cost_key = (bucket[0], width if draft else 0)
@@ -395,6 +433,7 @@ class Engine:
             b.slots[i], b.starts[i], b.counts[i], b.caps[i] = row.request.slot, row.start, n, row.caps
             b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset, row.sample
             b.block_tables[i] = self.scheduler.block_table(row.request)
+            b.frozen[i] = row.frozen
         b.budget[...] = b.caps.sum() if budget is None else budget
         sampling = SamplingBatch.from_params([r.request.params for r in rows], num_rows)
         return b._replace(sampling=sampling)
@@ -423,8 +462,10 @@ class Engine:
         verify row's tokens are the last token and the drafts the host read (zero-overhead is off for Engram
         models); its history advances only when the host reads which of them were committed."""
         request = row.request
-        if row.reset:
-            request.engram_history = self.engram.empty_history(1)
+        if row.reset:  # the history before the row (a prefix hit replays from a later start)
+            before = request.sequence[max(0, row.start - request.engram_history.shape[1]):row.start]
+            request.engram_history = self.engram.advance(np.array([before], np.int64),
+                                                         self.engram.empty_history(1))
         tokens = [request.output[-1]] + request.drafts[:row.caps] if row.from_prev else row.tokens
         rows, history = self.engram.lookup(np.array([tokens]), request.engram_history)
         if not row.from_prev:

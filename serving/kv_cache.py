@@ -5,13 +5,16 @@ Per request slot (leading axis; the last slot is scratch for padding rows): ever
 last sampled token and the token statistics the penalties need. Compressed entries and indexer keys live
 in fixed-size pages shared by all slots and addressed by each slot's block table; one page holds
 `page_tokens` tokens' worth of entries in every compressed layer (page_tokens / ratio entries), so page
-boundaries are aligned with every compression ratio and one block table serves all layers.
+boundaries are aligned with every compression ratio and one block table serves all layers. Pages are
+reference counted, so slots and the prefix cache (`serving.prefix_admission`) can share them; a step never
+writes a slot's shared pages.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -125,48 +128,125 @@ def gather_rows(cache: dict, slots: Int[Array, " r"], empty: dict, reset) -> dic
 def scatter_rows(cache: dict, slots: Int[Array, " r"], rows: dict, first_page: Int[Array, " r"],
                  num_pages: int) -> dict:
     """Write batched states back: slot leaves by slot; of the paged leaves only the `num_pages` pages from
-    each row's `first_page` on (the pages its chunk can have completed entries in), through the block tables."""
+    each row's `first_page` on (the pages its chunk can have completed entries in, past the pages it shares
+    with the prefix cache), through the block tables. Offsets past the table go to the scratch page, so a row
+    never writes a page outside its own writable ones."""
     tables = cache["block_tables"][slots]
-    touched = jnp.minimum(first_page[:, None] + jnp.arange(num_pages), tables.shape[1] - 1)  # [r, n]
+    wanted = first_page[:, None] + jnp.arange(num_pages)  # [r, n]
+    touched = jnp.minimum(wanted, tables.shape[1] - 1)
 
     def one(path, leaf, row):
         if _paged(path):
             pages = row.reshape(slots.shape[0], tables.shape[1], *leaf.shape[1:])
             pages = jnp.take_along_axis(pages, touched[:, :, None, None], axis=1)
-            targets = jnp.take_along_axis(tables, touched, axis=1)
+            targets = jnp.where(wanted < tables.shape[1], jnp.take_along_axis(tables, touched, axis=1),
+                                leaf.shape[0] - 1)  # the scratch page
             return leaf.at[targets.reshape(-1)].set(pages.reshape(-1, *leaf.shape[1:]))
         return leaf.at[slots].set(row)
 
     return {**cache, "layers": jax.tree.map_with_path(one, cache["layers"], rows)}
 
 
+def freeze(states: list, frozen: Int[Array, " r"]) -> list:
+    """Per-layer row states with `frozen` (tokens at each row's start whose compressed entries are shared,
+    read-only pages) beside every paged leaf, where the model's compressors read it (`store_complete`)."""
+
+    def mark(node):
+        if isinstance(node, dict):
+            out = {k: mark(v) for k, v in node.items()}
+            return out | {"frozen": frozen} if any(k in PAGED_LEAVES for k in node) else out
+        return [mark(v) for v in node] if isinstance(node, list) else node
+
+    return mark(states)
+
+
+def thaw(states):
+    """The states without the `frozen` marks `freeze` added (a layer may pass its input's keys through)."""
+    if isinstance(states, dict):
+        return {k: thaw(v) for k, v in states.items() if k != "frozen"}
+    return [thaw(v) for v in states] if isinstance(states, list) else states
+
+
 class PageAllocator:
-    """Host bookkeeping of the page pool: free pages, and each slot's pages in block-table order."""
+    """Host bookkeeping of the page pool: free pages, each page's reference count, and each slot's pages in
+    block-table order. A page is referenced by every slot whose table lists it and by the prefix cache while
+    it caches it; it returns to the pool when the last reference goes. A slot's first `frozen[slot]` pages are
+    shared (adopted from the prefix cache, or handed to it): read-only for the slot's steps."""
 
     def __init__(self, layout: CacheLayout):
         self.layout = layout
         self.free = list(range(layout.num_pages - 1, -1, -1))
+        self.refs = [0] * layout.num_pages
         self.owned: dict[int, list[int]] = {}
+        self.frozen: dict[int, int] = {}
+        self.reclaim: Callable[[int], int] | None = None  # frees up to n pages held by a cache (prefix cache)
 
     def pages_needed(self, slot: int, tokens: int) -> int:
         """Additional pages slot `slot` needs to hold `tokens` tokens."""
         return max(0, -(-tokens // self.layout.page_tokens) - len(self.owned.get(slot, [])))
 
     def grow(self, slot: int, tokens: int) -> list[int] | None:
-        """Give `slot` pages for `tokens` tokens; returns the new pages, or None (nothing taken) if the pool
-        is short."""
+        """Give `slot` pages for `tokens` tokens (reclaiming cached pages if the pool is short); returns the new
+        pages, or None (nothing taken) if the pool is still short."""
         if tokens > self.layout.max_len:
             raise ValueError(f"{tokens} tokens exceed the cache's max_len={self.layout.max_len}")
         need = self.pages_needed(slot, tokens)
+        if need > len(self.free) and self.reclaim is not None:
+            self.reclaim(need - len(self.free))
         if need > len(self.free):
             return None
-        new = [self.free.pop() for _ in range(need)]
+        new = [self.allocate() for _ in range(need)]
         self.owned.setdefault(slot, []).extend(new)
         return new
 
+    def allocate(self) -> int:
+        """A free page with one reference, held by the caller (the pool must not be empty)."""
+        page = self.free.pop()
+        self.refs[page] = 1
+        return page
+
+    def adopt(self, slot: int, pages: list[int]) -> None:
+        """Start an empty slot's table with shared `pages` (a prefix-cache hit): a reference each, read-only."""
+        if self.owned.get(slot):
+            raise ValueError(f"slot {slot} already holds pages; shared pages must come first")
+        for page in pages:
+            self.share(page)
+        self.owned[slot] = list(pages)
+        self.frozen[slot] = len(pages)
+
+    def share(self, page: int) -> None:
+        """One more reference to a page in use."""
+        if self.refs[page] <= 0:
+            raise ValueError(f"page {page} is free; only a page in use can be shared")
+        self.refs[page] += 1
+
+    def drop(self, page: int) -> bool:
+        """Remove one reference; True if that freed the page."""
+        if self.refs[page] <= 0:
+            raise ValueError(f"page {page} has no reference to drop")
+        self.refs[page] -= 1
+        if self.refs[page]:
+            return False
+        self.free.append(page)
+        return True
+
+    def freeze(self, slot: int, pages: int) -> None:
+        """Mark the slot's first `pages` pages read-only (they were handed to the prefix cache)."""
+        self.frozen[slot] = max(self.frozen.get(slot, 0), min(pages, len(self.owned.get(slot, []))))
+
+    def frozen_tokens(self, slot: int) -> int:
+        """Tokens at the slot's start whose pages are shared (its steps never write them)."""
+        return self.frozen.get(slot, 0) * self.layout.page_tokens
+
     def release(self, slot: int) -> None:
-        """Return all pages of `slot` to the pool."""
-        self.free.extend(reversed(self.owned.pop(slot, [])))
+        """Drop the slot's reference to each of its pages (unshared ones return to the pool)."""
+        for page in reversed(self.owned.pop(slot, [])):
+            self.drop(page)
+        self.frozen.pop(slot, None)
+
+    def idle(self) -> int:
+        """Pages no slot holds: free, or held only by a cache that gives them back on demand."""
+        return self.layout.num_pages - len({page for pages in self.owned.values() for page in pages})
 
     def table(self, slot: int) -> list[int]:
         """The slot's block-table row (scratch page past its pages)."""

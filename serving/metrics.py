@@ -36,6 +36,8 @@ class ServerMetrics:
                              **label).labels(model_name)
         self.kv_usage = Gauge("jaxseek:kv_cache_usage_perc", "Fraction of compressed-KV pages in use.",
                               **label).labels(model_name)
+        self.prefix_hit_rate = Gauge("jaxseek:prefix_cache_hit_rate", "Prompt tokens served from the prefix "
+                                     "cache over prompt tokens admitted.", **label).labels(model_name)
         self.prompt_tokens = Counter("jaxseek:prompt_tokens", "Prompt tokens of finished requests.",
                                      **label).labels(model_name)
         self.generation_tokens = Counter("jaxseek:generation_tokens", "Generated tokens of finished requests.",

@@ -5,10 +5,10 @@ size is a multiple of every compression ratio, so a cached prefix always ends on
 and its pages hold only complete groups. Each tree edge carries one or more blocks (and their pages); a node is
 split when a match or an insert ends inside its edge. Only whole blocks are ever matched or inserted.
 
-Pure host bookkeeping, not yet wired into the engine: the tree never allocates or frees a page itself. It holds
-one reference to every page it lists (`insert` says which pages it took) and hands pages back from `evict`;
-the page allocator owns the counts. Requests using a cached prefix `lock` its path so eviction skips it.
-Eviction is least-recently-used over unlocked leaves, from the tail of a leaf's edge.
+Pure host bookkeeping (`serving.prefix_admission` wires it into the engine): the tree never allocates or frees
+a page itself. It holds one reference to every page it lists (`insert` says which pages it took) and hands pages
+back from `evict`; the page allocator owns the counts. Requests using a cached prefix `lock` its path so eviction
+skips it. Eviction is least-recently-used over unlocked leaves, from the tail of a leaf's edge.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ class PrefixCache:
         self.queries = self.query_tokens = self.hit_tokens = self.evicted_blocks = 0
 
     # ---- lookup ------------------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int]) -> PrefixMatch:
+    def match(self, tokens: Sequence[int], record: bool = True) -> PrefixMatch:
         """The longest cached prefix of `tokens` in whole blocks (a trailing partial block never matches);
-        marks its path used now and counts the query in the hit-rate metrics."""
+        marks its path used now and, with `record`, counts the query in the hit-rate metrics."""
         blocks = self._blocks(tokens)
         node, pages, now = self.root, [], next(self._clock)
         i = 0
@@ -68,10 +68,15 @@ class PrefixCache:
             i += same
             node = child
             node.last_use = now
-        self.queries += 1
-        self.query_tokens += len(tokens)
-        self.hit_tokens += i * self.block_tokens
+        if record:
+            self.record(len(tokens), i * self.block_tokens)
         return PrefixMatch(i * self.block_tokens, tuple(pages), node)
+
+    def record(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count one query of `query_tokens` tokens of which `hit_tokens` were served from the cache."""
+        self.queries += 1
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
 
     def lock(self, match: PrefixMatch) -> None:
         """Pin the matched path (a request is using its pages): eviction skips it until `unlock`."""
@@ -114,15 +119,23 @@ class PrefixCache:
     def evict(self, pages: int) -> list[int]:
         """Drop up to `pages` cached blocks, least recently used first, only from unlocked leaves (tail blocks
         of an edge first); returns the freed pages (the tree's references to them are gone)."""
+        return [page for _, page in self.evict_blocks(pages)]
+
+    def evict_blocks(self, pages: int) -> list[tuple[tuple[int, ...], int]]:
+        """`evict`, naming each dropped block by the whole token prefix it ends: (prefix tokens, page)."""
         if pages < 0:
             raise ValueError(f"cannot evict {pages} pages")
         heap = [(n.last_use, id(n), n) for n in self._nodes() if not n.children and not n.locks]
         heapq.heapify(heap)
-        freed: list[int] = []
+        freed: list[tuple[tuple[int, ...], int]] = []
         while heap and len(freed) < pages:
             _, _, node = heapq.heappop(heap)
             drop = min(len(node.blocks), pages - len(freed))
-            freed += node.pages[len(node.pages) - drop:]
+            before = [t for upper in reversed(list(_path(node.parent))) for block in upper.blocks for t in block]
+            before += [t for block in node.blocks[:len(node.blocks) - drop] for t in block]
+            for block, page in zip(node.blocks[len(node.blocks) - drop:], node.pages[len(node.pages) - drop:]):
+                before += block
+                freed.append((tuple(before), page))
             self.cached_blocks -= drop
             self.evicted_blocks += drop
             if drop < len(node.blocks):

@@ -2,9 +2,11 @@
 
 Every iteration runs the decode rows of all running requests, then fills the remaining token budget with
 prefill chunks (continuing prompts first, then newly admitted requests, FIFO). When a running request
-needs a page and none is free, the most recently admitted request is preempted: its slot and pages are
-freed and it recomputes its prompt and generated tokens later (randomness is keyed by position, so its
-continuation does not change).
+needs a page and none is free, unlocked prefix-cache pages are evicted first (least recently used), then the
+most recently admitted request is preempted: its slot and pages are freed and it recomputes its prompt and
+generated tokens later (randomness is keyed by position, so its continuation does not change). With a prefix
+cache (`serving.prefix_admission`) an admitted request adopts the pages of its prompt's cached prefix and
+prefills only from shortly before the hit's end.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import collections
 import dataclasses
 
 from serving.kv_cache import CacheLayout, PageAllocator
+from serving.prefix_admission import PrefixAdmission
 from serving.request import Request, Status
 from serving.step import COUNTED, PROMPT, RECOMPUTED
 
@@ -29,6 +32,7 @@ class Row:
     sample: bool
     kinds: list[int]
     caps: int = 0  # a decode row: the most drafts it may verify
+    frozen: int = 0  # tokens at the sequence start in shared pages (the step writes none of them)
 
 
 class NeedsFlush(Exception):
@@ -39,8 +43,9 @@ class Scheduler:
     """Queues, slots and pages of the engine (host side)."""
 
     def __init__(self, layout: CacheLayout, prefill_chunk: int, token_budget: int, max_prefill_rows: int,
-                 fixed_chunks: bool, num_drafts: int = 0):
-        self.layout, self.pages = layout, PageAllocator(layout)
+                 fixed_chunks: bool, num_drafts: int = 0, pages: PageAllocator | None = None,
+                 prefix: PrefixAdmission | None = None):
+        self.layout, self.pages, self.prefix = layout, pages or PageAllocator(layout), prefix
         self.prefill_chunk, self.token_budget = prefill_chunk, token_budget
         self.max_prefill_rows, self.fixed_chunks, self.num_drafts = max_prefill_rows, fixed_chunks, num_drafts
         self.waiting: collections.deque[Request] = collections.deque()
@@ -51,8 +56,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def release(self, request: Request) -> None:
-        """Free a finished (or cancelled) request's slot and pages."""
+        """Free a finished (or cancelled) request's slot and pages (their full pages go to the prefix cache)."""
         if request.slot is not None:
+            if self.prefix is not None:
+                self.prefix.finished(request)
             self.pages.release(request.slot)
             self.free_slots.append(request.slot)
             request.slot = None
@@ -64,6 +71,8 @@ class Scheduler:
     def schedule(self, in_flight: bool) -> tuple[list[Row], list[Row]]:
         """(decode rows, prefill rows) of the next iteration. Raises NeedsFlush if a preemption is needed
         while results are in flight."""
+        if self.prefix is not None:
+            self.prefix.flush()
         decode: list[Row] = []
         for request in list(self.running):
             if request.status is not Status.RUNNING or request.prefilling:
@@ -78,6 +87,8 @@ class Scheduler:
                 continue  # it was preempted itself
             decode.append(Row(request, [0], last, True, False, True, [COUNTED], caps))
         decode = [row for row in decode if row.request.status is Status.RUNNING]  # drop preempted ones
+        for row in decode:
+            row.frozen = self.pages.frozen_tokens(row.request.slot)
         budget = self.token_budget - len(decode)
         prefill: list[Row] = []
         for request in [r for r in self.running if r.status is Status.RUNNING and r.prefilling]:
@@ -88,22 +99,30 @@ class Scheduler:
                 prefill.append(row)
                 budget -= len(row.tokens)
         while self.waiting and self.free_slots and budget > 0 and len(prefill) < self.max_prefill_rows:
-            request = self.waiting[0]
-            if self.pages.pages_needed(self.free_slots[-1], min(len(request.sequence), self.prefill_chunk)) \
-                    > len(self.pages.free):
-                break
-            self.waiting.popleft()
+            request = self.waiting.popleft()
             request.slot, request.status, request.fresh_slot = self.free_slots.pop(), Status.RUNNING, True
+            if self.prefix is not None:
+                self.prefix.admit(request)
             self.running.append(request)
             row = self._chunk(request, budget)
             if row is None:  # the pool could not give even this chunk's pages: back to the queue
-                self.release(request)
-                request.status = Status.WAITING
-                self.waiting.appendleft(request)
+                self._requeue(request, Status.WAITING)
                 break
+            if self.prefix is not None:
+                self.prefix.confirm(request)
             prefill.append(row)
             budget -= len(row.tokens)
         return decode, prefill
+
+    def _requeue(self, request: Request, status: Status) -> None:
+        """Take the request's slot and pages (caching nothing) and queue it first, to compute from the start."""
+        if self.prefix is not None:
+            self.prefix.dropped(request)
+        self.pages.release(request.slot)
+        self.free_slots.append(request.slot)
+        self.running.remove(request)
+        request.slot, request.status, request.computed = None, status, 0
+        self.waiting.appendleft(request)
 
     def _chunk(self, request: Request, budget: int) -> Row | None:
         """The next prefill chunk of `request` within `budget` tokens (None: no pages for it)."""
@@ -118,8 +137,10 @@ class Scheduler:
             return None
         kinds = [PROMPT if i < len(request.prompt) else RECOMPUTED for i in range(start, start + size)]
         row = Row(request, sequence[start:start + size], start, False, request.fresh_slot,
-                  start + size == len(sequence), kinds)
+                  start + size == len(sequence), kinds, frozen=self.pages.frozen_tokens(request.slot))
         request.fresh_slot = False
+        if row.sample and self.prefix is not None:
+            self.prefix.prefilled(request)
         return row
 
     def _ensure_pages(self, request: Request, tokens: int, in_flight: bool) -> bool:
@@ -137,14 +158,10 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Free the request's slot and pages; it will recompute prompt + generated tokens."""
-        self.pages.release(request.slot)
-        self.free_slots.append(request.slot)
-        self.running.remove(request)
-        request.slot, request.status = None, Status.PREEMPTED
-        request.computed, request.replay_outputs = 0, len(request.output)
+        self._requeue(request, Status.PREEMPTED)
+        request.replay_outputs = len(request.output)
         request.in_flight.clear()
         request.preemptions += 1
-        self.waiting.appendleft(request)
 
     def block_table(self, request: Request) -> list[int]:
         return self.pages.table(request.slot)

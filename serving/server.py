@@ -115,11 +115,12 @@ class Server:
     def _observe(self, engine, finished) -> None:
         """After each engine step (engine thread): queue depths, page usage, finished requests' latencies."""
         s = engine.scheduler
-        free, total = len(s.pages.free), engine.layout.num_pages
+        free, total = s.pages.idle(), engine.layout.num_pages  # cached prefix pages count as free
         self.state = {"running": len(s.running), "waiting": len(s.waiting), "free_pages": free, "total_pages": total}
         self.metrics.observe_engine(len(s.running), len(s.waiting), total - free, total)
         self.metrics.observe_speculation(self.decode_engine.stats)
         self.metrics.observe_grammar(self.decode_engine.stats)
+        self.metrics.prefix_hit_rate.set(self.decode_engine.prefix_cache_metrics().get("hit_rate", 0.0))
         for output in finished:
             self.metrics.observe_finished(output)
 

@@ -29,7 +29,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from model.dspark import DraftOutput
 from serving.grammar_mask import ALL_ALLOWED, apply_token_bitmask, bitmask_width
-from serving.kv_cache import CacheLayout, gather_rows, gather_slots, scatter_rows
+from serving.kv_cache import CacheLayout, freeze, gather_rows, gather_slots, scatter_rows, thaw
 from serving.sampling import GREEDY_BELOW, SamplingBatch, draw_tokens, processed_logits, token_logprobs
 from serving.speculative import admit, verify
 
@@ -52,6 +52,7 @@ class StepBatch(NamedTuple):
     budget: Int[Array, ""]  # verify buckets: drafts verified over all rows, split by prefix survival
     bitmask: Int[Array, "r v words"]  # per verify position the allowed tokens, packed (-1: all; constraints)
     draft: Bool[Array, ""]  # a drafter step drafts the next blocks (False: its drafter only absorbs features)
+    frozen: Int[Array, " r"]  # tokens at the row's sequence start held in shared pages: never written (prefix cache)
 
 
 # What a token of a row is, for the penalty statistics: prompt tokens join the prompt mask, replayed
@@ -93,7 +94,8 @@ def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=(), v
         sampling=SamplingBatch.from_params([], rows),
         engram_rows=tuple(np.zeros((rows, tokens, *shape), np.float32) for shape in engram_shapes),
         caps=z(rows), budget=np.zeros((), np.int32), draft=np.ones((), bool),
-        bitmask=np.full((rows, verify_len, bitmask_width(layout.vocab_size)), ALL_ALLOWED, np.int32))
+        bitmask=np.full((rows, verify_len, bitmask_width(layout.vocab_size)), ALL_ALLOWED, np.int32),
+        frozen=z(rows))
 
 
 class DrafterSpec(NamedTuple):
@@ -124,6 +126,7 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
         cache = {**cache, "block_tables": cache["block_tables"].at[slots].set(batch.block_tables)}
         # materialised before use, so the slot buffers are no longer read when they are updated in place
         states = jax.lax.optimization_barrier(gather_rows(cache, slots, empty_layers, batch.reset))
+        states = freeze(states, batch.frozen)
         device = batch.from_prev
         starts = jnp.where(device, cache["next_pos"][slots], batch.starts)
         if verify_len > 1:  # a verify row: [last token, its admitted drafts]
@@ -143,7 +146,8 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
             extra["collect"] = drafter.target_layers
         logits, new, *taps = module(tokens, {"pos": starts, "layers": states}, count=counts, **extra)
         pages = min(batch.block_tables.shape[1], (width - 1) // page_tokens + 2)  # a chunk spans at most these
-        cache = scatter_rows(cache, slots, new["layers"], starts // page_tokens, pages)
+        first = jnp.maximum(starts, batch.frozen) // page_tokens  # shared pages are read-only
+        cache = scatter_rows(cache, slots, thaw(new["layers"]), first, pages)
 
         # the verify positions: the last drafted + 1 real ones (a prefill or decode row: its last)
         at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
@@ -205,7 +209,7 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
         verify_len, vocab = picked.shape[1], picked.shape[2]
         scratch = cache["last_token"].shape[0] - 1
         real = jnp.arange(width)[None, :] < counts[:, None]
-        fresh = jnp.where(batch.reset, slots, scratch)
+        fresh = jnp.where(batch.reset & (batch.starts == 0), slots, scratch)  # a prefix hit: set by the engine
         prompt_mask = cache["prompt_mask"].at[fresh].set(False)
         output_counts = cache["output_counts"].at[fresh].set(0)
         as_prompt = jnp.where(real & (kinds == PROMPT), slots[:, None], scratch)

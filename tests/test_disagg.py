@@ -104,7 +104,7 @@ def test_prefill_process_hands_off_to_decode_engine(setup, pd_server):
         same(results[rid], expected)
     assert dropped[0] not in results and results[dropped[1]].finish_reason == "cancelled"
     assert pd.handoff_bytes > 0 and not pd.in_prefill and not pd.cancelled
-    assert len(pd.scheduler.pages.free) == pd.layout.num_pages
+    assert pd.scheduler.pages.idle() == pd.layout.num_pages
 
 
 def test_constrained_request_across_the_handoff(setup, pd_server):

@@ -98,7 +98,7 @@ def test_unconstrained_rows_are_unchanged_and_bad_constraints_refused(engine, bu
     together = run(engine, [constrained, (free, params, None), constrained])
     assert together[1].token_ids == alone.token_ids and together[1].finish_reason == "length"
     jsonschema.validate(json.loads(together[0].text), SCHEMAS["tool_call"])
-    assert len(engine.scheduler.pages.free) == engine.layout.num_pages
+    assert engine.scheduler.pages.idle() == engine.layout.num_pages
 
 
 def test_generate_reads_constraints_from_jsonl_bodies(engine, bundled, tmp_path):
