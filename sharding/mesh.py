@@ -178,12 +178,18 @@ def shard_model(model, mesh: Mesh):
                  drafter=model.drafter)
 
 
-def model_forward(model):
-    """`(params, tokens, cache, *engram_rows) -> (logits, cache)` of a Model, for jit / lowering."""
+def model_forward(model, layers=None):
+    """`(params, tokens, cache, *engram_rows) -> (logits, cache)` of a Model, for jit / lowering.
+
+    `layers(module.layers)`, when given, replaces the layer list before the call (layout studies trace the
+    layers one by one, or run without them)."""
     graphdef, has_engram = model.graphdef, bool(getattr(model.config, "engram_layer_ids", ()))
 
     def forward(params, tokens, cache, *rows):
-        return nnx.merge(graphdef, params)(tokens, cache, *([tuple(rows)] if has_engram else []))
+        module = nnx.merge(graphdef, params)
+        if layers is not None:
+            module.layers = nnx.List(layers(list(module.layers)))
+        return module(tokens, cache, *([tuple(rows)] if has_engram else []))
 
     return forward
 
