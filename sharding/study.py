@@ -342,7 +342,7 @@ def print_table(reports: list[dict], out=sys.stdout) -> None:
             used = {k: v for k, v in figures["collectives"].items() if v}
             print(f"{r['mesh']:>16} {step:>7}: {figures['flops_per_token'] / 1e9:.1f} GFLOP/token compiled, "
                   f"collectives {used or 'none'}, XLA:CPU temp {_human(figures['xla_cpu_temp_bytes_per_device'])}, "
-                  f"compile {figures['compile_s']} s", file=out)
+                  f"compile {figures['compile_s']} s ({figures['programs_compiled']} programs)", file=out)
 
 
 def add_arguments(p) -> None:
