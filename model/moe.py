@@ -89,8 +89,23 @@ class Gate(nnx.Module):
         return ids, weights * self.scale
 
 
+class ExpertMap(nnx.Variable):
+    """An MoE layer's EPLB tables (`sharding.expert_balance`): integers that place experts, never trained."""
+
+
+def replica_slots(ids: Int[Array, "t k"], log2phy: Int[Array, "e r"], logcnt: Int[Array, " e"]) -> Int[Array, "t k"]:
+    """The physical slot serving each (token, expert) pair: the expert's replica (token index mod its replica
+    count), so replicas share a busy expert's tokens deterministically."""
+    replica = jnp.arange(ids.shape[0])[:, None] % logcnt[ids]
+    return log2phy[ids, replica]
+
+
 class Experts(nnx.Module):
-    """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I]."""
+    """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I].
+
+    With EPLB tables (`log2phy`, `logcnt` ExpertMaps, set by `sharding.expert_balance`) the weights are
+    stacked per physical slot instead (redundant replicas included), each pair goes to one replica of its
+    expert, and the tokens each slot received are sown as the `slot_load` intermediate."""
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -102,6 +117,10 @@ class Experts(nnx.Module):
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"]):
         """Sum over each token's chosen experts of weight * expert(x) (the kernel registry's `routed_experts`)."""
         routed = _dispatch[-1] if _dispatch else registry.op("routed_experts")
+        if hasattr(self, "log2phy"):
+            ids = replica_slots(ids, self.log2phy[...], self.logcnt[...])
+            slots = self.w1[...].shape[0]
+            self.sow(nnx.Intermediate, "slot_load", jnp.zeros((slots,), jnp.int32).at[ids.reshape(-1)].add(1))
         return routed(x, ids, weights, self.w1[...], self.w2[...], self.w3[...], self.limit)
 
 

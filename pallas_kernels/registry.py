@@ -16,6 +16,7 @@ IMPLEMENTATIONS = ("reference", "pallas")
 KERNEL_MODULES = ("pallas_kernels.sparse_attention", "pallas_kernels.indexer", "pallas_kernels.moe",
                   "pallas_kernels.hyper")
 _chosen: list[str] = []
+_wrappers: list[tuple[str, Callable[[Callable], Callable]]] = []
 
 
 def ops() -> dict[str, tuple[Callable, Callable]]:
@@ -59,9 +60,25 @@ def use(impl: str):
         _chosen.pop()
 
 
+@contextlib.contextmanager
+def wrap(name: str, wrapper: Callable[[Callable], Callable]):
+    """Functions traced inside this block call `wrapper(implementation)` for operation `name` (e.g. the
+    implementation run per device of a mesh, `sharding.context_parallel`)."""
+    op(name)  # an unknown name fails here
+    _wrappers.append((name, wrapper))
+    try:
+        yield
+    finally:
+        _wrappers.pop()
+
+
 def op(name: str) -> Callable:
-    """The implementation of operation `name` chosen for the current trace."""
+    """The implementation of operation `name` chosen for the current trace (wrapped by active `wrap`s)."""
     table = ops()
     if name not in table:
         raise KeyError(f"no kernel operation {name!r}; known: {sorted(table)}")
-    return table[name][IMPLEMENTATIONS.index(implementation())]
+    chosen = table[name][IMPLEMENTATIONS.index(implementation())]
+    for wrapped, wrapper in _wrappers:
+        if wrapped == name:
+            chosen = wrapper(chosen)
+    return chosen

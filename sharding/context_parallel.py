@@ -1,26 +1,34 @@
 """Balanced ("zigzag", DeepInfer's mirror) context parallelism for long prefill.
 
 A sequence is cut into 2·cp chunks and rank r takes chunks r and 2·cp−1−r: an early and a late chunk, so
-every rank holds the same causal attention work (a query at position p sees p+1 keys). Each rank projects
-its own tokens' keys; one all-gather over `cp` gives every rank the whole sequence's keys (reordered to
-sequence order by a fixed permutation), and each rank attends for its queries only.
+every rank holds the same causal attention work (a query at position p sees p+1 keys). Each rank attends
+for its own queries against the whole sequence's keys, which are gathered across `cp`.
 
-`cp_attention` is the attention core of a prefill under this split: shared-KV multi-query attention with
-per-head sinks over a causal sliding window (or every earlier token), the SWA core of `model.attention`.
+`context_parallel(mesh)` runs the model's attention cores (`sink_attention`, `hca_attention` of the kernel
+registry) traced inside it this way: the queries and their key lists are permuted into rank order and split
+over `cp` (`zigzag_attention`), the key pool is gathered over `cp`, and the output is permuted back to
+sequence order; projections, compressors and experts stay sequence-sharded. It serves whole-sequence
+prefills (`sharding.mesh.logits_on_mesh`), whose length must divide by 2·cp.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from model.attention import sink_attention
+from pallas_kernels import registry
+
+BATCH = ("dp", "ep")  # the mesh axes requests are split over (sharding.mesh.RULES["batch"])
+CORES = ("sink_attention", "hca_attention")
 
 
 def zigzag_order(seq_len: int, cp: int) -> Int[np.ndarray, " s"]:
@@ -45,26 +53,48 @@ def attention_ids(positions: Int[Array, " c"], seq_len: int, window: int | None)
     return jnp.maximum(ids, 0), ids >= 0
 
 
+def zigzag_attention(mesh: Mesh, core: Callable) -> Callable:
+    """`core(q, pool, ids, valid, sink, *static, *per_query)` (an attention core: queries [b, c, h, d], key
+    pool [b, n, d], per-query key ids and validity [b, c, k]; `static` Python ints, `per_query` arrays [c])
+    with the queries split zigzag over `mesh`'s `cp` axis and the pool gathered over it. Inputs and output
+    are in sequence order; the batch is split over the attention ranks."""
+    cp = mesh.shape["cp"]
+
+    def run(q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
+            valid: Bool[Array, "b c k"], sink: Float[Array, " h"], *rest) -> Float[Array, "b c h d"]:
+        order = zigzag_order(q.shape[1], cp)
+        static = tuple(a for a in rest if isinstance(a, int))
+        per_query = [jnp.take(a, order, axis=0) for a in rest if not isinstance(a, int)]
+        rows = P(BATCH, "cp")
+
+        def local(q, pool, ids, valid, sink, *per_query):
+            return core(q, pool, ids, valid, sink, *static, *per_query)
+
+        split = functools.partial(jnp.take, indices=order, axis=1)
+        out = jax.shard_map(local, mesh=mesh, out_specs=rows,
+                            in_specs=(rows, P(BATCH), rows, rows, P(), *[P("cp")] * len(per_query)))(
+            split(q), pool, split(ids), split(valid), sink, *per_query)
+        return jnp.take(out, np.argsort(order), axis=1)
+
+    return run
+
+
+@contextlib.contextmanager
+def context_parallel(mesh: Mesh):
+    """Run the attention cores traced inside this block with zigzag context parallelism over `mesh`'s `cp`."""
+    with contextlib.ExitStack() as stack:
+        for name in CORES:
+            stack.enter_context(registry.wrap(name, functools.partial(zigzag_attention, mesh)))
+        yield
+
+
 def cp_attention(
     mesh: Mesh, q: Float[Array, "b s h d"], kv: Float[Array, "b s d"], sink: Float[Array, " h"],
     window: int | None,
 ) -> Float[Array, "b s h d"]:
-    """Attention of a whole sequence with its queries and keys split zigzag over `mesh`'s `cp` axis.
-
-    Inputs and output are in sequence order; the split, the all-gather of keys and the permutations are
-    internal, so the result equals the single-device computation."""
-    cp, seq_len = mesh.shape["cp"], q.shape[1]
-    order = zigzag_order(seq_len, cp)
-    inverse = np.argsort(order)
-
-    def local(q, kv, positions, sink):
-        keys = jax.lax.all_gather(kv, "cp", axis=1, tiled=True)[:, inverse]  # whole sequence, in order
-        ids, valid = attention_ids(positions, seq_len, window)
-        b = q.shape[0]
-        return sink_attention(q, keys, jnp.broadcast_to(ids, (b, *ids.shape)),
-                              jnp.broadcast_to(valid, (b, *valid.shape)), sink)
-
-    split = functools.partial(jnp.take, indices=order, axis=1)
-    out = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "cp"), P(None, "cp"), P("cp"), P()),
-                        out_specs=P(None, "cp"))(split(q), split(kv), jnp.asarray(order, jnp.int32), sink)
-    return jnp.take(out, inverse, axis=1)
+    """Causal shared-KV attention of a whole sequence (over the last `window` tokens, or every earlier one)
+    with its queries split zigzag over `mesh`'s `cp` axis: equal to the single-device computation."""
+    b, s = q.shape[:2]
+    ids, valid = attention_ids(jnp.arange(s), s, window)
+    return zigzag_attention(mesh, sink_attention)(q, kv, jnp.broadcast_to(ids, (b, *ids.shape)),
+                                                  jnp.broadcast_to(valid, (b, *valid.shape)), sink)

@@ -134,7 +134,15 @@ class ExpertLoadWindow:
         if ids.ndim != 3 or ids.shape[0] != layers or (ids.size and not 0 <= ids.min() <= ids.max() < experts):
             raise ValueError(f"ids must be [{layers} layers, tokens, k] expert ids in [0, {experts}), got "
                              f"shape {ids.shape}")
-        self.counts[self.steps % len(self.counts)] = [np.bincount(row.ravel(), minlength=experts) for row in ids]
+        self.add(np.stack([np.bincount(row.ravel(), minlength=experts) for row in ids]))
+
+    def add(self, counts: Int[np.ndarray, "layers experts"]) -> None:
+        """Count one step's tokens per expert and layer; the oldest step drops out."""
+        counts = np.asarray(counts)
+        if counts.shape != self.counts.shape[1:] or (counts < 0).any():
+            raise ValueError(f"counts must be non-negative [{self.counts.shape[1]} layers, {self.counts.shape[2]} "
+                             f"experts], got shape {counts.shape}")
+        self.counts[self.steps % len(self.counts)] = counts
         self.steps += 1
 
     def load(self) -> Float[np.ndarray, "layers experts"]:

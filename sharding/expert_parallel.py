@@ -7,9 +7,10 @@ over `ep` delivers the buckets, the shard runs its local experts (the kernel reg
 with one expert per row), a second all-to-all returns the results, and each token sums its k results in
 its own slot order, a fixed order whatever else is in the batch.
 
-With an EPLB placement (`ExpertPlacement`, from `sharding.eplb.rebalance_experts`), weights are stored per
-physical slot (redundant replicas included) and each pair picks one replica of its expert from its token's
-index, so replicas share the load; replicas hold identical weights, so the choice never changes a result.
+With an EPLB placement (`ExpertPlacement`, from `sharding.eplb.rebalance_experts`; in a model see
+`sharding.expert_balance`), weights are stored per physical slot (redundant replicas included) and each pair
+is sent to one replica of its expert chosen from its token's index, so replicas share the load; replicas
+hold identical weights, so the choice never changes a result.
 
 `expert_parallel(mesh)` routes every MoE layer traced inside it through this path.
 """
@@ -57,10 +58,9 @@ class ExpertPlacement:
         """Stacked expert weights laid out by physical slot (moving them is how a rebalance takes effect)."""
         return w[jnp.asarray(self.phy2log)]
 
-    def slots_of(self, ids: Int[Array, "t k"], token_index: Int[Array, " t"]) -> Int[Array, "t k"]:
-        """The physical slot serving each (token, expert) pair: replica (token index mod replica count)."""
-        replica = token_index[:, None] % jnp.asarray(self.logcnt)[ids]
-        return jnp.asarray(self.log2phy)[ids, replica]
+    def slots_of(self, ids: Int[Array, "t k"]) -> Int[Array, "t k"]:
+        """The physical slot serving each (token, expert) pair (`model.moe.replica_slots`)."""
+        return moe.replica_slots(ids, jnp.asarray(self.log2phy), jnp.asarray(self.logcnt))
 
 
 def _local_pairs(x, ids, weights, w1, w2, w3, limit, *, axis: str, n_shards: int):
@@ -87,10 +87,10 @@ def _local_pairs(x, ids, weights, w1, w2, w3, limit, *, axis: str, n_shards: int
     return out
 
 
-def ep_routed_experts(mesh: Mesh, placement: ExpertPlacement | None = None):
+def ep_routed_experts(mesh: Mesh):
     """`model.moe.routed_experts` with experts split over `mesh`'s `ep` axis (see the module docstring).
 
-    Weights are logical [E, ...] (or, with `placement`, already per physical slot via `placement.physical`)."""
+    Weights are stacked per expert, or per physical slot with ids already mapped to slots (EPLB)."""
     n_shards = mesh.shape["ep"]
     n_token_shards = n_shards * mesh.shape["dp"]
 
@@ -100,8 +100,6 @@ def ep_routed_experts(mesh: Mesh, placement: ExpertPlacement | None = None):
         if w1.shape[0] % n_shards:
             raise ValueError(f"{w1.shape[0]} expert slots do not divide over ep={n_shards}")
         t = x.shape[0]
-        if placement is not None:
-            ids = placement.slots_of(ids, jnp.arange(t))
         pad = -t % n_token_shards  # padding pairs carry weight 0 and go to expert 0
         x, ids, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, ids, weights))
         body = functools.partial(_local_pairs, limit=limit, axis="ep", n_shards=n_shards)

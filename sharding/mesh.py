@@ -178,12 +178,18 @@ def shard_model(model, mesh: Mesh):
                  drafter=model.drafter)
 
 
-def model_forward(model):
-    """`(params, tokens, cache, *engram_rows) -> (logits, cache)` of a Model, for jit / lowering."""
+def model_forward(model, layers=None):
+    """`(params, tokens, cache, *engram_rows) -> (logits, cache)` of a Model, for jit / lowering.
+
+    `layers(module.layers)`, when given, replaces the layer list before the call (layout studies trace the
+    layers one by one, or run without them)."""
     graphdef, has_engram = model.graphdef, bool(getattr(model.config, "engram_layer_ids", ()))
 
     def forward(params, tokens, cache, *rows):
-        return nnx.merge(graphdef, params)(tokens, cache, *([tuple(rows)] if has_engram else []))
+        module = nnx.merge(graphdef, params)
+        if layers is not None:
+            module.layers = nnx.List(layers(list(module.layers)))
+        return module(tokens, cache, *([tuple(rows)] if has_engram else []))
 
     return forward
 
@@ -197,16 +203,18 @@ def batch_sharded(mesh: Mesh | AbstractMesh, tree):
 
 def logits_on_mesh(model, tokens, mesh: Mesh):
     """fp32 logits of a whole-sequence forward with requests split over the attention ranks (`batch`), the
-    sequence over `cp` (`seq`, contiguous chunks: XLA gathers what attention needs) and, when `ep` > 1, the
-    experts over `ep` (all-to-all dispatch). The batch must divide the ranks, the sequence `cp`. The mesh
+    sequence over `cp` (`seq`; attention split zigzag, `sharding.context_parallel`) and, when `ep` > 1, the
+    experts over `ep` (all-to-all dispatch). The batch must divide the ranks, the sequence 2·cp. The mesh
     may span processes (`jax.distributed`): every process then passes the same model and tokens."""
+    from sharding.context_parallel import context_parallel
     from sharding.expert_parallel import expert_parallel
 
     tokens = np.asarray(tokens, np.int32)
     ranks, cp = mesh.shape["dp"] * mesh.shape["ep"], mesh.shape["cp"]
-    if tokens.ndim != 2 or tokens.shape[0] % ranks or tokens.shape[1] % cp:
+    chunks = 2 * cp if cp > 1 else 1
+    if tokens.ndim != 2 or tokens.shape[0] % ranks or tokens.shape[1] % chunks:
         raise ValueError(f"tokens must be [batch, seq] with batch a multiple of the {ranks} attention ranks and "
-                         f"seq a multiple of cp={cp}, got shape {tokens.shape}")
+                         f"seq a multiple of 2·cp={chunks} (zigzag chunks), got shape {tokens.shape}")
     sharded = shard_model(model, mesh)
     cache = sharded.module().init_cache(*tokens.shape)
     rows = ()
@@ -215,6 +223,9 @@ def logits_on_mesh(model, tokens, mesh: Mesh):
     by_token = lambda x: NamedSharding(mesh, logical_spec("batch", "seq", *[None] * (x.ndim - 2)))  # noqa: E731
     tokens, rows = place((tokens, tuple(rows)), jax.tree.map(by_token, (tokens, tuple(rows))))
     cache = place(cache, batch_sharded(mesh, cache))
-    context = expert_parallel(mesh) if mesh.shape["ep"] > 1 else contextlib.nullcontext()
-    with context:
+    with contextlib.ExitStack() as stack:
+        if mesh.shape["ep"] > 1:
+            stack.enter_context(expert_parallel(mesh))
+        if cp > 1:
+            stack.enter_context(context_parallel(mesh))
         return jax.jit(model_forward(sharded))(sharded.params, tokens, cache, *rows)[0]

@@ -10,6 +10,7 @@ CPU devices, the collectives of the decode and prefill steps, their FLOPs per to
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -126,8 +127,11 @@ def compile_steps(config_name: str, spec: MeshSpec, options: StudyOptions, max_l
     (indicative only: XLA:CPU computes bf16 dots in f32 and holds f32 copies of the weights; the HBM fit
     does not subtract it).
 
-    A process with too few devices (JAX fixes the count when it starts) compiles in a child process with
-    `spec.num_devices` emulated CPU devices."""
+    A step is compiled in pieces (`step_programs`): each distinct layer once, and the program around the
+    layers (embedding, head). The step's collectives and FLOPs are the pieces' sums weighted by how many
+    layers each stands for (equal to one whole-step compile; tests/test_study.py checks it), its temp
+    bytes the largest piece's. A process with too few devices (JAX fixes the count when it starts) compiles
+    in a child process with `spec.num_devices` emulated CPU devices."""
     if len(jax.devices()) < spec.num_devices:
         return _compile_in_child(config_name, spec, options, max_len)
     config, model = _abstract(config_name)
@@ -143,18 +147,81 @@ def compile_steps(config_name: str, spec: MeshSpec, options: StudyOptions, max_l
                   jax.eval_shape(lambda: model.module().init_cache(batch, max_len)),
                   *[jax.ShapeDtypeStruct((batch, chunk, lookups, config.engram_head_dim), jnp.float32)
                     for _ in engram_ids])
-        tokens, cache, *rows = _with_shardings(inputs, batch_sharded(mesh, inputs))
         start = time.perf_counter()
         with expert_parallel(mesh) if spec.ep > 1 else contextlib.nullcontext():
-            traced = jax.jit(model_forward(model), donate_argnums=2).trace(params, tokens, cache, *rows)
-        compiled = traced.lower().compile()
-        memory, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
+            programs = step_programs(model, mesh, params, _with_shardings(inputs, batch_sharded(mesh, inputs)))
+            lowered = [traced.lower() for traced, _ in programs]
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:  # XLA compiles without the GIL
+            figures = list(pool.map(lambda low: _compiled_figures(low.compile()), lowered))
+        layers = [n for _, n in programs]
         out[step] = {"tokens": batch * chunk,
                      "compile_s": round(time.perf_counter() - start, 2),
-                     "collectives": _count_collectives(compiled.as_text()),
-                     "flops_per_token": cost.get("flops", 0.0) * spec.num_devices / (batch * chunk),
-                     "xla_cpu_temp_bytes_per_device": float(memory.temp_size_in_bytes)}
+                     "programs_compiled": len(programs),
+                     "collectives": {op: sum(f["collectives"][op] * n for f, n in zip(figures, layers))
+                                     for op in COLLECTIVES},
+                     "flops_per_token": sum(f["flops"] * n for f, n in zip(figures, layers))
+                     * spec.num_devices / (batch * chunk),
+                     "xla_cpu_temp_bytes_per_device": max(f["temp_bytes"] for f in figures)}
     return out
+
+
+class _LayerRecorder(nnx.Module):
+    """Stands in for one layer while a step is traced abstractly. The first layer of each kind (graph,
+    abstract parameters and inputs) runs and is recorded in `kinds`; a later one of the same kind only
+    counts and returns placeholders of the recorded output shapes."""
+
+    def __init__(self, block, kinds: dict):
+        self.block, self.kinds = block, kinds
+
+    def __call__(self, *args):
+        graphdef, state = nnx.split(self.block)
+        state, shapes = _shapes(state), _shapes(args)
+        leaves, treedef = jax.tree.flatten((state, shapes))
+        key = (graphdef, treedef, tuple(leaves))
+        if key in self.kinds:
+            self.kinds[key]["layers"] += 1
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.kinds[key]["out"])
+        out = self.block(*args)
+        self.kinds[key] = {"graphdef": graphdef, "state": state, "args": shapes, "out": _shapes(out), "layers": 1}
+        return out
+
+
+def _shapes(tree):
+    """Arrays (or tracers) of `tree` as ShapeDtypeStructs; other leaves (Python ints) unchanged."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, tree)
+
+
+def step_programs(model, mesh, params, inputs: tuple) -> list[tuple]:
+    """One step `(params, tokens, cache, *engram_rows)` as traced pieces with the number of layers each
+    stands for: the step without its layers (embedding, stream set-up, head; 1), then each distinct layer
+    on its own with its abstract inputs (batch-first arrays split over the attention ranks, parameters by
+    the rules) and its count."""
+    kinds: dict = {}
+    jax.eval_shape(model_forward(model, layers=lambda blocks: [_LayerRecorder(b, kinds) for b in blocks]),
+                   params, *inputs)
+    traced = [(jax.jit(model_forward(model, layers=lambda blocks: []), donate_argnums=2).trace(params, *inputs), 1)]
+    for kind in kinds.values():
+        leaves, treedef = jax.tree.flatten(kind["args"])
+        arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.ShapeDtypeStruct)]
+
+        def layer(state, arrays_in, graphdef=kind["graphdef"], leaves=leaves, treedef=treedef, arrays=arrays):
+            full = list(leaves)
+            for i, value in zip(arrays, arrays_in):
+                full[i] = value
+            return nnx.merge(graphdef, state)(*jax.tree.unflatten(treedef, full))
+
+        dynamic = [leaves[i] for i in arrays]
+        state = _with_shardings(kind["state"], param_shardings(kind["state"], mesh))
+        traced.append((jax.jit(layer).trace(state, _with_shardings(dynamic, batch_sharded(mesh, dynamic))),
+                       kind["layers"]))
+    return traced
+
+
+def _compiled_figures(compiled) -> dict:
+    """Collectives, FLOPs (per device) and temp bytes of one compiled program."""
+    cost = compiled.cost_analysis() or {}
+    return {"collectives": _count_collectives(compiled.as_text()), "flops": cost.get("flops", 0.0),
+            "temp_bytes": float(compiled.memory_analysis().temp_size_in_bytes)}
 
 
 def _with_shardings(shapes, shardings):
@@ -275,7 +342,7 @@ def print_table(reports: list[dict], out=sys.stdout) -> None:
             used = {k: v for k, v in figures["collectives"].items() if v}
             print(f"{r['mesh']:>16} {step:>7}: {figures['flops_per_token'] / 1e9:.1f} GFLOP/token compiled, "
                   f"collectives {used or 'none'}, XLA:CPU temp {_human(figures['xla_cpu_temp_bytes_per_device'])}, "
-                  f"compile {figures['compile_s']} s", file=out)
+                  f"compile {figures['compile_s']} s ({figures['programs_compiled']} programs)", file=out)
 
 
 def add_arguments(p) -> None:
@@ -304,7 +371,7 @@ def add_arguments(p) -> None:
                    "model's maximum)")
     p.add_argument("--compile", default="decode", metavar="STEPS",
                    help="steps to compile on emulated CPU devices: decode, prefill, decode,prefill or none "
-                        "(default decode; 64 devices take ~30 s per step)")
+                        "(default decode; each distinct layer compiles once)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per sequence of the compiled prefill "
                    "step (default 512)")
     p.add_argument("--chart", metavar="PNG", help="write a chart of memory per device (needs matplotlib)")

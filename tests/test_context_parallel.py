@@ -1,4 +1,5 @@
-"""Balanced (zigzag) context parallelism on 8 emulated CPU devices against one device."""
+"""Balanced (zigzag) context parallelism on 8 emulated CPU devices against one device: the attention core
+alone, and the model's whole-sequence prefill."""
 
 import jax
 import jax.numpy as jnp
@@ -6,10 +7,12 @@ import numpy as np
 import pytest
 
 from model.attention import sink_attention, window_ids
+from model.config import preset
 from sharding.context_parallel import causal_work_per_rank, cp_attention, zigzag_order
-from sharding.mesh import MeshSpec, make_mesh
+from sharding.mesh import MeshSpec, logits_on_mesh, make_mesh
+from tests.helpers import random_model
 
-B, S, H, D, W = 2, 32, 4, 16, 5
+B, S, H, D, W = 4, 32, 4, 16, 5
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +56,15 @@ def test_cp_causal_attention_equals_dense_reference(inputs):
     mesh = make_mesh(MeshSpec.parse("cp=8"))
     out = jax.jit(lambda q, kv, sink: cp_attention(mesh, q, kv, sink, None))(*inputs)
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0)
+
+
+def test_model_prefill_with_zigzag_cp_equals_single_device():
+    """tiny (sliding window, CSA and HCA layers) with its attention split zigzag over cp=4 ranks (requests
+    over 2 attention ranks): the same fp32 logits as one device."""
+    model = random_model(preset("tiny"), seed=6)
+    tokens = np.random.default_rng(7).integers(0, model.config.vocab_size, (2, 24))
+    mesh = make_mesh(MeshSpec.parse("cp=4,dp=2"))
+    np.testing.assert_allclose(np.asarray(logits_on_mesh(model, tokens, mesh)), np.asarray(model.logits(tokens)),
+                               atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="2·cp=8"):
+        logits_on_mesh(model, tokens[:, :20], mesh)
