@@ -17,7 +17,9 @@ dispatching a step with a constrained request whose tokens are still in flight t
 (zero-overhead scheduling pauses while such requests decode). A verify row gets one mask per position, its
 drafts cut at the first one the grammar refuses; the matcher takes the drafts tentatively and settles on the
 number the device accepted. A request ends ("stop") when its constraint is complete and admits no more tokens,
-or with an EOS the constraint allows.
+or with an EOS the constraint allows. In its last tokens a constrained request's masks close the output so it ends
+complete within `max_tokens` (`constraint_close`, `serving.grammar_budget`). With `jump_forward` the tokens a
+constraint forces are appended without sampling (`serving.jump_forward`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ import numpy as np
 
 from model.api import Model
 from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer
+from serving.grammar_budget import ClosePolicy
 from serving.grammar_mask import RequestGrammar, fill_masks, speculate_masks
+from serving.jump_forward import jump_forward
 from serving.kv_cache import CacheLayout, init_engine_cache
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
@@ -65,7 +69,9 @@ class Engine:
     `speculation` "none" | "fixed" | "dspark" with the model's DSpark drafter, verifying up to `num_drafts`
     drafts per step (default: the drafter's block size) in buckets of `verify_widths` tokens (DSpark; default
     every width 2 .. num_drafts + 1, fewer widths compile faster); `backtrack` extra window-ring slots (speculation
-    needs num_drafts + 1 and takes at least that).
+    needs num_drafts + 1 and takes at least that); `constraint_close`: how constrained outputs are closed before
+    their `max_tokens` (None: the limit may cut them mid-structure); `jump_forward`: a constrained request
+    takes the tokens its grammar forces in one prefill row instead of sampling them one per step.
     """
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_len: int = 1024, num_pages: int | None = None,
@@ -74,7 +80,8 @@ class Engine:
                  num_top_logprobs: int = 5, return_logits: bool = False, seed: int = 0,
                  detokenize: Callable[[list[int]], str] | None = None, backtrack: int = 0,
                  speculation: str = "none", num_drafts: int | None = None,
-                 verify_widths: Sequence[int] | None = None):
+                 verify_widths: Sequence[int] | None = None, constraint_close: ClosePolicy | None = ClosePolicy(),
+                 jump_forward: bool = False):
         if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if speculation not in SPECULATION:
@@ -124,6 +131,7 @@ class Engine:
         self._steady_since: float | None = None  # end of the last iteration that ran no prefill step
         self.requests: dict[str, Request] = {}
         self._compiler: ConstraintCompiler | None = None  # built with the first constrained request
+        self.constraint_close, self.jump_forward = constraint_close, jump_forward
         self._executor: llg.LLExecutor | None = None
         self._all_allowed: dict[tuple[int, ...], jax.Array] = {}  # bitmask of unconstrained batches, on device
         self.pending: list[tuple[list[Row], object]] = []
@@ -205,7 +213,8 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         grammar = None
         if constraint is not None:
-            grammar = RequestGrammar(self._constraints().compile(constraint), constraint_trigger)
+            grammar = RequestGrammar(self._constraints().compile(constraint), constraint_trigger, params.max_tokens,
+                                     self.constraint_close)
         elif constraint_trigger is not None:
             raise ValueError("constraint_trigger needs a constraint")
         if params.seed is None:
@@ -417,9 +426,12 @@ class Engine:
                     if complete and j == accepted and request.status is not Status.FINISHED:
                         request.finish("stop")
                     if request.status is Status.FINISHED:
-                        self.scheduler.release(request)
-                        finished.append(request.result(self.detokenize))
                         break
+                if self.jump_forward and request.status is Status.RUNNING:
+                    jump_forward(request, self.config.eos_token_id, self.detokenize)
+                if request.status is Status.FINISHED:
+                    self.scheduler.release(request)
+                    finished.append(request.result(self.detokenize))
         return finished
 
     @staticmethod

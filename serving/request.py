@@ -71,6 +71,7 @@ class Request:
     drafts: list[int] = dataclasses.field(default_factory=list)  # the slot's drafted block, as last read
     confidence: list[float] = dataclasses.field(default_factory=list)  # and its confidences
     grammar: object = None  # a constrained request's `serving.grammar_mask.RequestGrammar`, following `output`
+    counted_outputs: int = 0  # outputs in the slot's penalty counts already (a jump-forward row replays them)
 
     @property
     def sequence(self) -> list[int]:

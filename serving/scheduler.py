@@ -116,7 +116,9 @@ class Scheduler:
         start = request.computed
         if self.pages.grow(request.slot, start + size) is None:
             return None
-        kinds = [PROMPT if i < len(request.prompt) else RECOMPUTED for i in range(start, start + size)]
+        counted = len(request.prompt) + request.counted_outputs
+        kinds = [PROMPT if i < len(request.prompt) else COUNTED if i < counted else RECOMPUTED
+                 for i in range(start, start + size)]
         row = Row(request, sequence[start:start + size], start, False, request.fresh_slot,
                   start + size == len(sequence), kinds)
         request.fresh_slot = False
@@ -141,7 +143,7 @@ class Scheduler:
         self.free_slots.append(request.slot)
         self.running.remove(request)
         request.slot, request.status = None, Status.PREEMPTED
-        request.computed, request.replay_outputs = 0, len(request.output)
+        request.computed, request.replay_outputs, request.counted_outputs = 0, len(request.output), 0
         request.in_flight.clear()
         request.preemptions += 1
         self.waiting.appendleft(request)

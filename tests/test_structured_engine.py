@@ -139,11 +139,19 @@ def tiny():
     return model
 
 
-def test_zero_overhead_speculative_outputs_match_the_regex(tiny):
-    eos = TARGET.eos_token_id
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    return Engine(tiny, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
+                  batch_invariant=True, speculation="dspark", verify_widths=(2, 4), num_drafts=3)
+
+
+def chars_text(token_ids) -> str:
+    return "".join(CHARS[t] for t in token_ids if t != TARGET.eos_token_id)
+
+
+def test_zero_overhead_speculative_outputs_match_the_regex(tiny_engine):
+    eos, engine = TARGET.eos_token_id, tiny_engine
     assert CHARS[eos] in "<>"  # a special character that no pattern uses
-    engine = Engine(tiny, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
-                    batch_invariant=True, speculation="dspark", verify_widths=(2, 4), num_drafts=3)
     assert engine.zero_overhead
     rng = np.random.default_rng(0)
     patterns = [r"[a-c]{3,6}(,[0-9]{1,3}){2}\.", r"\((x|y|z){1,5}\)", r"[0-9]{2}:[0-9]{2}"]
@@ -152,10 +160,33 @@ def test_zero_overhead_speculative_outputs_match_the_regex(tiny):
     free = (requests[0][0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), None)
     outputs = run(engine, requests + [free])
     for (_, _, spec), out in zip(requests, outputs):
-        text = "".join(CHARS[t] for t in out.token_ids if t != eos)
+        text = chars_text(out.token_ids)
         assert out.finish_reason == "stop" and re.fullmatch(spec.source, text), (spec.source, text)
     assert outputs[-1].token_ids == run(engine, [free])[0].token_ids
     assert engine.speculation_metrics()["verified_per_step"] > 0
+
+
+def test_jump_forward_gives_the_same_greedy_outputs_in_fewer_steps(tiny_engine):
+    """With one token per character every forced continuation has one tokenisation, so greedy outputs with
+    jump-forward are those without it (penalties included: the replayed last token is not counted twice), and
+    the forced runs cost one step each instead of one per token."""
+    engine, rng = tiny_engine, np.random.default_rng(1)
+    patterns = [r"(yes|no)-confirmed:[0-9]{2}!done", r"\{\"id\":[0-9]{1,2},\"ok\":(true|false)\}",
+                r"[a-c]{2}=(abc|xyz)@host.example"]
+    requests = [(rng.integers(0, TARGET.vocab_size, 6).tolist(),
+                 SamplingParams(temperature=0.0, max_tokens=40, frequency_penalty=0.5 * (i == 1),
+                                repetition_penalty=1.3 if i == 2 else 1.0),
+                 ConstraintSpec.regex(p)) for i, p in enumerate(patterns)]
+    results, steps = {}, {}
+    for jump in (False, True):
+        engine.jump_forward, before = jump, engine.stats["steps"]
+        results[jump] = run(engine, requests)
+        steps[jump] = engine.stats["steps"] - before
+    engine.jump_forward = False
+    for (_, _, spec), plain, jumped in zip(requests, results[False], results[True]):
+        assert jumped.token_ids == plain.token_ids and jumped.finish_reason == plain.finish_reason == "stop"
+        assert re.fullmatch(spec.source, chars_text(jumped.token_ids))
+    assert steps[True] < steps[False], steps
 
 
 def test_a_verify_row_without_drafts_gets_its_plain_mask(bundled):
