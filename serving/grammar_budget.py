@@ -11,7 +11,8 @@ one for the EOS when the completion needs one), the mask allows only the tokens 
 and leave enough tokens for the rest of it (the model still picks among them), or the EOS at its end; so the
 output ends complete within the limit whenever the path fits in it.
 
-Outputs that end with more than `window + margin` tokens to spare are never touched. A single sampled token
+Outputs that end with more than `window` tokens to spare are never touched. Within the window the path is searched
+every step near the point where closing starts, and every few tokens before it (`ClosePolicy.watch`). A single sampled token
 that lengthens the shortest completion by more than `margin` tokens just before the closing starts (opening a
 structure with many required fields) can still leave too little; a larger `margin` trades the model's freedom
 at the end for that safety. When the search finds no completion within its node budget the mask stays the
@@ -89,18 +90,29 @@ class TokenBytes:
 @dataclasses.dataclass(frozen=True)
 class ClosePolicy:
     """When close mode acts: in the last `window` tokens of a request's `max_tokens` the closing path is
-    computed, and the mask is cut to it once the tokens left are at most its length + `margin`; `max_bytes` and
-    `max_nodes` bound the search."""
+    searched, and the mask is cut to it once the tokens left are at most its length + `margin`. The search runs
+    every step once the tokens left come within `watch` of that point (as the last search saw it), and every
+    `watch // 2` tokens before; `max_bytes` and `max_nodes` bound one search."""
 
     window: int = 64
     margin: int = 4
+    watch: int = 16
     max_bytes: int = 256
     max_nodes: int = 512
 
     def __post_init__(self):
-        if self.window < 1 or self.margin < 0 or self.max_bytes < 1 or self.max_nodes < 1:
-            raise ValueError(f"close policy needs window >= 1, margin >= 0, max_bytes >= 1 and max_nodes >= 1, "
+        if min(self.window, self.watch, self.max_bytes, self.max_nodes) < 1 or self.margin < 0:
+            raise ValueError(f"close policy needs window, watch, max_bytes, max_nodes >= 1 and margin >= 0, "
                              f"got {self}")
+
+    def search_due(self, left: int, last: tuple[int, int | None] | None) -> bool:
+        """Whether to search the closing path with `left` tokens left, given (tokens left, closing tokens or
+        None) at the last search."""
+        if last is None:
+            return True
+        searched_left, tokens = last
+        near = tokens is not None and left <= tokens + self.margin + self.watch
+        return near or searched_left - left >= max(1, self.watch // 2)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,6 +94,7 @@ class RequestGrammar:
         self.closed = 0  # masks that close mode cut to a closing path
         self._consumed = 0  # tokens the matcher has taken (committed and tentative)
         self._closing: tuple[int, Closing | None] | None = None  # (at `_consumed`, closing path) last computed
+        self._searched: tuple[int, int | None] | None = None  # (tokens left, closing tokens) at the last search
         self.eos_ids = constraint.eos_ids
         self.words = bitmask_width(constraint.vocab_size)
         self.trigger = trigger
@@ -138,8 +139,11 @@ class RequestGrammar:
     def _close(self, row: np.ndarray, left: int) -> None:
         """Cut the grammar's mask in `row` to the closing path once `left` tokens are barely enough for it."""
         if self._closing is None or self._closing[0] != self._consumed:
+            if not self.close.search_due(left, self._searched):
+                return
             found = closing_path(self.matcher, self.token_bytes, self.close.max_bytes, self.close.max_nodes)
             self._closing = (self._consumed, found)
+            self._searched = (left, None if found is None else found.tokens)
         closing = self._closing[1]
         if closing is None or left > closing.tokens + self.close.margin:
             return

@@ -101,6 +101,30 @@ def test_unconstrained_rows_are_unchanged_and_bad_constraints_refused(engine, bu
     assert len(engine.scheduler.pages.free) == engine.layout.num_pages
 
 
+def test_close_mode_ends_long_outputs_within_max_tokens(engine, bundled):
+    """Sampled outputs of open-ended constraints under a tight limit: without close mode the limit cuts some
+    mid-structure; with it (the engine's default) every one ends complete and validates, in both speculation
+    modes."""
+    limit = 24
+    cases = [("json", {"type": "object"}), ("json", SCHEMAS["open_object"]), ("json", SCHEMAS["all_optional"]),
+             ("regex", r"[A-Z][a-z ]{5,200}\."), ("regex", r"[0-9]+(\.[0-9]+)? ducats")]
+    specs = [ConstraintSpec.json_schema(t) if k == "json" else ConstraintSpec.regex(t) for k, t in cases]
+    requests = [(prompt(bundled), SamplingParams(temperature=1.0, max_tokens=limit, seed=seed), spec)
+                for seed in range(2) for spec in specs]
+    policy, engine.constraint_close = engine.constraint_close, None
+    try:
+        cut = run(engine, requests)
+    finally:
+        engine.constraint_close = policy
+    assert any(out.finish_reason == "length" for out in cut)
+    for (_, _, spec), out in zip(requests, run(engine, requests)):
+        assert out.finish_reason == "stop" and len(out.token_ids) <= limit, (spec.source, out.text)
+        if spec.kind == "regex":
+            assert re.fullmatch(spec.source, out.text), (spec.source, out.text)
+        else:
+            jsonschema.validate(json.loads(out.text), json.loads(spec.source))
+
+
 def test_generate_reads_constraints_from_jsonl_bodies(engine, bundled, tmp_path):
     schema = SCHEMAS["tool_call"]
     lines = [{"url": "/v1/completions", "body": {"prompt": "ROMEO.\n", "max_tokens": 80, "response_format": {
