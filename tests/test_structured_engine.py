@@ -196,11 +196,11 @@ def test_jump_forward_gives_the_same_greedy_outputs_in_fewer_steps(tiny_engine):
     the forced runs cost one step each instead of one per token."""
     engine, rng = tiny_engine, np.random.default_rng(1)
     patterns = [r"(yes|no)-confirmed:[0-9]{2}!done", r"\{\"id\":[0-9]{1,2},\"ok\":(true|false)\}",
-                r"[a-c]{2}=(abc|xyz)@host.example"]
+                r"[a-e]{2}=(abc|xyz)@host.example", r"([a-e]{3}-){4}[a-e]{3}"]
+    penalties = [{}, {"repetition_penalty": 1.3}, {"frequency_penalty": 0.7}, {"frequency_penalty": 1.5}]
     requests = [(rng.integers(0, TARGET.vocab_size, 6).tolist(),
-                 SamplingParams(temperature=0.0, max_tokens=40, frequency_penalty=0.5 * (i == 1),
-                                repetition_penalty=1.3 if i == 2 else 1.0),
-                 ConstraintSpec.regex(p)) for i, p in enumerate(patterns)]
+                 SamplingParams(temperature=0.0, max_tokens=40, **penalty), ConstraintSpec.regex(p))
+                for p, penalty in zip(patterns, penalties)]
     results, steps = {}, {}
     for jump in (False, True):
         engine.jump_forward, before = jump, engine.stats["steps"]
