@@ -150,7 +150,8 @@ def closing_path(matcher: llg.LLMatcher, table: TokenBytes, max_bytes: int = 256
     `max_nodes` mask computations. The matcher is left as it was.
 
     A depth-first search: a forced run of bytes is taken whole; otherwise it tries two bytes per byte class
-    (the first and the last the grammar allows), classes in closing order. A state whose mask has shown up `max_repeats`
+    (the first and the last the grammar allows), classes in closing order, starting k ranked classes later in a
+    state whose mask shows up for the (k+1)-th time on the path. A state whose mask has shown up `max_repeats`
     times on the path counts as a dead end (a loop, e.g. digits of an unbounded number); counted repetitions
     shorter than that still pass. Not always the shortest completion: the first its order leads to."""
     taken_total, nodes, path = 0, 0, bytearray()
@@ -217,7 +218,11 @@ def _expand(matcher: llg.LLMatcher, table: TokenBytes, room: int, seen: dict[int
     classes = table.search_class[ok]
     _, first = np.unique(classes, return_index=True)
     _, last = np.unique(classes[::-1], return_index=True)
-    # per class its first allowed byte, then its last (a loop on the first, '0.000...', may end on another)
-    tries = np.stack([ok[first], ok[len(ok) - 1 - last]], axis=1).ravel()
+    # per class its first allowed byte, then its last (a loop on the first, '0.000...', may end on another);
+    # a state seen before on the path starts from a later ranked class (a loop of spaces or of ',000' groups ends)
+    pairs = np.stack([ok[first], ok[len(ok) - 1 - last]], axis=1)
+    ranked = int((np.unique(classes) < len(_RANKED_CLASSES)).sum())  # every other byte stays last
+    if ranked:
+        pairs[:ranked] = np.roll(pairs[:ranked], -(seen.get(signature, 0) % ranked), axis=0)
     seen[signature] = seen.get(signature, 0) + 1
-    return [list(dict.fromkeys(tries.tolist()))[::-1], 0, signature, None]
+    return [list(dict.fromkeys(pairs.ravel().tolist()))[::-1], 0, signature, None]

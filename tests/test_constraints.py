@@ -346,7 +346,8 @@ CLOSE_CASES = [("json", SCHEMAS[name]) for name in ("nested_objects", "array_of_
                                                     "recursive_tree", "number_exclusive", "format_uuid",
                                                     "string_lengths", "matrix")] + [
     ("regex", r"(ROMEO|JULIET): [a-z ]{5,30}\."), ("regex", r"\d{1,3}(,\d{3})* ducats"),
-    ("lark", LARK_GRAMMARS[0]), ("lark", LARK_GRAMMARS[1])]
+    ("lark", LARK_GRAMMARS[0]), ("lark", LARK_GRAMMARS[1]),
+    ("lark", 'start: "(" item ("," item)* ")"\nitem: /[a-z]{1,12}/\n%ignore " "\n')]  # spaces loop anywhere
 
 
 def spec_of(kind, target) -> ConstraintSpec:
@@ -402,6 +403,10 @@ def test_closing_paths_complete_outputs_from_any_state(compiler, tokenizer):
             assert valid(kind, target, text), (kind, target, text)
             assert g.accept([int(table.byte_token[b]) for b in closing.path])
             assert g.finished if not closing.needs_eos else g.accept([EOS])
+    # where a space may always come next, the search leaves the loop of spaces: "(ab, " closes with " a)"
+    g = RequestGrammar(compiler.compile(spec_of(*CLOSE_CASES[-1])))
+    assert g.accept(tokenizer.encode("(ab, "))
+    assert closing_path(g.matcher, table).path == b" a)"
 
 
 def test_close_mode_ends_every_output_within_max_tokens(compiler, tokenizer):
