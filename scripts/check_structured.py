@@ -7,8 +7,9 @@ independent parsers: `jsonschema` (with format checks), Python `re.fullmatch`, a
     .venv/bin/python scripts/check_structured.py --no-close       # without close mode: the limit cuts some
 
 Prints ONE JSON line: per mode the requests, how many parse and validate, the failures (name, finish reason,
-text), the requests whose last masks close mode cut (`closed`), the steps run and the drafts verified /
-accepted per step. Requests are sampled (temperature 1, seeds 0..) with `--max-tokens` (256): a request that
+text), the requests whose last masks close mode cut (`closed`), the steps run (decode and prefill), the decode /
+verify rows (one per request and step: jump-forward takes forced tokens in prefill rows instead), the tokens
+generated and the drafts verified / accepted per step. Requests are sampled (temperature 1, seeds 0..) with `--max-tokens` (256): a request that
 stops at the length limit before its constraint is complete counts as a failure, so 100% means every output
 finished by its grammar and validated. The engine's close mode (`serving.grammar_budget`, on by default) ends
 outputs whose strings or numbers would otherwise run past the limit.
@@ -95,6 +96,8 @@ def main() -> None:
         metrics = engine.speculation_metrics()
         result[mode] = {"passed": len(cases) - len(failures), "failures": failures,
                         "closed": sum(g.closed > 0 for g in grammars), "steps": engine.stats["steps"],
+                        "decode_rows": engine.stats["decode_rows"],
+                        "tokens": sum(len(outputs[i].token_ids) for i in ids),
                         "json_passed": sum(1 for n, k, _, _ in cases if k == "json")
                         - sum(1 for f in failures if f["name"] in schemas),
                         "verified_per_step": round(metrics["verified_per_step"], 3),
