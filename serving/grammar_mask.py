@@ -132,8 +132,16 @@ class RequestGrammar:
 
     def closing_due(self, ahead: int = 0) -> bool:
         """Whether close mode watches the mask `ahead` tokens past the committed ones (the last `window`
-        tokens of the limit); such masks are filled one request at a time."""
+        tokens of the limit)."""
         return self.close is not None and self.max_tokens - self.emitted - ahead <= self.close.window
+
+    def closing_active(self, ahead: int = 0) -> bool:
+        """Whether close mode may search or cut a mask up to `ahead` tokens past the committed ones: verify
+        masks of such a request are filled one at a time, the others in parallel."""
+        if not self.closing_due(ahead):
+            return False
+        fresh = self._closing is not None and self._closing[0] == self._consumed and self._closing[1] is not None
+        return fresh or self.close.search_due(self.max_tokens - self.emitted - ahead, self._searched)
 
     def _close(self, row: np.ndarray, left: int) -> None:
         """Cut the grammar's mask in `row` to the closing path once `left` tokens are barely enough for it."""
@@ -281,7 +289,7 @@ def fill_masks(grammars: Sequence[RequestGrammar | None], masks: Int[np.ndarray,
     for i, g in enumerate(grammars):
         if g is None:
             masks[i] = ALL_ALLOWED
-        elif g.active and not g.finished and not g.closing_due():
+        elif g.active and not g.finished:
             g._check_settled()
             parallel.append((g.matcher, i))
         else:
@@ -289,7 +297,10 @@ def fill_masks(grammars: Sequence[RequestGrammar | None], masks: Int[np.ndarray,
     if parallel:
         executor.unsafe_compute_mask_ptr(parallel, masks.ctypes.data, masks[0].nbytes, masks.shape[0])
         for _, i in parallel:
-            grammars[i]._check_filled(masks[i])
+            g = grammars[i]
+            g._check_filled(masks[i])
+            if g.error is None and g.closing_due():
+                g._close(masks[i], g.max_tokens - g.emitted)
 
 
 def speculate_masks(grammars: Sequence[RequestGrammar | None], drafts: Sequence[Sequence[int]],
@@ -310,7 +321,7 @@ def speculate_masks(grammars: Sequence[RequestGrammar | None], drafts: Sequence[
         if g is None:
             masks[i] = ALL_ALLOWED
             allowed.append(len(d))
-        elif g.active and not g.finished and not g.closing_due(len(d)):
+        elif g.active and not g.finished and not g.closing_active(len(d)):
             g._check_settled()
             if len(d):
                 parallel.append((g.matcher, i * verify, [int(t) for t in d]))

@@ -466,3 +466,11 @@ def test_close_mode_under_speculation_matches_one_token_at_a_time(compiler, toke
         np.testing.assert_array_equal(masks[0, j], row)
     assert 0 < n < 3 and g.closed > 0  # the closing path ends the number, not "3456789,..."
     np.testing.assert_array_equal(masks[1], -1)
+    # a batch fill (parallel masks, then the closing cut) is the one-at-a-time fill
+    one, batch = (RequestGrammar(compiled, max_tokens=limit - 1, close=policy) for _ in range(2))
+    assert one.accept(committed) and batch.accept(committed)
+    row, rows = np.empty(g.words, np.int32), np.empty((2, g.words), np.int32)
+    one.fill(row)
+    fill_masks([batch], rows, llg.LLExecutor(2))
+    np.testing.assert_array_equal(rows[0], row)
+    assert one.closed == batch.closed == 1 and allowed(row, tokenizer.vocab_size).sum() < 10
