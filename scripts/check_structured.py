@@ -9,10 +9,11 @@ independent parsers: `jsonschema` (with format checks), Python `re.fullmatch`, a
 Prints ONE JSON line: per mode the requests, how many parse and validate, the failures (name, finish reason,
 text), the requests whose last masks close mode cut (`closed`), the steps run (decode and prefill), the decode /
 verify rows (one per request and step: jump-forward takes forced tokens in prefill rows instead), the tokens
-generated and the drafts verified / accepted per step. Requests are sampled (temperature 1, seeds 0..) with `--max-tokens` (256): a request that
-stops at the length limit before its constraint is complete counts as a failure, so 100% means every output
-finished by its grammar and validated. The engine's close mode (`serving.grammar_budget`, on by default) ends
-outputs whose strings or numbers would otherwise run past the limit.
+generated and the drafts verified / accepted per step. Requests are sampled (temperature 1, seeds 0..) with
+`--max-tokens` (256): a request that stops at the length limit before its constraint is complete counts as a
+failure, so 100% means every output finished by its grammar and validated. The engine's close mode
+(`serving.grammar_budget`, on by default) ends outputs whose strings or numbers would otherwise run past the
+limit.
 """
 
 from __future__ import annotations

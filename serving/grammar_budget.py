@@ -3,20 +3,20 @@
 A constrained request that reaches its token limit mid-structure returns output its constraint refuses (an open
 string, an unbounded number still growing). Close mode prevents that without changing what the grammar allows
 early on: while a request has more than `window` tokens left its masks are the grammar's alone; in the last
-`window` tokens the host also computes a *closing path*, the bytes of a short completion of the output from the
-matcher's current state (a depth-first search over single-byte tokens that tries closing bytes first: quotes and
-brackets, sentence ends, then digits and letters, separators and openers last, and takes every forced run of
-bytes at once). Once the tokens left are no more than the fewest tokens that spell the path plus `margin` (plus
-one for the EOS when the completion needs one), the mask allows only the tokens that spell a prefix of the path
-and leave enough tokens for the rest of it (the model still picks among them), or the EOS at its end; so the
-output ends complete within the limit whenever the path fits in it.
+`window` tokens the host also searches a *closing path*, the bytes of a short completion of the output from the
+matcher's current state (`closing_path`: depth-first over single-byte tokens, forced runs taken whole, closing
+bytes tried first: quotes and brackets, sentence ends, spaces and separators, then digits and letters, openers
+last). Once the tokens left are no more than the fewest tokens that spell the path plus `margin` (plus one for
+the EOS when the completion needs one), the mask allows only the tokens that spell a prefix of the path and leave
+enough tokens for the rest of it (the model still picks among them), or the EOS at its end; so the output ends
+complete within the limit whenever the path fits in it.
 
-Outputs that end with more than `window` tokens to spare are never touched. Within the window the path is searched
-every step near the point where closing starts, and every few tokens before it (`ClosePolicy.watch`). A single sampled token
-that lengthens the shortest completion by more than `margin` tokens just before the closing starts (opening a
-structure with many required fields) can still leave too little; a larger `margin` trades the model's freedom
-at the end for that safety. When the search finds no completion within its node budget the mask stays the
-grammar's.
+Outputs that end with more than `window` tokens to spare are never touched. Within the window the path is
+searched every step near the point where closing starts, and every few tokens before it (`ClosePolicy.watch`).
+A single sampled token that lengthens the shortest completion by more than `margin` tokens just before the
+closing starts (opening a structure with many required fields) can still leave too little; a larger `margin`
+trades the model's freedom at the end for that safety. When the search finds no completion within its node
+budget the mask stays the grammar's.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class TokenBytes:
     longest: int  # bytes of the longest token
     search_bytes: np.ndarray  # uint8 [n]: byte values, most closing first
     search_tokens: np.ndarray  # int64 [n]: their single-byte token ids
-    search_class: np.ndarray  # int64 [n]: their byte classes (the search tries one byte of each)
+    search_class: np.ndarray  # int64 [n]: their byte classes (the search tries two bytes of each)
     byte_token: np.ndarray  # int64 [256]: the single-byte token of each byte value (-1: none)
 
     @classmethod
