@@ -4,7 +4,8 @@ Where the constraint allows only one continuation (a JSON key and its quotes, th
 of a regex), llguidance tokenises it (`RequestGrammar.forced_tokens`). `jump_forward` appends those tokens to
 the request's output at once and rewinds its prefill cursor, so the scheduler's next row for it is a prefill
 row of [its last sampled token, the forced tokens] that also samples the token after them: k forced tokens
-cost one step instead of k decode steps. The forced tokens count as outputs for the sampling penalties; the
+cost the request one step instead of k decode steps (in a busy batch that row runs in the iteration's prefill
+step, beside the decode step of the others). The forced tokens count as outputs for the sampling penalties; the
 last sampled token, counted when it was sampled, is not counted twice.
 
 With a tokenizer where every continuation has one tokenisation, outputs are those of plain decoding; with BPE
