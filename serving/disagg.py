@@ -94,7 +94,7 @@ def import_slot(engine, state: SlotState) -> bool:
     if set(state.slot) != set(engine.cache) - set(NOT_PER_SLOT):
         raise ValueError(f"the hand-off's per-slot state ({', '.join(sorted(state.slot))}) is not this engine's "
                          f"({', '.join(sorted(set(engine.cache) - set(NOT_PER_SLOT)))}): run both engines alike")
-    grammar = engine.request_grammar(state.constraint, state.constraint_trigger)
+    grammar = engine.request_grammar(state.constraint, state.constraint_trigger, state.params.max_tokens)
     if grammar is not None and not grammar.accept(state.output):
         raise ValueError(f"the hand-off's output breaks its constraint: {grammar.error}")
     scheduler = engine.scheduler

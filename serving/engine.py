@@ -23,7 +23,9 @@ matcher takes the drafts tentatively and settles on the number the device accept
 has probability 0 under its mask, so verification rejects it and draws from the residual; its row is not cut
 short before it, since whether a draft is verified must not depend on the draft (a sampled row would then lose
 the target's distribution). A request ends ("stop") when its constraint is complete and admits no more tokens,
-or with an EOS the constraint allows.
+or with an EOS the constraint allows. In its last tokens a constrained request's masks close the output so it
+ends complete within `max_tokens` (`constraint_close`, `serving.grammar_budget`). With `jump_forward` the
+tokens a constraint forces are appended without sampling (`serving.jump_forward`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ import numpy as np
 
 from model.api import Model
 from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer
+from serving.grammar_budget import ClosePolicy
 from serving.grammar_mask import RequestGrammar, fill_masks, speculate_masks
+from serving.jump_forward import jump_forward
 from serving.kv_cache import CacheLayout, init_engine_cache
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
 from serving.request import Request, RequestOutput, Status, TokenLogprob
@@ -77,7 +81,9 @@ class Engine:
     such steps; `prefix_cache` shares the pages of cached prompt prefixes (default: on unless
     `batch_invariant`, since a hit changes how a prompt is chunked), replaying `prefix_replay` tokens before a
     hit's end (default: the exact replay, `exact_replay_tokens`; fewer is approximate), with up to
-    `host_pages` evicted pages kept in host memory.
+    `host_pages` evicted pages kept in host memory; `constraint_close`: how constrained outputs are closed
+    before their `max_tokens` (None: the limit may cut them mid-structure); `jump_forward`: a constrained
+    request takes the tokens its grammar forces in one prefill row instead of sampling them one per step.
     """
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_len: int = 1024, num_pages: int | None = None,
@@ -87,7 +93,8 @@ class Engine:
                  detokenize: Callable[[list[int]], str] | None = None, backtrack: int = 0,
                  speculation: str = "none", num_drafts: int | None = None,
                  verify_widths: Sequence[int] | None = None, draft_fallback: bool = True, probe_every: int = 8,
-                 prefix_cache: bool | None = None, prefix_replay: int | None = None, host_pages: int = 0):
+                 prefix_cache: bool | None = None, prefix_replay: int | None = None, host_pages: int = 0,
+                 constraint_close: ClosePolicy | None = ClosePolicy(), jump_forward: bool = False):
         if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if speculation not in SPECULATION:
@@ -143,6 +150,7 @@ class Engine:
         self._steady_since: float | None = None  # end of the last iteration that ran no prefill step
         self.requests: dict[str, Request] = {}
         self._compiler: ConstraintCompiler | None = None  # built with the first constrained request
+        self.constraint_close, self.jump_forward = constraint_close, jump_forward
         self._executor: llg.LLExecutor | None = None
         self._all_allowed: dict[tuple[int, ...], jax.Array] = {}  # bitmask of unconstrained batches, on device
         self.pending: list[tuple[list[Row], object]] = []
@@ -250,7 +258,7 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        grammar = self.request_grammar(constraint, constraint_trigger)
+        grammar = self.request_grammar(constraint, constraint_trigger, params.max_tokens)
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
         request = Request(request_id, prompt, params, grammar=grammar, constraint=constraint)
@@ -260,15 +268,16 @@ class Engine:
         self.scheduler.add(request)
         return request_id
 
-    def request_grammar(self, constraint: ConstraintSpec | None,
-                        trigger: int | None = None) -> RequestGrammar | None:
+    def request_grammar(self, constraint: ConstraintSpec | None, trigger: int | None,
+                        max_tokens: int) -> RequestGrammar | None:
         """A new request's grammar state for `constraint` (compiled once per distinct spec), starting after the
-        token `trigger` if given; None without a constraint. Raises ValueError for an invalid constraint."""
+        token `trigger` if given and closed within `max_tokens` by the engine's `constraint_close`; None
+        without a constraint. Raises ValueError for an invalid constraint."""
         if constraint is None:
             if trigger is not None:
                 raise ValueError("constraint_trigger needs a constraint")
             return None
-        return RequestGrammar(self._constraints().compile(constraint), trigger)
+        return RequestGrammar(self._constraints().compile(constraint), trigger, max_tokens, self.constraint_close)
 
     def _constraints(self) -> ConstraintCompiler:
         """The engine's constraint compiler over the model's tokenizer (built on first use)."""
@@ -497,9 +506,12 @@ class Engine:
                     if complete and j == accepted and request.status is not Status.FINISHED:
                         request.finish("stop")
                     if request.status is Status.FINISHED:
-                        self.scheduler.release(request)
-                        finished.append(request.result(self.detokenize))
                         break
+                if self.jump_forward and request.status is Status.RUNNING:
+                    jump_forward(request, self.config.eos_token_id, self.detokenize)
+                if request.status is Status.FINISHED:
+                    self.scheduler.release(request)
+                    finished.append(request.result(self.detokenize))
         return finished
 
     @staticmethod

@@ -4,10 +4,10 @@ A mask row is int32 `[W]`, W = ceil(V / 32): token i is allowed when bit `i % 32
 (llguidance's layout); -1 in every word allows everything, the row of an unconstrained request.
 `RequestGrammar` is one request's matcher: it fills the mask of its next position, commits emitted tokens,
 offers grammar-forced tokens (jump-forward), holds the constraint off until a trigger token (the end of a
-reasoning block), and for speculative decoding fills one mask per verify position while tentatively taking
-the drafts, then settles on the number the verifier accepted. `fill_masks` / `speculate_masks` do a batch,
-computing the masks on llguidance's thread pool. `apply_token_bitmask` is the device side: pure jnp, for the
-jitted sampler.
+reasoning block), closes the output before its token limit (`serving.grammar_budget`), and for speculative
+decoding fills one mask per verify position while tentatively taking the drafts, then settles on the number the
+verifier accepted. `fill_masks` / `speculate_masks` do a batch, computing the masks on llguidance's thread pool.
+`apply_token_bitmask` is the device side: pure jnp, for the jitted sampler.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from serving.constraints import CompiledConstraint
+from serving.grammar_budget import ClosePolicy, Closing, closing_path
 
 ALL_ALLOWED = -1  # a mask word with every bit set
 
@@ -50,6 +51,10 @@ def _only(tokens: Sequence[int], row: np.ndarray) -> None:
         words[t // 32] |= np.uint32(1 << (t % 32))
 
 
+def _allows(row: np.ndarray, token: int) -> bool:
+    return bool(row.view(np.uint32)[token // 32] >> np.uint32(token % 32) & 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Taken:
     """A draft taken tentatively: whether the matcher consumed it (a token of the constrained output), and
@@ -63,7 +68,9 @@ class RequestGrammar:
     """One request's constraint while it decodes.
 
     Args: `constraint` from `ConstraintCompiler.compile`; `trigger`: a token id after which the constraint
-    starts (e.g. `</think>`: the reasoning before it is free), None to start at once.
+    starts (e.g. `</think>`: the reasoning before it is free), None to start at once; `max_tokens`: the
+    request's output limit (every token counts, the reasoning before the trigger and the EOS too), and `close`
+    how the masks finish the output within it (`serving.grammar_budget`; None: never, the limit may cut it).
 
     The state follows the request's emitted tokens (`accept`). An end-of-sequence token ends the output: it
     is allowed where the constraint is complete, and once it is taken, or the constraint admits no further
@@ -72,10 +79,21 @@ class RequestGrammar:
     should then stop it.
     """
 
-    def __init__(self, constraint: CompiledConstraint, trigger: int | None = None):
+    def __init__(self, constraint: CompiledConstraint, trigger: int | None = None, max_tokens: int | None = None,
+                 close: ClosePolicy | None = None):
         if trigger is not None and not 0 <= trigger < constraint.vocab_size:
             raise ValueError(f"trigger token {trigger} is outside the vocabulary [0, {constraint.vocab_size})")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if close is not None and max_tokens is None:
+            raise ValueError("closing the output before its limit needs max_tokens")
         self.matcher = constraint.new_matcher()
+        self.token_bytes, self.max_tokens, self.close = constraint.token_bytes, max_tokens, close
+        self.emitted = 0  # tokens committed (`accept`, and drafts kept by `settle`)
+        self.closed = 0  # masks that close mode cut to a closing path
+        self._consumed = 0  # tokens the matcher has taken (committed and tentative)
+        self._closing: tuple[int, Closing | None] | None = None  # (at `_consumed`, closing path) last computed
+        self._searched: tuple[int, int | None] | None = None  # (tokens left, closing tokens) at the last search
         self.eos_ids = constraint.eos_ids
         self.words = bitmask_width(constraint.vocab_size)
         self.trigger = trigger
@@ -100,7 +118,8 @@ class RequestGrammar:
         self._check_settled()
         self._fill(row)
 
-    def _fill(self, row: np.ndarray) -> None:
+    def _fill(self, row: np.ndarray, ahead: int = 0) -> None:
+        """Fill the mask `ahead` tokens past the committed ones (the matcher has taken that many drafts)."""
         if self.ended or self.error is not None:
             _only(self.eos_ids, row)
         elif not self.active:
@@ -108,6 +127,38 @@ class RequestGrammar:
         else:
             self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
             self._check_filled(row)
+            if self.error is None and self.closing_due(ahead):
+                self._close(row, self.max_tokens - self.emitted - ahead)
+
+    def closing_due(self, ahead: int = 0) -> bool:
+        """Whether close mode watches the mask `ahead` tokens past the committed ones (the last `window`
+        tokens of the limit)."""
+        return self.close is not None and self.max_tokens - self.emitted - ahead <= self.close.window
+
+    def closing_active(self, ahead: int = 0) -> bool:
+        """Whether close mode may search or cut a mask up to `ahead` tokens past the committed ones: verify
+        masks of such a request are filled one at a time, the others in parallel."""
+        if not self.closing_due(ahead):
+            return False
+        fresh = self._closing is not None and self._closing[0] == self._consumed and self._closing[1] is not None
+        return fresh or self.close.search_due(self.max_tokens - self.emitted - ahead, self._searched)
+
+    def _close(self, row: np.ndarray, left: int) -> None:
+        """Cut the grammar's mask in `row` to the closing path once `left` tokens are barely enough for it."""
+        if self._closing is None or self._closing[0] != self._consumed:
+            if not self.close.search_due(left, self._searched):
+                return
+            found = closing_path(self.matcher, self.token_bytes, self.close.max_bytes, self.close.max_nodes)
+            self._closing = (self._consumed, found)
+            self._searched = (left, None if found is None else found.tokens)
+        closing = self._closing[1]
+        if closing is None or left > closing.tokens + self.close.margin:
+            return
+        keep = np.zeros_like(row)
+        _only(closing.next_tokens(self.token_bytes, left) if closing.path else self.eos_ids, keep)
+        if (keep & row).any():
+            row &= keep
+            self.closed += 1
 
     def accept(self, tokens: Sequence[int]) -> bool:
         """Commit tokens the request emitted, in order; False (and `error` set) if the constraint refuses one."""
@@ -118,6 +169,7 @@ class RequestGrammar:
                 if self.error is None:
                     self.error = f"token {int(t)} breaks the constraint"
                 return False
+            self.emitted += 1
         return True
 
     def forced_tokens(self) -> list[int]:
@@ -139,14 +191,16 @@ class RequestGrammar:
         self._check_settled()
         self._taken = []
         for j, t in enumerate(drafts):
-            self._fill(masks[j])
+            self._fill(masks[j], j)
+            if not _allows(masks[j], int(t)):
+                break
             taken = self._take(int(t))
             if taken is None:
                 break
             self._taken.append(taken)
         n = len(self._taken)
         if n == len(drafts):
-            self._fill(masks[n])
+            self._fill(masks[n], n)
         masks[n + 1:] = masks[n]
         return n
 
@@ -159,8 +213,9 @@ class RequestGrammar:
         if not 0 <= accepted <= len(taken):
             raise ValueError(f"accepted={accepted} drafts, but only {len(taken)} were allowed by the constraint")
         self._taken = None
+        self.emitted += accepted
         dropped = taken[accepted:]
-        self.matcher.rollback(sum(d.consumed for d in dropped))
+        self._rollback(sum(d.consumed for d in dropped))
         if any(d.activated for d in dropped):
             self.active = False
         if self.ended and accepted < len(taken):
@@ -182,12 +237,28 @@ class RequestGrammar:
             return _Taken(consumed=False, activated=False)
         if self.matcher.try_consume_tokens([t]) != 1:
             return None
+        self._consumed_one(t)
         return _Taken(consumed=True, activated=False)
+
+    def _consumed_one(self, token: int) -> None:
+        """Count a token the matcher took; a known closing path carries over when the token follows it."""
+        if self._closing is not None and self._closing[0] == self._consumed and self._closing[1] is not None:
+            rest = self._closing[1].after(self.token_bytes.of_token[token])
+            self._closing = None if rest is None else (self._consumed + 1, rest)
+        self._consumed += 1
+
+    def _rollback(self, n: int) -> None:
+        if n:
+            self.matcher.rollback(n)
+            self._consumed -= n
+            self._closing = None
 
     def _take_active(self, drafts: list[int]) -> list[_Taken]:
         """`_take` over drafts up to the first refused one, for an active constraint: one matcher call."""
         end = next((j for j, t in enumerate(drafts) if t in self.eos_ids), len(drafts))
         taken = [_Taken(consumed=True, activated=False)] * self.matcher.try_consume_tokens(drafts[:end])
+        self._consumed += len(taken)
+        self._closing = None
         if len(taken) == end < len(drafts) and self._take(drafts[end]) is not None:
             taken.append(_Taken(consumed=False, activated=False))
         return taken
@@ -226,7 +297,10 @@ def fill_masks(grammars: Sequence[RequestGrammar | None], masks: Int[np.ndarray,
     if parallel:
         executor.unsafe_compute_mask_ptr(parallel, masks.ctypes.data, masks[0].nbytes, masks.shape[0])
         for _, i in parallel:
-            grammars[i]._check_filled(masks[i])
+            g = grammars[i]
+            g._check_filled(masks[i])
+            if g.error is None and g.closing_due():
+                g._close(masks[i], g.max_tokens - g.emitted)
 
 
 def speculate_masks(grammars: Sequence[RequestGrammar | None], drafts: Sequence[Sequence[int]],
@@ -247,7 +321,7 @@ def speculate_masks(grammars: Sequence[RequestGrammar | None], drafts: Sequence[
         if g is None:
             masks[i] = ALL_ALLOWED
             allowed.append(len(d))
-        elif g.active and not g.finished:
+        elif g.active and not g.finished and not g.closing_active(len(d)):
             g._check_settled()
             if len(d):
                 parallel.append((g.matcher, i * verify, [int(t) for t in d]))

@@ -73,6 +73,7 @@ class Request:
     drafts_fresh: bool = True  # the slot's block was drafted by the request's last step (not a no-draft one)
     grammar: object = None  # a constrained request's `serving.grammar_mask.RequestGrammar`, following `output`
     constraint: object = None  # and its `serving.constraints.ConstraintSpec`
+    counted_outputs: int = 0  # outputs in the slot's penalty counts already (a jump-forward row replays them)
 
     @property
     def sequence(self) -> list[int]:

@@ -121,7 +121,7 @@ class Scheduler:
         self.pages.release(request.slot)
         self.free_slots.append(request.slot)
         self.running.remove(request)
-        request.slot, request.status, request.computed = None, status, 0
+        request.slot, request.status, request.computed, request.counted_outputs = None, status, 0, 0
         self.waiting.appendleft(request)
 
     def _chunk(self, request: Request, budget: int) -> Row | None:
@@ -135,7 +135,9 @@ class Scheduler:
         start = request.computed
         if self.pages.grow(request.slot, start + size) is None:
             return None
-        kinds = [PROMPT if i < len(request.prompt) else RECOMPUTED for i in range(start, start + size)]
+        counted = len(request.prompt) + request.counted_outputs
+        kinds = [PROMPT if i < len(request.prompt) else COUNTED if i < counted else RECOMPUTED
+                 for i in range(start, start + size)]
         row = Row(request, sequence[start:start + size], start, False, request.fresh_slot,
                   start + size == len(sequence), kinds, frozen=self.pages.frozen_tokens(request.slot))
         request.fresh_slot = False

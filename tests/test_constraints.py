@@ -1,7 +1,8 @@
 """Structured outputs: constraints compiled with llguidance over the bundled model's vocabulary, driven by a
 random sampler under the masks until the output ends, then checked by independent parsers (`jsonschema`,
-Python `re`, `lark`); draft verification masks and rollback; request-body parsing and error messages; the jnp
-bitmask against llguidance's numpy kernel."""
+Python `re`, `lark`); draft verification masks and rollback; close mode (closing paths from random states, outputs
+ending within max_tokens, masks unchanged far from the limit); request-body parsing and error messages; the jnp
+bitmask against llguidance's numpy kernel (the bundled model under the masks runs in test_structured_engine)."""
 
 import json
 import re
@@ -326,29 +327,6 @@ def test_request_bodies_parse_into_specs():
             constraint_from_body(body)
 
 
-def test_the_bundled_model_writes_valid_json_under_the_masks(compiler, tokenizer):
-    """The real model's logits, masked on the device by `apply_token_bitmask` and sampled (Gumbel-max, seeded):
-    schemas whose every output is short (bounded strings, numbers and arrays) end inside the window and
-    validate."""
-    from model import load_model
-
-    model = load_model()
-    apply = jax.jit(apply_token_bitmask)
-    prompt, width = tokenizer.encode("ROMEO.\n"), 96
-    for seed, name in enumerate(["tool_call", "matrix", "string_lengths", "const", "pattern_phone", "exact_items"]):
-        g = RequestGrammar(compiler.compile(ConstraintSpec.json_schema(SCHEMAS[name])))
-        ids, row, rng = list(prompt), np.empty(g.words, np.int32), np.random.default_rng(seed)
-        while not g.ended:
-            assert len(ids) < width, name
-            g.fill(row)
-            padded = np.zeros((1, width), np.int32)
-            padded[0, :len(ids)] = ids
-            logits = np.asarray(apply(model.logits(padded)[0, len(ids) - 1], row))
-            ids.append(int(np.argmax(logits + rng.gumbel(size=logits.shape))))
-            assert g.accept(ids[-1:])
-        jsonschema.validate(json.loads(tokenizer.decode(ids[len(prompt):])), SCHEMAS[name])
-
-
 def test_apply_token_bitmask_matches_numpy():
     rng = np.random.default_rng(0)
     for shape, vocab in [((3,), 100), ((2, 4), 4096), ((5,), 65)]:
@@ -361,3 +339,138 @@ def test_apply_token_bitmask_matches_numpy():
         np.testing.assert_array_equal(got.reshape(-1, vocab), want)
     with pytest.raises(ValueError, match="fewer than"):
         apply_token_bitmask(jnp.zeros((1, 65)), jnp.zeros((1, 2), jnp.int32))
+
+
+# ---- close mode: ending the output within max_tokens --------------------------------------------------------
+CLOSE_CASES = [("json", SCHEMAS[name]) for name in ("nested_objects", "array_of_objects", "open_object",
+                                                    "recursive_tree", "number_exclusive", "format_uuid",
+                                                    "string_lengths", "matrix")] + [
+    ("regex", r"(ROMEO|JULIET): [a-z ]{5,30}\."), ("regex", r"\d{1,3}(,\d{3})* ducats"),
+    ("lark", LARK_GRAMMARS[0]), ("lark", LARK_GRAMMARS[1]),
+    ("lark", 'start: "(" item ("," item)* ")"\nitem: /[a-z]{1,12}/\n%ignore " "\n')]  # spaces loop anywhere
+
+
+def spec_of(kind, target) -> ConstraintSpec:
+    return {"json": ConstraintSpec.json_schema, "regex": ConstraintSpec.regex, "lark": ConstraintSpec.grammar}[kind](
+        target)
+
+
+def valid(kind, target, text: str) -> bool:
+    """Whether `text` satisfies the constraint, by a parser independent of llguidance."""
+    try:
+        if kind == "json":
+            jsonschema.validate(json.loads(text), target, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        elif kind == "regex":
+            return re.fullmatch(target, text) is not None
+        else:
+            lark.Lark(target, parser="earley").parse(text)
+        return True
+    except (ValueError, jsonschema.ValidationError, lark.exceptions.LarkError):
+        return False
+
+
+def sample_until(grammar: RequestGrammar, logits_bias: np.ndarray, seed: int) -> list[int]:
+    """Random logits, masked argmax, until the output ends (EOS) or reaches the grammar's max_tokens."""
+    rng, vocab = np.random.default_rng(seed), len(logits_bias)
+    row, out = np.empty(bitmask_width(vocab), np.int32), []
+    while not grammar.ended and len(out) < grammar.max_tokens:
+        grammar.fill(row)
+        token = int(np.argmax(np.where(allowed(row, vocab), rng.standard_normal(vocab) + logits_bias, -np.inf)))
+        assert grammar.accept([token])
+        out.append(token)
+    return out
+
+
+def test_closing_paths_complete_outputs_from_any_state(compiler, tokenizer):
+    """From states along random outputs (no bias toward ending: strings and numbers run on), the closing path
+    completes the output, as the independent parsers confirm, and leaves the matcher as it was."""
+    from serving.grammar_budget import closing_path
+
+    table, vocab = compiler.token_bytes, tokenizer.vocab_size
+    for c, (kind, target) in enumerate(CLOSE_CASES):
+        compiled = compiler.compile(spec_of(kind, target))
+        g = RequestGrammar(compiled, max_tokens=30)
+        prefix = sample_until(g, np.zeros(vocab), seed=c)
+        for cut in (len(prefix) // 3, len(prefix)):
+            g = RequestGrammar(compiled)
+            if prefix[cut - 1:cut] == [EOS]:
+                cut -= 1
+            assert g.accept(prefix[:cut])
+            before = np.frombuffer(g.matcher.compute_bitmask(), np.uint8).copy()
+            closing = closing_path(g.matcher, table)
+            np.testing.assert_array_equal(np.frombuffer(g.matcher.compute_bitmask(), np.uint8), before)
+            text = tokenizer.decode(prefix[:cut]) + closing.path.decode()
+            assert valid(kind, target, text), (kind, target, text)
+            assert g.accept([int(table.byte_token[b]) for b in closing.path])
+            assert g.finished if not closing.needs_eos else g.accept([EOS])
+    # where a space may always come next, the search leaves the loop of spaces: "(ab, " closes with " a)"
+    g = RequestGrammar(compiler.compile(spec_of(*CLOSE_CASES[-1])))
+    assert g.accept(tokenizer.encode("(ab, "))
+    assert closing_path(g.matcher, table).path == b" a)"
+
+
+def test_close_mode_ends_every_output_within_max_tokens(compiler, tokenizer):
+    """Unbiased random outputs of unbounded strings / numbers / lists: without close mode the limit cuts most
+    of them; with it every one ends with EOS (or the grammar's own end) within max_tokens and validates."""
+    from serving.grammar_budget import ClosePolicy, closing_path
+
+    vocab, cut_without = tokenizer.vocab_size, 0
+    for c, (kind, target) in enumerate(CLOSE_CASES):
+        compiled = compiler.compile(spec_of(kind, target))
+        shortest = closing_path(compiled.new_matcher(), compiler.token_bytes).tokens  # fewer tokens cannot do
+        for seed, limit in enumerate((shortest + 2, shortest + 30)):
+            plain = sample_until(RequestGrammar(compiled, max_tokens=limit), np.zeros(vocab), seed)
+            cut_without += plain[-1] != EOS
+            g = RequestGrammar(compiled, max_tokens=limit, close=ClosePolicy(window=64, margin=2))
+            closed = sample_until(g, np.zeros(vocab), seed)
+            assert len(closed) <= limit and (g.ended or g.finished), (target, tokenizer.decode(closed))
+            text = tokenizer.decode([t for t in closed if t != EOS])
+            assert valid(kind, target, text), (kind, target, text)
+            assert g.closed > 0 or closed == plain  # untouched unless it had to close
+    assert cut_without >= len(CLOSE_CASES) // 2
+
+
+def test_close_mode_leaves_outputs_that_end_early_alone(compiler, tokenizer, bias):
+    """Outputs that end with more than window + margin tokens to spare are those of the plain masks."""
+    from serving.grammar_budget import ClosePolicy
+
+    for c, (kind, target) in enumerate(CLOSE_CASES[:6]):
+        compiled = compiler.compile(spec_of(kind, target))
+        plain = sample_until(RequestGrammar(compiled, max_tokens=MAX_TOKENS), bias, seed=c)
+        g = RequestGrammar(compiled, max_tokens=len(plain) + 20, close=ClosePolicy(window=16, margin=4))
+        assert sample_until(g, bias, seed=c) == plain and g.closed == 0
+
+
+def test_close_mode_under_speculation_matches_one_token_at_a_time(compiler, tokenizer):
+    """Verify masks near the limit: each position's mask is the one the request would get with the drafts
+    before it committed (the limit counts them), and a draft off the closing path is cut."""
+    from serving.grammar_budget import ClosePolicy, closing_path
+
+    compiled = compiler.compile(ConstraintSpec.json_schema(SCHEMAS["nested_objects"]))
+    committed = tokenizer.encode('{"user":{"id":12')
+    drafts = tokenizer.encode('3456789,"address":{"city":"Ve')
+    start = RequestGrammar(compiled)
+    assert start.accept(committed)
+    # one token to spare: the closing starts at the first draft, which the closing path does not extend
+    policy, limit = ClosePolicy(window=64, margin=0), len(committed) + closing_path(start.matcher,
+                                                                                   compiler.token_bytes).tokens + 1
+    g = RequestGrammar(compiled, max_tokens=limit, close=policy)
+    assert g.accept(committed)
+    masks = np.zeros((2, len(drafts) + 1, g.words), np.int32)
+    n = speculate_masks([g, None], [drafts, []], masks, llg.LLExecutor(2))[0]
+    for j in range(n + 1):
+        ref = RequestGrammar(compiled, max_tokens=limit, close=policy)
+        assert ref.accept(committed + drafts[:j])
+        row = np.empty(g.words, np.int32)
+        ref.fill(row)
+        np.testing.assert_array_equal(masks[0, j], row)
+    assert 0 < n < 3 and g.closed > 0  # the closing path ends the number, not "3456789,..."
+    np.testing.assert_array_equal(masks[1], -1)
+    # a batch fill (parallel masks, then the closing cut) is the one-at-a-time fill
+    one, batch = (RequestGrammar(compiled, max_tokens=limit - 1, close=policy) for _ in range(2))
+    assert one.accept(committed) and batch.accept(committed)
+    row, rows = np.empty(g.words, np.int32), np.empty((2, g.words), np.int32)
+    one.fill(row)
+    fill_masks([batch], rows, llg.LLExecutor(2))
+    np.testing.assert_array_equal(rows[0], row)
+    assert one.closed == batch.closed == 1 and allowed(row, tokenizer.vocab_size).sum() < 10

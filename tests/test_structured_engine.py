@@ -101,6 +101,30 @@ def test_unconstrained_rows_are_unchanged_and_bad_constraints_refused(engine, bu
     assert engine.scheduler.pages.idle() == engine.layout.num_pages
 
 
+def test_close_mode_ends_long_outputs_within_max_tokens(engine, bundled):
+    """Sampled outputs of open-ended constraints under a tight limit: without close mode the limit cuts some
+    mid-structure; with it (the engine's default) every one ends complete and validates, in both speculation
+    modes."""
+    limit = 24
+    cases = [("json", {"type": "object"}), ("json", SCHEMAS["open_object"]), ("json", SCHEMAS["all_optional"]),
+             ("regex", r"[A-Z][a-z ]{5,200}\."), ("regex", r"[0-9]+(\.[0-9]+)? ducats")]
+    specs = [ConstraintSpec.json_schema(t) if k == "json" else ConstraintSpec.regex(t) for k, t in cases]
+    requests = [(prompt(bundled), SamplingParams(temperature=1.0, max_tokens=limit, seed=seed), spec)
+                for seed in range(2) for spec in specs]
+    policy, engine.constraint_close = engine.constraint_close, None
+    try:
+        cut = run(engine, requests)
+    finally:
+        engine.constraint_close = policy
+    assert any(out.finish_reason == "length" for out in cut)
+    for (_, _, spec), out in zip(requests, run(engine, requests)):
+        assert out.finish_reason == "stop" and len(out.token_ids) <= limit, (spec.source, out.text)
+        if spec.kind == "regex":
+            assert re.fullmatch(spec.source, out.text), (spec.source, out.text)
+        else:
+            jsonschema.validate(json.loads(out.text), json.loads(spec.source))
+
+
 def test_generate_reads_constraints_from_jsonl_bodies(engine, bundled, tmp_path):
     schema = SCHEMAS["tool_call"]
     lines = [{"url": "/v1/completions", "body": {"prompt": "ROMEO.\n", "max_tokens": 80, "response_format": {
@@ -139,11 +163,19 @@ def tiny():
     return model
 
 
-def test_zero_overhead_speculative_outputs_match_the_regex(tiny):
-    eos = TARGET.eos_token_id
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    return Engine(tiny, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
+                  batch_invariant=True, speculation="dspark", verify_widths=(2, 4), num_drafts=3)
+
+
+def chars_text(token_ids) -> str:
+    return "".join(CHARS[t] for t in token_ids if t != TARGET.eos_token_id)
+
+
+def test_zero_overhead_speculative_outputs_match_the_regex(tiny_engine):
+    eos, engine = TARGET.eos_token_id, tiny_engine
     assert CHARS[eos] in "<>"  # a special character that no pattern uses
-    engine = Engine(tiny, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
-                    batch_invariant=True, speculation="dspark", verify_widths=(2, 4), num_drafts=3)
     assert engine.zero_overhead
     rng = np.random.default_rng(0)
     patterns = [r"[a-c]{3,6}(,[0-9]{1,3}){2}\.", r"\((x|y|z){1,5}\)", r"[0-9]{2}:[0-9]{2}"]
@@ -152,10 +184,33 @@ def test_zero_overhead_speculative_outputs_match_the_regex(tiny):
     free = (requests[0][0], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), None)
     outputs = run(engine, requests + [free])
     for (_, _, spec), out in zip(requests, outputs):
-        text = "".join(CHARS[t] for t in out.token_ids if t != eos)
+        text = chars_text(out.token_ids)
         assert out.finish_reason == "stop" and re.fullmatch(spec.source, text), (spec.source, text)
     assert outputs[-1].token_ids == run(engine, [free])[0].token_ids
     assert engine.speculation_metrics()["verified_per_step"] > 0
+
+
+def test_jump_forward_gives_the_same_greedy_outputs_in_fewer_steps(tiny_engine):
+    """With one token per character every forced continuation has one tokenisation, so greedy outputs with
+    jump-forward are those without it (penalties included: the replayed last token is not counted twice), and
+    the forced runs cost one step each instead of one per token."""
+    engine, rng = tiny_engine, np.random.default_rng(1)
+    patterns = [r"(yes|no)-confirmed:[0-9]{2}!done", r"\{\"id\":[0-9]{1,2},\"ok\":(true|false)\}",
+                r"[a-e]{2}=(abc|xyz)@host.example", r"([a-e]{3}-){4}[a-e]{3}"]
+    penalties = [{}, {"repetition_penalty": 1.3}, {"frequency_penalty": 0.7}, {"frequency_penalty": 1.5}]
+    requests = [(rng.integers(0, TARGET.vocab_size, 6).tolist(),
+                 SamplingParams(temperature=0.0, max_tokens=40, **penalty), ConstraintSpec.regex(p))
+                for p, penalty in zip(patterns, penalties)]
+    results, steps = {}, {}
+    for jump in (False, True):
+        engine.jump_forward, before = jump, engine.stats["steps"]
+        results[jump] = run(engine, requests)
+        steps[jump] = engine.stats["steps"] - before
+    engine.jump_forward = False
+    for (_, _, spec), plain, jumped in zip(requests, results[False], results[True]):
+        assert jumped.token_ids == plain.token_ids and jumped.finish_reason == plain.finish_reason == "stop"
+        assert re.fullmatch(spec.source, chars_text(jumped.token_ids))
+    assert steps[True] < steps[False], steps
 
 
 def test_a_verify_row_without_drafts_gets_its_plain_mask(bundled):

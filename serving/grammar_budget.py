@@ -1,0 +1,228 @@
+"""Budget-aware closing of constrained outputs: finish the grammar before `max_tokens` cuts it.
+
+A constrained request that reaches its token limit mid-structure returns output its constraint refuses (an open
+string, an unbounded number still growing). Close mode prevents that without changing what the grammar allows
+early on: while a request has more than `window` tokens left its masks are the grammar's alone; in the last
+`window` tokens the host also searches a *closing path*, the bytes of a short completion of the output from the
+matcher's current state (`closing_path`: depth-first over single-byte tokens, forced runs taken whole, closing
+bytes tried first: quotes and brackets, sentence ends, spaces and separators, then digits and letters, openers
+last). Once the tokens left are no more than the fewest tokens that spell the path plus `margin` (plus one for
+the EOS when the completion needs one), the mask allows only the tokens that spell a prefix of the path and leave
+enough tokens for the rest of it (the model still picks among them), or the EOS at its end; so the output ends
+complete within the limit whenever the path fits in it.
+
+Outputs that end with more than `window` tokens to spare are never touched. Within the window the path is
+searched every step near the point where closing starts, and every few tokens before it (`ClosePolicy.watch`).
+A single sampled token that lengthens the shortest completion by more than `margin` tokens just before the
+closing starts (opening a structure with many required fields) can still leave too little; a larger `margin`
+trades the model's freedom at the end for that safety. When the search finds no completion within its node
+budget the mask stays the grammar's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import llguidance as llg
+import numpy as np
+
+# Bytes in the order the closing search tries them: what ends a string, a group or a sentence first, openers last.
+_RANKED_CLASSES = [b"\"'}])>", b".!?", b" ", b",;+*/|&", b"1234567890", b"abcdefghijklmnopqrstuvwxyz",
+                   b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"-_:=@#$%^~`", b"{[(<"]
+
+
+def _byte_class(byte: int) -> int:
+    """The rank of a byte's class: its index in `_RANKED_CLASSES`, or after them for every other byte."""
+    return next((i for i, cls in enumerate(_RANKED_CLASSES) if byte in cls), len(_RANKED_CLASSES))
+
+
+def _byte_rank() -> list[int]:
+    """Every byte value, most closing first (classes above; then every other byte)."""
+    return sorted(range(256), key=_byte_class)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBytes:
+    """What close mode needs of a tokenizer, built once per engine: the ids of each (non-special) token's bytes,
+    and the single-byte tokens in the order the closing search tries them."""
+
+    of_token: tuple[bytes, ...]  # per token id its bytes (b"" for special tokens)
+    by_bytes: dict[bytes, tuple[int, ...]]
+    longest: int  # bytes of the longest token
+    search_bytes: np.ndarray  # uint8 [n]: byte values, most closing first
+    search_tokens: np.ndarray  # int64 [n]: their single-byte token ids
+    search_class: np.ndarray  # int64 [n]: their byte classes (the search tries two bytes of each)
+    byte_token: np.ndarray  # int64 [256]: the single-byte token of each byte value (-1: none)
+
+    @classmethod
+    def of(cls, tokenizer: llg.LLTokenizer) -> TokenBytes:
+        of_token = tuple(b"" if tokenizer.is_special_token(t) else tokenizer.decode_bytes([t])
+                         for t in range(tokenizer.vocab_size))
+        groups: dict[bytes, list[int]] = {}
+        for t, data in enumerate(of_token):
+            if data:
+                groups.setdefault(data, []).append(t)
+        ranked = [(b, groups[bytes([b])][0]) for b in _byte_rank() if bytes([b]) in groups]
+        byte_token = np.full(256, -1, np.int64)
+        for b, t in ranked:
+            byte_token[b] = t
+        return cls(of_token, {k: tuple(v) for k, v in groups.items()}, max(map(len, groups), default=1),
+                   np.array([b for b, _ in ranked], np.uint8), np.array([t for _, t in ranked], np.int64),
+                   np.array([_byte_class(b) for b, _ in ranked], np.int64), byte_token)
+
+    def of_token_bytes(self, tokens: list[int]) -> bytes:
+        return b"".join(self.of_token[t] for t in tokens)
+
+    def prefix_tokens(self, path: bytes) -> list[tuple[int, int]]:
+        """(token, its length in bytes) of every token whose bytes are a non-empty prefix of `path`."""
+        return [(t, k) for k in range(1, min(len(path), self.longest) + 1) for t in self.by_bytes.get(path[:k], ())]
+
+    def spelling_costs(self, path: bytes) -> tuple[int, ...]:
+        """Per offset k (0 .. len(path)), the fewest tokens that spell `path[k:]`; every byte of a closing path
+        has a single-byte token."""
+        costs = [0] * (len(path) + 1)
+        for k in range(len(path) - 1, -1, -1):
+            costs[k] = 1 + min(costs[k + n] for n in range(1, min(self.longest, len(path) - k) + 1)
+                               if path[k:k + n] in self.by_bytes)
+        return tuple(costs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClosePolicy:
+    """When close mode acts: in the last `window` tokens of a request's `max_tokens` the closing path is
+    searched, and the mask is cut to it once the tokens left are at most its length + `margin`. The search runs
+    every step once the tokens left come within `watch` of that point (as the last search saw it), and every
+    `watch // 2` tokens before; `max_bytes` and `max_nodes` bound one search."""
+
+    window: int = 64
+    margin: int = 4
+    watch: int = 16
+    max_bytes: int = 256
+    max_nodes: int = 512
+
+    def __post_init__(self):
+        if min(self.window, self.watch, self.max_bytes, self.max_nodes) < 1 or self.margin < 0:
+            raise ValueError(f"close policy needs window, watch, max_bytes, max_nodes >= 1 and margin >= 0, "
+                             f"got {self}")
+
+    def search_due(self, left: int, last: tuple[int, int | None] | None) -> bool:
+        """Whether to search the closing path with `left` tokens left, given (tokens left, closing tokens or
+        None) at the last search."""
+        if last is None:
+            return True
+        searched_left, tokens = last
+        near = tokens is not None and left <= tokens + self.margin + self.watch
+        return near or searched_left - left >= max(1, self.watch // 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Closing:
+    """A completion of a constrained output: its bytes, whether an EOS must follow them (the grammar accepts
+    there but could go on) rather than the grammar stopping by itself, and per offset the fewest tokens that
+    spell the rest of the path (`TokenBytes.spelling_costs`)."""
+
+    path: bytes
+    needs_eos: bool
+    costs: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        """The fewest tokens the completion takes, its EOS included."""
+        return self.costs[0] + self.needs_eos
+
+    def after(self, token_bytes: bytes) -> Closing | None:
+        """The rest of the path once a token with these bytes is taken; None if it leaves the path."""
+        if token_bytes and self.path.startswith(token_bytes):
+            return Closing(self.path[len(token_bytes):], self.needs_eos, self.costs[len(token_bytes):])
+        return None
+
+    def next_tokens(self, table: TokenBytes, left: int) -> list[int]:
+        """The tokens that follow the path and still leave room to finish it within `left` tokens (the fewest-
+        token ones if none does); the EOS at the path's end is not among them."""
+        options = [(1 + self.costs[n] + self.needs_eos, t) for t, n in table.prefix_tokens(self.path)]
+        fit = [t for cost, t in options if cost <= left]
+        return fit or [t for cost, t in options if cost == min(options)[0]]
+
+
+def closing_path(matcher: llg.LLMatcher, table: TokenBytes, max_bytes: int = 256, max_nodes: int = 512,
+                 max_repeats: int = 32) -> Closing | None:
+    """A short completion of the matcher's output, or None if none of at most `max_bytes` bytes turns up within
+    `max_nodes` mask computations. The matcher is left as it was.
+
+    A depth-first search: a forced run of bytes is taken whole; otherwise it tries two bytes per byte class
+    (the first and the last the grammar allows), classes in closing order, starting k ranked classes later in a
+    state whose mask shows up for the (k+1)-th time on the path. A state whose mask has shown up `max_repeats`
+    times on the path counts as a dead end (a loop, e.g. digits of an unbounded number); counted repetitions
+    shorter than that still pass. Not always the shortest completion: the first its order leads to."""
+    taken_total, nodes, path = 0, 0, bytearray()
+    frames: list[list] = []  # per level: [untried search indices (best last), bytes taken, mask signature]
+    seen: dict[int, int] = {}  # mask signatures on the current path, with their counts
+    try:
+        while True:
+            if matcher.is_stopped() or matcher.is_accepting():
+                return Closing(bytes(path), not matcher.is_stopped(), table.spelling_costs(bytes(path)))
+            if len(path) < max_bytes and nodes < max_nodes:
+                nodes += 1
+                frame = _expand(matcher, table, max_bytes - len(path), seen, max_repeats)
+                if frame is not None:
+                    frames.append(frame)
+                    if frame[1]:  # a forced run, taken
+                        path += table.of_token_bytes(frame[3])
+                        taken_total += frame[1]
+                        continue
+            # take the next untried byte of the deepest level, backtracking over exhausted levels
+            while frames:
+                frame = frames[-1]
+                if frame[1]:
+                    matcher.rollback(frame[1])
+                    del path[len(path) - frame[1]:]
+                    taken_total -= frame[1]
+                    frame[1] = 0
+                if frame[0] and nodes < max_nodes:
+                    i = frame[0].pop()
+                    if matcher.try_consume_tokens([int(table.search_tokens[i])]) == 1:
+                        frame[1] = 1
+                        path.append(int(table.search_bytes[i]))
+                        taken_total += 1
+                        break
+                    continue
+                frames.pop()
+                if frame[2] is not None:
+                    seen[frame[2]] -= 1
+            if not frames:
+                return None
+    finally:
+        if taken_total:
+            matcher.rollback(taken_total)
+
+
+def _expand(matcher: llg.LLMatcher, table: TokenBytes, room: int, seen: dict[int, int], max_repeats: int
+            ) -> list | None:
+    """The search level of the matcher's state: a forced run taken at once ([[], bytes, None, tokens]), or the
+    bytes to try ([untried, 0, signature, None]); None for a dead end (no byte allowed, or a loop)."""
+    forced = matcher.compute_ff_bytes()
+    if forced and len(forced) <= room:
+        tokens = [int(table.byte_token[b]) for b in forced]
+        took = matcher.try_consume_tokens(tokens) if min(tokens) >= 0 else 0
+        if took == len(tokens):
+            return [[], took, None, tokens]
+        matcher.rollback(took)
+    raw = matcher.compute_bitmask()
+    signature = hash(raw)
+    if seen.get(signature, 0) >= max_repeats:
+        return None
+    mask = np.frombuffer(raw, np.uint8)
+    ok = np.flatnonzero((mask[table.search_tokens >> 3] >> (table.search_tokens & 7)) & 1)
+    if not len(ok):
+        return None
+    classes = table.search_class[ok]
+    _, first = np.unique(classes, return_index=True)
+    _, last = np.unique(classes[::-1], return_index=True)
+    # per class its first allowed byte, then its last (a loop on the first, '0.000...', may end on another);
+    # a state seen before on the path starts from a later ranked class (a loop of spaces or of ',000' groups ends)
+    pairs = np.stack([ok[first], ok[len(ok) - 1 - last]], axis=1)
+    ranked = int((np.unique(classes) < len(_RANKED_CLASSES)).sum())  # every other byte stays last
+    if ranked:
+        pairs[:ranked] = np.roll(pairs[:ranked], -(seen.get(signature, 0) % ranked), axis=0)
+    seen[signature] = seen.get(signature, 0) + 1
+    return [list(dict.fromkeys(pairs.ravel().tolist()))[::-1], 0, signature, None]
