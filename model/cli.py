@@ -100,7 +100,7 @@ def cmd_generate(args) -> int:
     engine = Engine(model, max_slots=slots, max_len=args.max_len, prefill_chunk=chunk,
                     batch_invariant=args.batch_invariant, zero_overhead=not args.no_zero_overhead,
                     num_top_logprobs=num_top, seed=args.seed, detokenize=tokenizer.decode,
-                    speculation=args.speculation, num_drafts=args.num_drafts)
+                    speculation=args.speculation, num_drafts=args.num_drafts, **_engine_cache_and_grammar(args))
     submit(engine, requests)
     loaded = time.perf_counter()
     if not args.no_warmup and engine.has_work:
@@ -129,7 +129,7 @@ def cmd_serve(args) -> int:
 
     if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
-    return serve(args, _load(args))
+    return serve(args, _load(args), **_engine_cache_and_grammar(args))
 
 
 def cmd_train(args) -> int:
@@ -221,11 +221,31 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
     e.add_argument("--num-drafts", type=_int_at_least(1), help="drafts per step at most (default: the "
                    "drafter's block size)")
+    _add_cache_and_grammar_flags(e)
     e.add_argument("--no-warmup", action="store_true",
                    help="compile step buckets when first used instead of all up front")
     e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
                    metavar="DIR", help="keep compiled steps on disk, so a later run of the same shapes starts "
                    "at once ($JAXSEEK_COMPILE_CACHE, default ~/.cache/jaxseek/xla; 'off' disables)")
+
+
+def _add_cache_and_grammar_flags(e) -> None:
+    """Engine flags `generate` and `serve` share: prefix caching, jump-forward decoding of grammar-forced
+    tokens."""
+    e.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not share the KV pages of cached prompt prefixes (on by default unless "
+                        "--batch-invariant)")
+    e.add_argument("--host-pages", type=_int_at_least(0), default=0,
+                   help="evicted prefix-cache pages kept in host memory and restored instead of recomputed")
+    e.add_argument("--jump-forward", action="store_true",
+                   help="a constrained request takes the tokens its grammar forces without sampling them")
+
+
+def _engine_cache_and_grammar(args) -> dict:
+    """The Engine keyword arguments of `_add_cache_and_grammar_flags`."""
+    prefix = False if args.no_prefix_cache else None
+    return {"prefix_cache": prefix, "jump_forward": args.jump_forward,
+            **({"host_pages": args.host_pages} if args.host_pages else {})}
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -246,6 +266,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
     e.add_argument("--num-drafts", type=_int_at_least(1), help="drafts per step at most (default: the "
                    "drafter's block size)")
+    _add_cache_and_grammar_flags(e)
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets when first used")
     e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
                    metavar="DIR", help="compiled steps kept on disk ('off' disables)")

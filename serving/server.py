@@ -595,7 +595,7 @@ def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, Callable[[], Non
     return f"http://{host}:{port}", stop
 
 
-def serve(args, model) -> int:
+def serve(args, model, **engine_args) -> int:
     """Run the server until interrupted (the body of `jaxseek serve`)."""
     import uvicorn
 
@@ -609,7 +609,7 @@ def serve(args, model) -> int:
                           disaggregate=args.disaggregate)
     server = Server(model, config, max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                     batch_invariant=args.batch_invariant, num_top_logprobs=args.max_logprobs, seed=args.seed,
-                    speculation=args.speculation, num_drafts=args.num_drafts)
+                    speculation=args.speculation, num_drafts=args.num_drafts, **engine_args)
     if not args.no_warmup:
         server.engine.warmup()
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")
