@@ -55,8 +55,9 @@ def test_held_out_loss_beats_the_bigram_baseline(model):
     assert loss < SLICE_BIGRAM_LOSS - 0.3
 
 
-def greedy(model, ids: list[int], steps: int, width: int = 64) -> list[int]:
-    """Greedy tokens, one full forward per token (sequences padded to `width`: the model is causal)."""
+def greedy(model, ids: list[int], steps: int, width: int = 96) -> list[int]:
+    """Greedy tokens, one full forward per token (sequences padded to `width`: the model is causal; 96 is the
+    length tests/test_server.py's reference pads to, so the compile cache serves both)."""
     ids = list(ids)
     for _ in range(steps):
         padded = np.zeros((1, width), np.int32)
@@ -66,8 +67,10 @@ def greedy(model, ids: list[int], steps: int, width: int = 64) -> list[int]:
 
 
 def test_generate_runs_the_bundled_model_by_default(model, capsys):
-    status = main(["generate", "--prompt", PROMPT, "--max-tokens", "12", "--temperature", "0", "--max-slots", "1",
-                   "--max-len", "64", "--prefill-chunk", "16", "--no-warmup"])
+    # the engine tests/test_disagg.py, test_router.py and test_server.py run (2 slots, 96 tokens, 8-token prefill
+    # chunks, batch-invariant, 5 top logprobs), so the persistent compile cache serves all four modules
+    status = main(["generate", "--prompt", PROMPT, "--max-tokens", "12", "--temperature", "0", "--logprobs", "5",
+                   "--max-slots", "2", "--max-len", "96", "--prefill-chunk", "8", "--batch-invariant", "--no-warmup"])
     out, err = capsys.readouterr()
     record = json.loads(out)
     assert status == 0 and "randomly initialised" not in err
