@@ -9,12 +9,11 @@ from jax import monitoring
 from model.config import preset
 from serving.engine import Engine
 from serving.sampling import SamplingParams
-from tests.helpers import random_model
+from tests.helpers import greedy_full_forward, random_model
 
 CONFIG = preset("tiny")
 RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(0, CONFIG.vocab_size, n).tolist() for n in (5, 23, 40, 9, 17, 3)]
-REF_ROWS, REF_LEN = 8, 64  # the reference's one padded batch shape
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 COMPILES: list[str] = []
 monitoring.register_event_duration_secs_listener(
@@ -35,26 +34,11 @@ def engine(model):
     return eng
 
 
-def greedy_reference(model, prompts, steps):
-    """Greedy tokens and per-token logits of every prompt by the full-sequence forward: all prompts advance
-    together in one padded [8, 64] batch (one compilation per model; the model is causal)."""
-    ids = [list(p) for p in prompts]
-    logits = [[] for _ in prompts]
-    for _ in range(steps):
-        padded = np.zeros((REF_ROWS, REF_LEN), np.int32)
-        for i, seq in enumerate(ids):
-            padded[i, :len(seq)] = seq
-        out = np.asarray(model.logits(padded))
-        for i, seq in enumerate(ids):
-            logits[i].append(out[i, len(seq) - 1])
-            seq.append(int(out[i, len(seq) - 1].argmax()))
-    return [(seq[len(p):], np.stack(rows)) for p, seq, rows in zip(prompts, ids, logits)]
-
-
 @pytest.fixture(scope="module")
 def reference(model):
-    """reference(i, steps): the greedy tokens and logits of PROMPTS[i], computed once for 14 steps."""
-    every = greedy_reference(model, PROMPTS, 14)
+    """reference(i, steps): the greedy tokens and logits of PROMPTS[i] by the full forward, computed once for 14
+    steps (one [8, 64] batch, the shape tests/test_generate.py's reference runs: one compilation for both)."""
+    every = greedy_full_forward(model, PROMPTS, 14)
     return lambda i, steps: (every[i][0][:steps], every[i][1][:steps])
 
 
@@ -152,6 +136,6 @@ def test_v41_with_engram_matches_its_full_forward():
     eng = Engine(v41, max_slots=2, max_len=48, prefill_chunk=16, max_prefill_rows=1, return_logits=True)
     prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[4]]
     outputs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    for (tokens, logits), out in zip(greedy_reference(v41, prompts, 8), outputs):
+    for (tokens, logits), out in zip(greedy_full_forward(v41, prompts, 8), outputs):
         assert out.token_ids == tokens
         np.testing.assert_allclose(np.stack(out.logits), logits, atol=1e-5, rtol=0)
