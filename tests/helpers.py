@@ -1,7 +1,9 @@
-"""Test helpers: models whose every parameter is random (no zero sinks, biases or position biases)."""
+"""Test helpers: models whose every parameter is random (no zero sinks, biases or position biases), and greedy
+decoding by the full-sequence forward (the reference engines are checked against)."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from model.api import Model, init_model
@@ -19,3 +21,24 @@ def random_model(config, seed: int = 0, noise: float = 0.1, **init_kwargs) -> Mo
         else:
             out.append(leaf + noise * jax.random.normal(key, leaf.shape, leaf.dtype))
     return Model(nnx.merge(model.graphdef, jax.tree.unflatten(treedef, out)), engram=model.engram)
+
+
+def greedy_full_forward(model: Model, prompts: list[list[int]], steps: int, rows: int = 8, width: int = 64
+                        ) -> list[tuple[list[int], np.ndarray]]:
+    """Greedy tokens and their fp32 logits [steps, V] for every prompt, one full-sequence forward per token: all
+    prompts advance together in one zero-padded [rows, width] batch (the model is causal), so a model compiles
+    this once whatever the prompts; tests of the same config share it through the compile cache."""
+    if len(prompts) > rows or max(len(p) for p in prompts) + steps > width:
+        raise ValueError(f"{len(prompts)} prompts of up to {max(len(p) for p in prompts)} tokens + {steps} steps "
+                         f"do not fit a [{rows}, {width}] batch")
+    ids = [list(p) for p in prompts]
+    logits: list[list[np.ndarray]] = [[] for _ in prompts]
+    for _ in range(steps):
+        padded = np.zeros((rows, width), np.int32)
+        for i, seq in enumerate(ids):
+            padded[i, :len(seq)] = seq
+        out = np.asarray(model.logits(padded))
+        for i, seq in enumerate(ids):
+            logits[i].append(out[i, len(seq) - 1])
+            seq.append(int(out[i, len(seq) - 1].argmax()))
+    return [(seq[len(p):], np.stack(rows_)) for p, seq, rows_ in zip(prompts, ids, logits)]

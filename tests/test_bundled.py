@@ -11,6 +11,7 @@ import pytest
 from model.checkpoint import BUNDLED, load_model
 from model.cli import main
 from model.config_v41 import V41Config
+from tests.helpers import greedy_full_forward
 from training.data import held_out_windows, model_loss
 
 # A fixed slice of Julius Caesar (a held-out work: no line of it was trained on), Act I from its start.
@@ -55,23 +56,17 @@ def test_held_out_loss_beats_the_bigram_baseline(model):
     assert loss < SLICE_BIGRAM_LOSS - 0.3
 
 
-def greedy(model, ids: list[int], steps: int, width: int = 64) -> list[int]:
-    """Greedy tokens, one full forward per token (sequences padded to `width`: the model is causal)."""
-    ids = list(ids)
-    for _ in range(steps):
-        padded = np.zeros((1, width), np.int32)
-        padded[0, :len(ids)] = ids
-        ids.append(int(np.asarray(model.logits(padded))[0, len(ids) - 1].argmax()))
-    return ids[-steps:]
-
-
 def test_generate_runs_the_bundled_model_by_default(model, capsys):
-    status = main(["generate", "--prompt", PROMPT, "--max-tokens", "12", "--temperature", "0", "--max-slots", "1",
-                   "--max-len", "64", "--prefill-chunk", "16", "--no-warmup"])
+    # the engine tests/test_disagg.py, test_router.py and test_server.py run (2 slots, 96 tokens, 8-token prefill
+    # chunks, batch-invariant, 5 top logprobs), so the persistent compile cache serves all four modules
+    status = main(["generate", "--prompt", PROMPT, "--max-tokens", "12", "--temperature", "0", "--logprobs", "5",
+                   "--max-slots", "2", "--max-len", "96", "--prefill-chunk", "8", "--batch-invariant", "--no-warmup"])
     out, err = capsys.readouterr()
     record = json.loads(out)
     assert status == 0 and "randomly initialised" not in err
-    assert record["token_ids"] == greedy(model, model.tokenizer.encode(PROMPT), 12)
+    # greedy by the full forward, padded to the length tests/test_server.py's reference runs (one compile for both)
+    assert record["token_ids"] == greedy_full_forward(model, [model.tokenizer.encode(PROMPT)], 12, rows=1,
+                                                      width=96)[0][0]
     assert record["text"] == model.tokenizer.decode(record["token_ids"])
     words = record["text"].split()
     assert words and all(w.strip(".,;:!?'-").isalpha() for w in words if w.strip(".,;:!?'-")), record["text"]

@@ -1,4 +1,5 @@
-"""The engine against the model's reference cached path: greedy tokens and logits, chunked prefill,
+"""The engine against the model's full-sequence forward (itself checked against the cached path in
+tests/test_cached.py and the HF oracle in tests/test_parity.py): greedy tokens and logits, chunked prefill,
 queueing, preemption, determinism, batch invariance, compilation count, stop conditions, bad input."""
 
 import numpy as np
@@ -8,7 +9,7 @@ from jax import monitoring
 from model.config import preset
 from serving.engine import Engine
 from serving.sampling import SamplingParams
-from tests.helpers import random_model
+from tests.helpers import greedy_full_forward, random_model
 
 CONFIG = preset("tiny")
 RNG = np.random.default_rng(0)
@@ -26,45 +27,39 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    eng = Engine(model, max_slots=4, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=2,
+    """4 slots over a pool of 5 pages of 16 tokens (the longest request takes 4): requests are preempted."""
+    eng = Engine(model, max_slots=4, max_len=64, num_pages=5, page_tokens=16, prefill_chunk=16, max_prefill_rows=2,
                  num_top_logprobs=2, return_logits=True)
     eng.warmup()
     return eng
 
 
-def reference(model, prompt, steps):
-    """Greedy tokens and per-token logits from the model's reference cached path."""
-    cache = model.init_cache(1, len(prompt) + steps)
-    logits, cache = model.step(np.array([prompt]), cache)
-    tokens, all_logits = [], []
-    for _ in range(steps):
-        last = np.asarray(logits)[0, -1]
-        all_logits.append(last)
-        tokens.append(int(last.argmax()))
-        logits, cache = model.step(np.array([[tokens[-1]]]), cache)
-    return tokens, np.stack(all_logits)
+@pytest.fixture(scope="module")
+def reference(model):
+    """reference(i, steps): the greedy tokens and logits of PROMPTS[i] by the full forward, computed once for 14
+    steps (one [8, 64] batch, the shape tests/test_generate.py's reference runs: one compilation for both)."""
+    every = greedy_full_forward(model, PROMPTS, 14)
+    return lambda i, steps: (every[i][0][:steps], every[i][1][:steps])
 
 
-def test_greedy_tokens_and_logits_equal_the_reference_path(engine, model):
+def test_greedy_tokens_and_logits_equal_the_full_forward(engine, reference):
     compiled_before, events_before = len(engine.compiled), len(COMPILES)
     outputs = engine.generate(PROMPTS, GREEDY)  # 6 requests in 4 slots, 16-token prefill chunks
     assert len(engine.compiled) == compiled_before and len(COMPILES) == events_before  # nothing compiled
-    for prompt, out in zip(PROMPTS, outputs):
-        tokens, logits = reference(model, prompt, 10)
+    for i, out in enumerate(outputs):
+        tokens, logits = reference(i, 10)
         assert out.token_ids == tokens and out.finish_reason == "length"
         np.testing.assert_allclose(np.stack(out.logits), logits, atol=1e-5, rtol=0)
 
 
-def test_preemption_and_resumption_keep_the_tokens(model):
-    """A pool of 3 pages (16 tokens each) for 3 slots forces running requests out and back in."""
-    eng = Engine(model, max_slots=3, max_len=48, num_pages=3, page_tokens=16, prefill_chunk=16,
-                 max_prefill_rows=1, return_logits=True)
+def test_preemption_and_resumption_keep_the_tokens(engine, reference):
+    """The pool's 5 pages cannot hold these 4 requests at once: running requests go out and back in."""
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-    prompts = [PROMPTS[i] for i in (0, 1, 3, 4)]
-    outputs = eng.generate(prompts, params)
+    chosen = (0, 1, 3, 4)
+    outputs = engine.generate([PROMPTS[i] for i in chosen], params)
     assert sum(o.preemptions for o in outputs) > 0
-    for prompt, out in zip(prompts, outputs):
-        tokens, logits = reference(model, prompt, 14)
+    for i, out in zip(chosen, outputs):
+        tokens, logits = reference(i, 14)
         assert out.token_ids == tokens
         np.testing.assert_allclose(np.stack(out.logits), logits, atol=1e-5, rtol=0)
 
@@ -92,17 +87,17 @@ def test_batch_invariant_logits_are_bit_identical(model):
         np.testing.assert_array_equal(np.stack(run.logits), np.stack(runs[0].logits))
 
 
-def test_stop_conditions(engine, model):
-    tokens, _ = reference(model, PROMPTS[0], 10)
+def test_stop_conditions(engine, reference):
+    tokens, _ = reference(0, 10)
     out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[tokens[4]]))
     assert out[0].finish_reason == "stop" and out[0].token_ids == tokens[: tokens.index(tokens[4]) + 1]
     out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 3
 
 
-def test_logprobs_are_returned(engine, model):
+def test_logprobs_are_returned(engine, reference):
     out = engine.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, ignore_eos=True))
-    _, logits = reference(model, PROMPTS[3], 3)
+    _, logits = reference(3, 3)
     expected = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
         - logits.max(-1, keepdims=True)
     for step, lp in enumerate(out[0].logprobs):
@@ -111,14 +106,14 @@ def test_logprobs_are_returned(engine, model):
         assert [t for t, _ in lp.top] == list(np.argsort(-logits[step])[:2])
 
 
-def test_cancellation_frees_the_slot(engine, model):
+def test_cancellation_frees_the_slot(engine, reference):
     keep = engine.add_request(PROMPTS[1], GREEDY)
     drop = engine.add_request(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     engine.step()
     engine.cancel(drop)
     results = engine.run()
     assert results[drop].finish_reason == "cancelled"
-    assert results[keep].token_ids == reference(model, PROMPTS[1], 10)[0]
+    assert results[keep].token_ids == reference(1, 10)[0]
     assert not engine.scheduler.running and len(engine.scheduler.free_slots) == engine.layout.max_slots
 
 
@@ -128,20 +123,19 @@ def test_cancellation_frees_the_slot(engine, model):
     ([1] * 60, SamplingParams(max_tokens=10), "exceeds the engine's max_len=64"),
     ([1, 2], SamplingParams(logprobs=5), "exceeds the engine's num_top_logprobs=2"),
 ])
-def test_bad_requests_are_refused_and_others_keep_running(engine, model, prompt, params, message):
+def test_bad_requests_are_refused_and_others_keep_running(engine, reference, prompt, params, message):
     good = engine.add_request(PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, params)
-    assert engine.run()[good].token_ids == reference(model, PROMPTS[4], 4)[0]
+    assert engine.run()[good].token_ids == reference(4, 4)[0]
 
 
-def test_v41_with_engram_matches_its_reference_path():
+def test_v41_with_engram_matches_its_full_forward():
     """V4.1: paged shared-KV entries and index keys, host-side Engram hashing per request."""
     v41 = random_model(preset("tiny-v41"), seed=3, noise=0.05)
     eng = Engine(v41, max_slots=2, max_len=48, prefill_chunk=16, max_prefill_rows=1, return_logits=True)
     prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[4]]
     outputs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    for prompt, out in zip(prompts, outputs):
-        tokens, logits = reference(v41, prompt, 8)
+    for (tokens, logits), out in zip(greedy_full_forward(v41, prompts, 8), outputs):
         assert out.token_ids == tokens
         np.testing.assert_allclose(np.stack(out.logits), logits, atol=1e-5, rtol=0)

@@ -16,10 +16,10 @@ from model.config import preset
 from serving.batch import encode_prompts, merge_sampling, read_jsonl, read_txt, request_seed
 from serving.chat_format import DeepSeekV4Format, PlainFormat
 from serving.tokenizer import ByteTokenizer, tokenizer_for
+from tests.helpers import greedy_full_forward
 
 SEED = 3  # the CLI's --seed: the random model's seed
 MAX_LEN = 128
-REF_LEN = 64  # the reference pads every sequence to this length (one compilation; the model is causal)
 TOK = ByteTokenizer(256, skip_ids=(1,))  # tiny's eos_token_id is 1
 FOX, ONCE = "The quick brown fox", "Once upon a time"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ☃"}]
@@ -32,16 +32,14 @@ def model():
     return init_model(preset("tiny"), seed=SEED)
 
 
-def greedy_reference(model, prompt_ids, steps):
-    """Greedy tokens and their log-softmax rows, one full forward per token."""
-    ids, rows = list(prompt_ids), []
-    for _ in range(steps):
-        padded = np.zeros((1, REF_LEN), np.int32)
-        padded[0, :len(ids)] = ids
-        logits = np.asarray(model.logits(padded), np.float64)[0, len(ids) - 1]
-        rows.append(logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max())
-        ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids):], rows
+def greedy_references(model, prompts, steps):
+    """Greedy tokens and their log-softmax rows (float64) by the full forward, all prompts in one padded batch."""
+    out = []
+    for (ids, logits), n in zip(greedy_full_forward(model, prompts, max(steps)), steps):
+        logits = logits[:n].astype(np.float64)
+        m = logits.max(-1, keepdims=True)
+        out.append((ids[:n], list(logits - np.log(np.exp(logits - m).sum(-1, keepdims=True)) - m)))
+    return out
 
 
 def line(custom_id, body, url="/v1/completions"):
@@ -53,9 +51,8 @@ def run(model, tmp_path_factory):
     """One CLI run: sampling defaults on the command line (4 tokens, temperature 0.8), 2 slots, batch-invariant
     (two buckets), no warm-up. Returns (input lines, output records by custom_id, ordered ids, stderr, status,
     references)."""
-    fox_ref, fox_rows = greedy_reference(model, TOK.encode(FOX), 8)
-    chat_ref, chat_rows = greedy_reference(model, TOK.encode(CHAT_TEXT), 5)
-    once_ref, _ = greedy_reference(model, TOK.encode(ONCE), 2)
+    (fox_ref, fox_rows), (chat_ref, chat_rows), (once_ref, _) = greedy_references(
+        model, [TOK.encode(FOX), TOK.encode(CHAT_TEXT), TOK.encode(ONCE)], [8, 5, 2])
     # a stop string: a character of the greedy continuation; generation ends at the token that completes it
     chars = [c for c in TOK.decode(fox_ref) if c != "\ufffd"]
     assert chars, "the greedy continuation decodes to no whole character"

@@ -5,6 +5,7 @@ the oracle's native-name rewrite, and our own `save_checkpoint` output read back
 """
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from model.checkpoint import load_model, save_checkpoint
 from model.config import ModelConfig, YarnScaling, preset
 from pallas_kernels import registry
-from tests.oracle_client import hf_dump_native, hf_init, hf_logits
+from tests.oracle_client import OracleBatch
 
 TOL = 1e-4
 TINY = preset("tiny")
@@ -31,14 +32,35 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def oracle_case(request, tmp_path_factory):
-    """(config, tokens, HF-saved dir, HF logits) for one config, created once per module."""
-    config, shape = CONFIGS[request.param]
-    hf_dir = tmp_path_factory.mktemp(f"hf-{request.param}")
-    hf_init(config.to_hf_dict(), hf_dir, seed=7)
-    tokens = np.random.default_rng(3).integers(0, config.vocab_size, shape)
-    return config, tokens, hf_dir, hf_logits(hf_dir, tokens)
+@pytest.fixture(scope="module")
+def oracle_runs(tmp_path_factory):
+    """Per config: tokens, the oracle's HF-saved model, its native-name rewrite, the oracle's logits, and the
+    oracle's logits of our own `save_checkpoint` output. Two oracle processes in all (torch loads once each):
+    init + logits + dump-native for every config, then the oracle reading our checkpoints."""
+    root = tmp_path_factory.mktemp("oracle")
+    batch = OracleBatch(root / "commands")
+    runs = {}
+    for name, (config, shape) in CONFIGS.items():
+        hf_dir = batch.init(config.to_hf_dict(), root / f"hf-{name}", seed=7)
+        tokens = np.random.default_rng(3).integers(0, config.vocab_size, shape)
+        runs[name] = SimpleNamespace(config=config, tokens=tokens, hf_dir=hf_dir,
+                                     expected=batch.logits(hf_dir, tokens),
+                                     native_dir=batch.dump_native(hf_dir, root / f"native-{name}"))
+    batch.run()
+    for name, run in runs.items():
+        run.expected = np.load(run.expected)
+        save_checkpoint(load_model(run.hf_dir), root / f"ours-{name}")
+        run.ours = batch.logits(root / f"ours-{name}", run.tokens)
+    batch.run()
+    for run in runs.values():
+        run.ours = np.load(run.ours)
+    return runs
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def case(request, oracle_runs):
+    """One config's oracle run (see `oracle_runs`)."""
+    return oracle_runs[request.param]
 
 
 def _max_diff(a, b) -> float:
@@ -46,45 +68,38 @@ def _max_diff(a, b) -> float:
     return float(np.abs(np.asarray(a) - np.asarray(b)).max())
 
 
-def test_hf_saved_checkpoint_matches_oracle(oracle_case):
-    config, tokens, hf_dir, expected = oracle_case
-    model = load_model(hf_dir)
-    assert model.config == config
-    assert _max_diff(model.logits(tokens), expected) <= TOL
+def test_hf_saved_checkpoint_matches_oracle(case):
+    model = load_model(case.hf_dir)
+    assert model.config == case.config
+    assert _max_diff(model.logits(case.tokens), case.expected) <= TOL
 
 
-def test_native_names_match_oracle(oracle_case, tmp_path):
-    _, tokens, hf_dir, expected = oracle_case
-    native = hf_dump_native(hf_dir, tmp_path / "native")
-    assert _max_diff(load_model(native).logits(tokens), expected) <= TOL
+def test_native_names_match_oracle(case):
+    """The oracle's rewrite of its checkpoint in DeepSeek-native names (which HF reads back bit-identically)."""
+    assert _max_diff(load_model(case.native_dir).logits(case.tokens), case.expected) <= TOL
 
 
-def test_oracle_reads_our_checkpoint(oracle_case, tmp_path):
-    _, tokens, hf_dir, expected = oracle_case
-    save_checkpoint(load_model(hf_dir), tmp_path / "ours")
-    assert _max_diff(hf_logits(tmp_path / "ours", tokens), expected) == 0.0
+def test_oracle_reads_our_checkpoint(case):
+    """Our `save_checkpoint` of the loaded HF model, read by the oracle: bit-identical logits."""
+    assert _max_diff(case.ours, case.expected) == 0.0
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("oracle_case", ["mixed"], indirect=True)  # interpret mode is slow: one config
-def test_pallas_kernels_match_oracle(oracle_case):
+@pytest.mark.parametrize("case", ["mixed"], indirect=True)  # interpret mode is slow: one config
+def test_pallas_kernels_match_oracle(case):
     """`--kernels pallas`: every registry op on its Pallas kernel (interpret mode on CPU) still equals the oracle."""
-    _, tokens, hf_dir, expected = oracle_case
     with registry.use("pallas"):
-        assert _max_diff(load_model(hf_dir).logits(tokens), expected) <= TOL
+        assert _max_diff(load_model(case.hf_dir).logits(case.tokens), case.expected) <= TOL
 
 
-def test_oracle_disagrees_with_a_perturbed_model(oracle_case, tmp_path):
+def test_oracle_disagrees_with_a_perturbed_model(case):
     """The comparison can fail: one changed attention sink moves the logits far beyond the tolerance."""
-    _, tokens, hf_dir, expected = oracle_case
-    model = load_model(hf_dir)
-    module = model.module()
+    module = load_model(case.hf_dir).module()
     module.layers[0].attn.attn_sink[...] = module.layers[0].attn.attn_sink[...] + 1.0
     from model.api import Model
-    assert _max_diff(Model(module).logits(tokens), expected) > 100 * TOL
+    assert _max_diff(Model(module).logits(case.tokens), case.expected) > 100 * TOL
 
 
-def test_yarn_config_is_what_the_oracle_saved(oracle_case):
-    config, _, hf_dir, _ = oracle_case
-    assert ModelConfig.from_json(hf_dir).rope_scaling == config.rope_scaling
-    assert config.rope_scaling in (None, YarnScaling(factor=16.0, original_max_position_embeddings=256))
+def test_yarn_config_is_what_the_oracle_saved(case):
+    assert ModelConfig.from_json(case.hf_dir).rope_scaling == case.config.rope_scaling
+    assert case.config.rope_scaling in (None, YarnScaling(factor=16.0, original_max_position_embeddings=256))

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
 
 from model import load_model  # noqa: E402
 from serving.server import Server, ServerConfig, serve_in_thread  # noqa: E402
+from tests.helpers import greedy_full_forward  # noqa: E402
 
 KEY = "test-key"
 MODEL = "bundled"
@@ -45,11 +45,7 @@ def client(served):
 
 def greedy_reference(model, prompt_ids: list[int], n: int) -> list[int]:
     """n greedy tokens by the model's full-sequence forward (one fixed padded length, so one compile)."""
-    ids = list(prompt_ids)
-    for _ in range(n):
-        logits = np.asarray(model.logits(np.array([ids + [0] * (MAX_LEN - len(ids))], np.int32)))
-        ids.append(int(logits[0, len(ids) - 1].argmax()))
-    return ids[len(prompt_ids):]
+    return greedy_full_forward(model, [prompt_ids], n, rows=1, width=MAX_LEN)[0][0]
 
 
 def wait_idle(server, timeout=20.0):

@@ -15,6 +15,14 @@ from serving.step import COUNTED, PROMPT, DrafterSpec, build_step, empty_batch
 from tests.test_dspark import CONFIG, TARGET
 
 PENALTY = -2.0  # a frequency *bonus*: drafted tokens win the later positions, so miscounting shows
+REF_LEN = 16  # the reference forward's one padded length (the model is causal)
+
+
+def full_logits(model, sequence: list[int]) -> np.ndarray:
+    """The full-sequence forward's logits [len(sequence), V], run padded to REF_LEN (one compilation)."""
+    padded = np.zeros((1, REF_LEN), np.int32)
+    padded[0, :len(sequence)] = sequence
+    return np.asarray(model.logits(padded))[0, :len(sequence)]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +63,7 @@ def test_verify_row_checks_its_drafts_against_the_penalised_argmax(setup, caps):
     out, cache = step(weights, cache, _row(layout, table, 4, [0], [COUNTED], 0, params, caps, from_prev=True), 4)
 
     block = [first] + drafts[:caps]
-    logits = np.asarray(model.logits(np.array([prompt + block])))[0, 11:]
+    logits = full_logits(model, prompt + block)[11:]
     np.testing.assert_allclose(np.asarray(out.logits[0, :caps + 1]), logits, rtol=1e-4, atol=1e-4)
     counts = np.zeros((caps + 1, TARGET.vocab_size))
     counts[:, first] += 1
@@ -72,7 +80,7 @@ def test_verify_row_checks_its_drafts_against_the_penalised_argmax(setup, caps):
     # the next decode row starts after the committed tokens, with them counted as outputs
     out, cache = step(weights, cache, _row(layout, table, 1, [0], [COUNTED], 0, params, from_prev=True), 1)
     sequence = prompt + [first] + emitted
-    expected = np.asarray(model.logits(np.array([sequence])))[0, -1]
+    expected = full_logits(model, sequence)[-1]
     np.testing.assert_allclose(np.asarray(out.logits[0, 0]), expected, rtol=1e-4, atol=1e-4)
     outputs = np.bincount([first] + emitted, minlength=TARGET.vocab_size)
     assert int(out.tokens[0, 0]) == int(np.argmax(expected - PENALTY * outputs))
