@@ -77,10 +77,10 @@ class Engine:
     drafts per step (default: the drafter's block size) in buckets of `verify_widths` tokens (DSpark; default
     every width 2 .. num_drafts + 1, fewer widths compile faster); `backtrack` extra window-ring slots (speculation
     needs num_drafts + 1 and takes at least that); `draft_fallback` (DSpark): when no verify budget pays, decode
-    without drafting (the drafter only absorbs features) and probe with a drafting step every `probe_every`
-    such steps; `prefix_cache` shares the pages of cached prompt prefixes (default: on unless
-    `batch_invariant`, since a hit changes how a prompt is chunked), replaying `prefix_replay` tokens before a
-    hit's end (default: the exact replay, `exact_replay_tokens`; fewer is approximate), with up to
+    without drafting (the drafter only absorbs features) and probe with a drafting step after `probe_every`
+    such steps (then after twice as many per probe that did not pay); `prefix_cache` shares the pages of
+    cached prompt prefixes (default: on unless `batch_invariant`, since a hit changes how a prompt is
+    chunked), replaying `prefix_replay` tokens before a hit's end (default: the exact replay, `exact_replay_tokens`; fewer is approximate), with up to
     `host_pages` evicted pages kept in host memory; `constraint_close`: how constrained outputs are closed
     before their `max_tokens` (None: the limit may cut them mid-structure); `jump_forward`: a constrained
     request takes the tokens its grammar forces in one prefill row instead of sampling them one per step.
@@ -111,6 +111,7 @@ class Engine:
         self.speculation, self.num_drafts = speculation, num_drafts if drafter is not None else 0
         self.draft_fallback, self.probe_every = draft_fallback and speculation == "dspark", probe_every
         self._nodraft_streak = 0  # decode steps since the last one that drafted (the no-draft fallback)
+        self._probe_interval = probe_every  # doubles after each probe, back to probe_every once verifying
         self._cost_key: tuple[int, int] | None = None  # the cost-table bucket of the last decode step
         if drafter is not None:
             backtrack = max(backtrack, num_drafts + 1)
@@ -385,18 +386,21 @@ class Engine:
             caps = np.where(stale, 0, caps)
         for row, cap in zip(rows, caps):
             row.caps = int(min(cap, width - 1))
-        self._nodraft_streak = 0
+        self._nodraft_streak, self._probe_interval = 0, self.probe_every
         return self._dispatch(rows, self.decode_rows, width, width, budget)
 
     def _dispatch_plain(self, rows: list[Row], draft: bool | None = None):
         """A decode step of one token per row. With the no-draft fallback its drafter only absorbs features,
-        except every `probe_every + 1`-th consecutive such step, which drafts again so that fresh confidences
-        let the planner resume verification (`draft` True: draft now)."""
+        except for probes, which draft again so that fresh confidences let the planner resume verification:
+        after `probe_every` such steps, then after twice as many each time a probe did not resume it (at most
+        8 x `probe_every`). `draft` True: draft now."""
         for row in rows:
             row.caps = 0
         self._nodraft_streak += 1
         if draft is None:
-            draft = not self.draft_fallback or self._nodraft_streak > self.probe_every
+            draft = not self.draft_fallback or self._nodraft_streak > self._probe_interval
+            if draft and self.draft_fallback:
+                self._probe_interval = min(2 * self._probe_interval, 8 * self.probe_every)
         if draft:
             self._nodraft_streak = 0
         return self._dispatch(rows, self.decode_rows, 1, 1, draft=draft)

@@ -99,6 +99,9 @@ def plan_verify(survival: Float[np.ndarray, "r g"], caps: Int[np.ndarray, " r"],
     fallback = (rows_bucket, 0) in cost
     best = Plan(1, np.zeros(r, np.int64), 0, float(r), draft=not fallback)
     best_rate = r / cost(rows_bucket, 0 if fallback else 1)
+    verify_costs = [cost(rows_bucket, w) for w in widths if w >= 2]
+    if not verify_costs or (r + values.sum()) / min(verify_costs) <= best_rate:
+        return best  # not even every draft at the cheapest verify bucket beats plain decoding
     gained, last_rate = float(r), best_rate
     for b in range(len(order)):
         gained += values[b]
