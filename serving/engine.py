@@ -80,10 +80,11 @@ class Engine:
     without drafting (the drafter only absorbs features) and probe with a drafting step after `probe_every`
     such steps (then after twice as many per probe that did not pay); `prefix_cache` shares the pages of
     cached prompt prefixes (default: on unless `batch_invariant`, since a hit changes how a prompt is
-    chunked), replaying `prefix_replay` tokens before a hit's end (default: the exact replay, `exact_replay_tokens`; fewer is approximate), with up to
-    `host_pages` evicted pages kept in host memory; `constraint_close`: how constrained outputs are closed
-    before their `max_tokens` (None: the limit may cut them mid-structure); `jump_forward`: a constrained
-    request takes the tokens its grammar forces in one prefill row instead of sampling them one per step.
+    chunked), replaying `prefix_replay` tokens before a hit's end (default: the exact replay,
+    `exact_replay_tokens`; fewer is approximate), with up to `host_pages` evicted pages kept in host memory;
+    `constraint_close`: how constrained outputs are closed before their `max_tokens` (None: the limit may cut
+    them mid-structure); `jump_forward`: a constrained request takes the tokens its grammar forces in one
+    prefill row instead of sampling them one per step.
     """
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_len: int = 1024, num_pages: int | None = None,
