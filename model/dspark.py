@@ -309,6 +309,25 @@ class DSparkDrafter(nnx.Module):
         confidences = jax.nn.sigmoid(conf_logits / jnp.asarray(self.config.temperatures))
         return DraftOutput(tokens, probs, confidences, state)
 
+    def serve(
+        self, embed: Float[Array, "V d"], head: Float[Array, "V d"], features: Float[Array, "r c F"],
+        tokens: Int[Array, "r c"], start: Int[Array, " r"], count: Int[Array, " r"], state: list,
+        anchor: Int[Array, " r"], seeds: UInt32[Array, "r 2"], temperature: Float[Array, " r"],
+        drafting: Bool[Array, ""],
+    ) -> DraftOutput:
+        """The serving engine's drafter call: `draft` when `drafting`, else only `absorb` (the no-draft
+        fallback: zero drafts, the context advanced). The rows' input `tokens` are part of the drafter protocol
+        (the MTP drafter pairs positions with them); DSpark's context is the features alone."""
+        del tokens
+
+        def skip():
+            r, g, vocab = start.shape[0], self.config.block_size, head.shape[0]
+            return DraftOutput(jnp.zeros((r, g), jnp.int32), jnp.zeros((r, g, vocab), jnp.float32),
+                               jnp.zeros((r, g), jnp.float32), self.absorb(features, start, count, state))
+
+        return jax.lax.cond(drafting, lambda: self.draft(embed, head, features, start, count, state, anchor, seeds,
+                                                         temperature), skip)
+
     def sample_block(
         self, base_logits: Float[Array, "n g V"], h: Float[Array, "n g d"], anchor: Int[Array, " n"],
         anchor_pos: Int[Array, " n"], seeds: UInt32[Array, "n 2"], temperature: Float[Array, " n"],

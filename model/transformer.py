@@ -106,31 +106,39 @@ class DeepseekV4(nnx.Module):
         return {**empty_cache(self.config, self.layers, batch, max_len, ring),
                 "mtp": [blk.attn.init_state(batch, max_len, ring) for blk in self.mtp]}
 
-    def streams(
-        self, tokens: Int[Array, "b c"], cache: dict, count=None
-    ) -> tuple[Float[Array, "b c n d"], dict]:
-        """Residual streams after the last layer for the next chunk of tokens; advances the cache.
+    def streams(self, tokens: Int[Array, "b c"], cache: dict, count=None, collect=()):
+        """Residual streams after the last layer for the next chunk of tokens and the advanced cache, plus the
+        taps [b, c, len(collect) * n * d] when `collect` names layers: each one's output streams, flattened and
+        concatenated in `collect` order (the MTP drafter reads the last layer's).
 
         Only the first `count` tokens (default all) are real: the rest pad a static bucket.
         """
+        if any(not 0 <= i < len(self.layers) for i in collect):
+            raise ValueError(f"collect={list(collect)} names layers outside [0, {len(self.layers)})")
         count = tokens.shape[1] if count is None else count
         start = cache["pos"]
         x = self.embed(tokens)
         streams = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
-        states = []
-        for blk, state in zip(self.layers, cache["layers"]):
+        states, taps = [], {}
+        for i, (blk, state) in enumerate(zip(self.layers, cache["layers"])):
             streams, state = blk(streams, tokens, start, state, count)
             states.append(state)
-        return streams, {**cache, "pos": start + count, "layers": states}
+            if i in collect:
+                taps[i] = streams.reshape(*streams.shape[:2], -1)
+        cache = {**cache, "pos": start + count, "layers": states}
+        if collect:
+            return streams, cache, jnp.concatenate([taps[i] for i in collect], axis=-1)
+        return streams, cache
 
     def head_logits(self, streams: Float[Array, "b c n d"], hc_head=None, norm=None) -> Float[Array, "b c v"]:
         """fp32 logits from the streams (the main collapse and norm unless an MTP block's are given)."""
         hc_head, norm = hc_head or self.hc_head, norm or self.norm
         return self.head(norm(hc_head(streams)).astype(jnp.float32))
 
-    def __call__(self, tokens: Int[Array, "b c"], cache: dict, count=None) -> tuple[Float[Array, "b c v"], dict]:
-        streams, cache = self.streams(tokens, cache, count)
-        return self.head_logits(streams), cache
+    def __call__(self, tokens: Int[Array, "b c"], cache: dict, count=None, collect=()):
+        """(fp32 logits [b, c, vocab], new cache), plus the taps of `streams` when `collect` names layers."""
+        streams, cache, *taps = self.streams(tokens, cache, count, collect)
+        return (self.head_logits(streams), cache, *taps)
 
     def mtp_logits(
         self, streams: Float[Array, "b c n d"], next_tokens: Int[Array, "b c"], cache: dict, depth: int = 0

@@ -41,6 +41,7 @@ import llguidance as llg
 import numpy as np
 
 from model.api import Model
+from model.mtp_drafter import mtp_drafter
 from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer
 from serving.grammar_budget import ClosePolicy
 from serving.grammar_mask import RequestGrammar, fill_masks, speculate_masks
@@ -73,7 +74,8 @@ class Engine:
     so a request's numbers never depend on what else runs; `zero_overhead`: read step N after dispatching
     step N+1; `num_top_logprobs` top alternatives computed per token; `return_logits` keeps the last
     position's logits of every row (tests); `detokenize` turns token ids into text (stop strings);
-    `speculation` "none" | "fixed" | "dspark" with the model's DSpark drafter, verifying up to `num_drafts`
+    `speculation` "none" | "fixed" | "dspark" with the model's DSpark drafter (else a V4 checkpoint's MTP
+    block as a one-token drafter, `model.mtp_drafter`), verifying up to `num_drafts`
     drafts per step (default: the drafter's block size) in buckets of `verify_widths` tokens (DSpark; default
     every width 2 .. num_drafts + 1, fewer widths compile faster); `backtrack` extra window-ring slots (speculation
     needs num_drafts + 1 and takes at least that); `draft_fallback` (DSpark): when no verify budget pays, decode
@@ -100,9 +102,10 @@ class Engine:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if speculation not in SPECULATION:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
-        drafter = model.drafter if speculation != "none" else None
+        drafter = None if speculation == "none" else model.drafter or mtp_drafter(model.module())
         if speculation != "none" and drafter is None:
-            raise ValueError(f"speculation={speculation!r} needs a model with a DSpark drafter (this one has none)")
+            raise ValueError(f"speculation={speculation!r} needs a model with a DSpark drafter or an MTP block "
+                             "(this one has neither)")
         block = drafter.config.block_size if drafter is not None else 0
         num_drafts = block if num_drafts is None else num_drafts
         if drafter is not None and not 1 <= num_drafts <= block:

@@ -27,7 +27,6 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from model.dspark import DraftOutput
 from serving.grammar_mask import ALL_ALLOWED, apply_token_bitmask, bitmask_width
 from serving.kv_cache import CacheLayout, freeze, gather_rows, gather_slots, scatter_rows, thaw
 from serving.sampling import GREEDY_BELOW, SamplingBatch, draw_tokens, processed_logits, token_logprobs
@@ -175,17 +174,8 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
                                                                batch.reset))
             absorbed = jnp.where(batch.sample, at[:, 0] + accepted + 1, counts)
 
-            def drafting():
-                return dmodule.draft(module.embed.weight[...], module.head.weight[...], taps[0], starts, absorbed,
-                                     dstate, final, batch.sampling.seed, batch.sampling.temperature)
-
-            def absorbing():  # DSpark's no-draft fallback: keep the drafter's context, draft nothing
-                shape = cache["draft_probs"].shape[1:]
-                return DraftOutput(jnp.zeros((rows, shape[0]), jnp.int32), jnp.zeros((rows, *shape), jnp.float32),
-                                   jnp.zeros((rows, shape[0]), jnp.float32),
-                                   dmodule.absorb(taps[0], starts, absorbed, dstate))
-
-            out = jax.lax.cond(batch.draft, drafting, absorbing)
+            out = dmodule.serve(module.embed.weight[...], module.head.weight[...], taps[0], tokens, starts,
+                                absorbed, dstate, final, batch.sampling.seed, batch.sampling.temperature, batch.draft)
             drafted_to = jnp.where(batch.draft, emit, scratch)  # not drafting: the slots keep their old blocks
             cache = {**cache, "drafter": jax.tree.map(lambda leaf, row: leaf.at[slots].set(row), cache["drafter"],
                                                       out.state),

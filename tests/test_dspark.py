@@ -192,37 +192,6 @@ def test_v41_dspark_checkpoint_names_load_and_round_trip(target, tmp_path):
     assert load_model(tmp_path / "again").drafter.config == CONFIG
 
 
-def test_a_v4_mtp_block_drafts_one_token_and_rolls_back_by_position():
-    import dataclasses
-
-    from model.config import preset
-    from model.mtp_drafter import init_mtp_state, mtp_draft
-
-    model = init_model(dataclasses.replace(preset("tiny"), num_hidden_layers=1, compress_ratios=(0, 0)), seed=0)
-    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, (2, 13)), jnp.int32)
-    seeds, greedy, zero = jnp.zeros((2, 2), jnp.uint32), jnp.zeros(2), jnp.zeros(2, jnp.int32)
-
-    @jax.jit
-    def run(params, tokens):
-        module = nnx.merge(model.graphdef, params)
-        streams, cache = module.streams(tokens[:, :12], module.init_cache(2, 16))
-        reference = module.mtp_logits(streams, tokens[:, 1:], cache)[0][:, -1]
-        fresh = mtp_draft(module, streams, tokens[:, 1:], zero, jnp.full(2, 12), init_mtp_state(module, 2, 16),
-                          seeds, greedy)
-        # positions 0..9 with a wrong last token (a rejected draft), then a restart at 8
-        wrong = tokens[:, 1:11].at[:, -1].set(0)
-        state = mtp_draft(module, streams[:, :10], wrong, zero, jnp.full(2, 10), init_mtp_state(module, 2, 16),
-                          seeds, greedy).state
-        again = mtp_draft(module, streams[:, 8:], tokens[:, 9:], jnp.full(2, 8), jnp.full(2, 4), state, seeds, greedy)
-        return reference, fresh[:3], again[:3]
-
-    reference, fresh, again = run(model.params, tokens)
-    np.testing.assert_array_equal(fresh[0][:, 0], np.argmax(reference, axis=-1))
-    assert np.all((fresh[2] > 0) & (fresh[2] < 1))
-    np.testing.assert_array_equal(again[0], fresh[0])
-    np.testing.assert_allclose(again[2], fresh[2], rtol=1e-5)
-
-
 def test_the_bundled_drafter_drafts_what_the_bundled_model_writes():
     from pathlib import Path
 

@@ -175,11 +175,59 @@ def test_no_draft_fallback_pauses_and_resumes_drafting_losslessly(model):
         assert results[rid].token_ids == plain_greedy(model, prompt, 16)
 
 
+def test_a_v4_mtp_block_drafts_in_the_engine_what_it_predicts_on_the_whole_sequence():
+    """A V4 checkpoint's MTP block as the engine's one-token drafter: greedy output equals plain decoding, and
+    every draft is the block's argmax at its position in a whole-sequence pass (`mtp_logits`), across prompt
+    chunks (streams carried between steps), verify steps and zero-overhead reads."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from model.config import preset
+    from tests.helpers import greedy_full_forward, random_model
+
+    v4 = random_model(preset("tiny"), seed=5)
+    prompts = [RNG.integers(0, 256, n).tolist() for n in (21, 6)]
+    engine = Engine(v4, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
+                    speculation="fixed")
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    seen, results = {rid: set() for rid in ids}, {}  # (outputs so far, the draft after them)
+    while engine.has_work:
+        results.update((out.request_id, out) for out in engine.step())
+        for rid in ids:
+            request = engine.requests.get(rid)
+            if request is not None and request.output and request.drafts:
+                seen[rid].add((len(request.output), request.drafts[0]))
+
+    @jax.jit
+    def mtp_argmax(params, tokens):  # [b, s]: the block's token at p + 2 from the whole sequences
+        module = nnx.merge(v4.graphdef, params)
+        streams, cache = module.streams(tokens[:, :-1], module.init_cache(len(prompts), 64))
+        return jnp.argmax(module.mtp_logits(streams, tokens[:, 1:], cache)[0], -1)
+
+    references = greedy_full_forward(v4, prompts, 14)
+    sequences = np.zeros((len(prompts), 40), np.int32)  # zero padding after a sequence: the passes are causal
+    for i, (prompt, (tokens, _)) in enumerate(zip(prompts, references)):
+        sequences[i, :len(prompt) + 14] = prompt + tokens
+    predicted = np.asarray(mtp_argmax(v4.params, jnp.asarray(sequences)))
+    for i, (prompt, rid) in enumerate(zip(prompts, ids)):
+        assert results[rid].token_ids == references[i][0]
+        assert len(seen[rid]) >= 5
+        for n, draft in seen[rid]:  # after n outputs the anchor sits at len(prompt) + n - 1
+            assert draft == predicted[i, len(prompt) + n - 2]
+
+
 def test_speculation_needs_a_drafter_and_valid_sizes(model):
+    import dataclasses
+
     from tests.helpers import random_model
     from model.config import preset
-    with pytest.raises(ValueError, match="DSpark drafter"):
-        Engine(random_model(preset("tiny")), speculation="fixed")
+    with pytest.raises(ValueError, match="DSpark drafter or an MTP block"):
+        tiny = preset("tiny")
+        no_mtp = dataclasses.replace(tiny, num_nextn_predict_layers=0,
+                                     compress_ratios=tiny.compress_ratios[:tiny.num_hidden_layers])
+        Engine(random_model(no_mtp), speculation="fixed")
     with pytest.raises(ValueError, match="num_drafts"):
         Engine(model, speculation="fixed", num_drafts=CONFIG.block_size + 1)
     with pytest.raises(ValueError, match="probe_every"):
