@@ -100,7 +100,7 @@ class Scheduler:
                 budget -= len(row.tokens)
         while self.waiting and self.free_slots and budget > 0 and len(prefill) < self.max_prefill_rows:
             request = self.waiting.popleft()
-            request.slot, request.status, request.fresh_slot = self.free_slots.pop(), Status.RUNNING, True
+            request.slot, request.status, request.fresh_slot = self.take_slot(), Status.RUNNING, True
             if self.prefix is not None:
                 self.prefix.admit(request)
             self.running.append(request)
@@ -113,6 +113,10 @@ class Scheduler:
             prefill.append(row)
             budget -= len(row.tokens)
         return decode, prefill
+
+    def take_slot(self) -> int:
+        """A free slot for a new request (the data-parallel engine picks the least-loaded rank's)."""
+        return self.free_slots.pop()
 
     def _requeue(self, request: Request, status: Status) -> None:
         """Take the request's slot and pages (caching nothing) and queue it first, to compute from the start."""

@@ -28,8 +28,10 @@ from sharding.expert_parallel import expert_parallel
 from sharding.mesh import batch_sharded, place, shard_model
 
 
-class ExpertBalancer:
-    """A model served with EPLB on `mesh` (see the module docstring): `init_cache`, `step`, `rebalance`.
+class ExpertSlots:
+    """A model's EPLB placement on `mesh`: its MoE layers' maps and slot-stacked weights (`model`, sharded),
+    the per-expert load window, and `record` / `rebalance` / `balancedness`. `ExpertBalancer` serves it as a
+    whole-model step; the engine (`sharding.engine_dp`) runs it inside its compiled step.
 
     `window` steps of load feed each rebalance (DeepInfer keeps 100); `num_groups` / `num_nodes` choose
     EPLB's hierarchical policy when the expert groups divide over the nodes (else the global one)."""
@@ -48,9 +50,7 @@ class ExpertBalancer:
         self.window = ExpertLoadWindow(layers, self.experts, window)
         self.slot_loads: list[np.ndarray] = []  # [layers, slots] per step since the last rebalance
         self.model = shard_model(model, mesh)
-        self._engram = model.engram
         self._install(self._maps(np.ones((layers, self.experts))), moved_from=None)
-        self._forward = jax.jit(self._loaded_forward(), donate_argnums=2)
 
     def _maps(self, load: Float[np.ndarray, "layers experts"]):
         """EPLB's (phy2log, log2phy padded to `max_replicas`, logcnt) for a load."""
@@ -77,6 +77,38 @@ class ExpertBalancer:
         self.model = Model(module, tokenizer=self.model.tokenizer, engram=self.model.engram,
                            drafter=self.model.drafter)
         self.phy2log, self.log2phy, self.logcnt = phy2log, log2phy, logcnt
+
+    def record(self, loads: Int[np.ndarray, "layers slots"]) -> None:
+        """One step's (token, expert) pairs per physical slot and layer: kept for `balancedness`, and added to
+        the window per logical expert."""
+        self.slot_loads.append(loads)
+        logical = np.zeros((loads.shape[0], self.experts), np.int64)
+        for layer in range(loads.shape[0]):
+            np.add.at(logical[layer], self.phy2log[layer], loads[layer])
+        self.window.add(logical)
+
+    def rebalance(self) -> None:
+        """New maps from the window's load; expert weights move to their new slots."""
+        self._install(self._maps(self.window.load()), moved_from=self.log2phy)
+        self.slot_loads = []
+
+    def balancedness(self) -> float:
+        """Mean over max (token, expert) pairs per `ep` shard since the last rebalance, summed over layers
+        (1.0 = every shard served as many pairs)."""
+        if not self.slot_loads:
+            raise ValueError("no step has run since the last rebalance")
+        per_shard = np.sum(self.slot_loads, axis=0).reshape(-1, self.ep, self.slots // self.ep).sum(-1)
+        return float(per_shard.mean(axis=1).sum() / per_shard.max(axis=1).sum())
+
+
+class ExpertBalancer(ExpertSlots):
+    """A model served with EPLB on `mesh` (see the module docstring): `init_cache`, `step`, `rebalance`."""
+
+    def __init__(self, model: Model, mesh: Mesh, redundant_slots: int, window: int = 100, num_groups: int = 1,
+                 num_nodes: int = 1):
+        super().__init__(model, mesh, redundant_slots, window, num_groups, num_nodes)
+        self._engram = model.engram
+        self._forward = jax.jit(self._loaded_forward(), donate_argnums=2)
 
     def _loaded_forward(self):
         """`(params, tokens, cache, *engram_rows) -> (logits, cache, slot loads [layers, slots])`."""
@@ -107,26 +139,8 @@ class ExpertBalancer:
             logits, cache, loads = self._forward(self.model.params, tokens, cache, *rows)
         if self._engram is not None:
             cache = {**cache, "engram_history": jnp.asarray(history, jnp.int32)}
-        loads = np.asarray(loads)
-        self.slot_loads.append(loads)
-        logical = np.zeros((loads.shape[0], self.experts), np.int64)
-        for layer in range(loads.shape[0]):
-            np.add.at(logical[layer], self.phy2log[layer], loads[layer])
-        self.window.add(logical)
+        self.record(np.asarray(loads))
         return logits, cache
-
-    def rebalance(self) -> None:
-        """New maps from the window's load; expert weights move to their new slots."""
-        self._install(self._maps(self.window.load()), moved_from=self.log2phy)
-        self.slot_loads = []
-
-    def balancedness(self) -> float:
-        """Mean over max (token, expert) pairs per `ep` shard since the last rebalance, summed over layers
-        (1.0 = every shard served as many pairs)."""
-        if not self.slot_loads:
-            raise ValueError("no step has run since the last rebalance")
-        per_shard = np.sum(self.slot_loads, axis=0).reshape(-1, self.ep, self.slots // self.ep).sum(-1)
-        return float(per_shard.mean(axis=1).sum() / per_shard.max(axis=1).sum())
 
 
 def _rows(weights, source):
