@@ -93,10 +93,12 @@ class ExpertMap(nnx.Variable):
     """An MoE layer's EPLB tables (`sharding.expert_balance`): integers that place experts, never trained."""
 
 
-def replica_slots(ids: Int[Array, "t k"], log2phy: Int[Array, "e r"], logcnt: Int[Array, " e"]) -> Int[Array, "t k"]:
+def replica_slots(ids: Int[Array, "t k"], log2phy: Int[Array, "e r"], logcnt: Int[Array, " e"],
+                  first=0) -> Int[Array, "t k"]:
     """The physical slot serving each (token, expert) pair: the expert's replica (token index mod its replica
-    count), so replicas share a busy expert's tokens deterministically."""
-    replica = jnp.arange(ids.shape[0])[:, None] % logcnt[ids]
+    count), so replicas share a busy expert's tokens deterministically. `first`: the index of the first of
+    these tokens in the whole batch (a data-parallel rank's share starts past the ranks before it)."""
+    replica = (first + jnp.arange(ids.shape[0]))[:, None] % logcnt[ids]
     return log2phy[ids, replica]
 
 
@@ -118,7 +120,8 @@ class Experts(nnx.Module):
         """Sum over each token's chosen experts of weight * expert(x) (the kernel registry's `routed_experts`)."""
         routed = _dispatch[-1] if _dispatch else registry.op("routed_experts")
         if hasattr(self, "log2phy"):
-            ids = replica_slots(ids, self.log2phy[...], self.logcnt[...])
+            first = routed.first_token(ids.shape[0]) if hasattr(routed, "first_token") else 0
+            ids = replica_slots(ids, self.log2phy[...], self.logcnt[...], first)
             slots = self.w1[...].shape[0]
             self.sow(nnx.Intermediate, "slot_load", jnp.zeros((slots,), jnp.int32).at[ids.reshape(-1)].add(1))
         return routed(x, ids, weights, self.w1[...], self.w2[...], self.w3[...], self.limit)

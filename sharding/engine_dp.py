@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from model import moe
 from model.api import Model
@@ -171,8 +170,7 @@ class DataParallel:
 
         def body(weights, cache, batch):
             loads: list = []
-            routed = functools.partial(_counted_pairs, loads=loads, n_shards=self.ep)
-            with moe.expert_dispatch(routed) if counting else contextlib.nullcontext():
+            with moe.expert_dispatch(_RankExperts(loads, self.ep)) if counting else contextlib.nullcontext():
                 out, cache = step_fn(weights, cache, batch, verify_len)
             per_slot = jnp.stack(loads)[None] if counting else jnp.zeros((1, 0, 0), jnp.int32)
             return out, cache, per_slot
@@ -293,12 +291,25 @@ def _in_order(outputs: StepOutput, order: Int[Array, " rows"]) -> StepOutput:
     return jax.tree.map(lambda x: x[order] if x.ndim else x, outputs)
 
 
-def _counted_pairs(x, ids, weights, w1, w2, w3, limit, *, loads: list, n_shards: int):
-    """`model.moe.routed_experts` inside the step's shard_map: this rank's pairs to their expert shards by
-    all-to-all over `ep` (`sharding.expert_parallel`), their count per physical slot appended to `loads`."""
-    slots = w1.shape[0] * n_shards
-    loads.append(jnp.zeros((slots,), jnp.int32).at[ids.reshape(-1)].add(1))
-    return _local_pairs(x, ids, weights.astype(jnp.float32), w1, w2, w3, limit, axis="ep", n_shards=n_shards)
+class _RankExperts:
+    """`model.moe.routed_experts` inside the step's shard_map: this rank's pairs go to their expert shards by
+    all-to-all over `ep` (`sharding.expert_parallel`) and their count per physical slot is appended to `loads`
+    (one entry per MoE layer). Every rank runs the same number of tokens, so its first token's index in the
+    whole batch is rank x tokens: replicas share a busy expert's tokens across the ranks as in one batch."""
+
+    def __init__(self, loads: list, n_shards: int):
+        self.loads, self.n_shards = loads, n_shards
+
+    def first_token(self, tokens: int):
+        return jax.lax.axis_index(TOKEN_AXES) * tokens
+
+    def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
+                 w1: Float[Array, "e i d"], w2: Float[Array, "e d i"], w3: Float[Array, "e i d"],
+                 limit: float) -> Float[Array, "t d"]:
+        slots = w1.shape[0] * self.n_shards
+        self.loads.append(jnp.zeros((slots,), jnp.int32).at[ids.reshape(-1)].add(1))
+        return _local_pairs(x, ids, weights.astype(jnp.float32), w1, w2, w3, limit, axis="ep",
+                            n_shards=self.n_shards)
 
 
 def _batch_specs(batch: StepBatch) -> StepBatch:

@@ -1,0 +1,111 @@
+"""The data-parallel engine on 8 emulated CPU devices (tests/conftest.py) against the single-device full forward
+(itself checked against the engine in tests/test_engine.py): greedy tokens and logits on dp=2 and on dp=4 x ep=2
+with EPLB rebalancing mid-run, each rank's pages its own, no collective but the expert all-to-all in the compiled
+steps, and the balancedness metric."""
+
+import numpy as np
+import pytest
+
+from model.api import Model
+from model.config import preset
+from serving.engine import Engine
+from serving.metrics import ServerMetrics
+from serving.sampling import SamplingParams
+from tests.helpers import greedy_full_forward, random_model
+
+CONFIG = preset("tiny")
+RNG = np.random.default_rng(3)
+PROMPTS = [RNG.integers(0, CONFIG.vocab_size, n).tolist() for n in (5, 23, 9, 17)]
+STEPS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+# batch-invariant buckets: two compiled steps per engine (one decode, one prefill)
+ENGINE = dict(max_slots=4, max_len=48, page_tokens=16, prefill_chunk=16, max_prefill_rows=2, batch_invariant=True,
+              num_top_logprobs=0, return_logits=True)
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+@pytest.fixture(scope="module")
+def model():
+    """tiny with a router bias that sends every token of the top-k-routed layers to expert 0 (a skewed load)."""
+    module = random_model(CONFIG, seed=11, noise=0.05).module()
+    for blk in module.layers:
+        if hasattr(blk.ffn.gate, "bias"):
+            blk.ffn.gate.bias[...] = blk.ffn.gate.bias[...].at[0].add(10.0)
+    return Model(module)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return greedy_full_forward(model, PROMPTS, STEPS)
+
+
+def _run(engine):
+    """Greedy outputs of PROMPTS, checking after every iteration that each running request's pages lie in its
+    rank's range; also the rank each request ran on."""
+    dp = engine.data_parallel
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    ranks, results = {}, {}
+    while engine.has_work:
+        for out in engine.step():
+            results[out.request_id] = out
+        for request in engine.scheduler.running:
+            rank = request.slot // dp.layout.max_slots
+            ranks[request.request_id] = rank
+            pages = np.asarray(engine.scheduler.pages.owned.get(request.slot, []))
+            assert ((pages // dp.layout.num_pages) == rank).all(), (request.slot, pages)
+    return [results[i] for i in ids], [ranks[i] for i in ids]
+
+
+def _check(outputs, reference):
+    for out, (tokens, logits) in zip(outputs, reference, strict=True):
+        assert out.token_ids == tokens
+        np.testing.assert_allclose(np.stack(out.logits), logits, atol=1e-5, rtol=0)
+
+
+def _collectives(engine) -> set[str]:
+    return {op for step in engine.compiled.values() for op in COLLECTIVES if op in step.step.as_text()}
+
+
+def test_dp2_engine_equals_single_device_and_keeps_ranks_apart(model, reference):
+    engine = Engine(model, mesh="dp=2", **ENGINE)
+    outputs, ranks = _run(engine)
+    _check(outputs, reference)
+    assert sorted(ranks) == [0, 0, 1, 1]  # the least-loaded rank takes each new request
+    assert _collectives(engine) == set()  # every rank attends over its own slots and pages: nothing gathered
+    assert "eplb_balancedness" not in engine.stats  # no expert shards
+
+
+def test_dp4_ep2_engine_with_eplb_rebalancing_mid_run_equals_single_device(model, reference):
+    """4 attention ranks, experts over 2 shards with 2 redundant slots: one run without rebalancing, one that
+    rebalances every 2 steps; both give the single-device tokens and logits, and the hot expert gets replicas."""
+    engine = Engine(model, mesh="dp=4,ep=2", redundant_experts=2, eplb_every=0, **ENGINE)
+    _check(_run(engine)[0], reference)
+    before = engine.stats["eplb_balancedness"]
+    engine.data_parallel.eplb_every = 2
+    outputs, ranks = _run(engine)
+    _check(outputs, reference)
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert engine.stats["eplb_rebalances"] >= 2
+    after = engine.stats["eplb_balancedness"]
+    hot = engine.data_parallel.experts.logcnt[1:, 0]
+    print(f"\nexpert-shard balancedness {before:.3f} before, {after:.3f} after rebalancing; expert 0 replicas "
+          f"{hot.tolist()} of 6 slots")
+    assert 0 < before < after <= 1 and (hot > 1).all()
+    assert _collectives(engine) == {"all-to-all"}  # the expert dispatch only; the caches stay on their ranks
+    metrics = ServerMetrics("tiny")
+    metrics.observe_eplb(engine.stats)
+    line = next(l for l in metrics.render().decode().splitlines() if l.startswith("jaxseek:eplb_balancedness{"))
+    assert float(line.split()[-1]) == pytest.approx(after)
+
+
+def test_mesh_arguments_are_validated(model):
+    with pytest.raises(ValueError, match="divide over the 8"):
+        Engine(model, mesh="dp=8", max_slots=4, max_len=48)
+    with pytest.raises(ValueError, match="ep > 1"):
+        Engine(model, mesh="dp=2", eplb_every=4, max_slots=4, max_len=48)
+    with pytest.raises(ValueError, match="needs a mesh"):
+        Engine(model, redundant_experts=2, max_slots=4, max_len=48)
+    with pytest.raises(ValueError, match="cp=1"):
+        Engine(model, mesh="cp=2,dp=2", max_slots=4, max_len=48)
+    with pytest.raises(ValueError, match="speculation and prefix cache"):
+        Engine(model, mesh="dp=2", prefix_cache=True, max_slots=4, max_len=48)
