@@ -106,8 +106,8 @@ class Experts(nnx.Module):
     """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I].
 
     With EPLB tables (`log2phy`, `logcnt` ExpertMaps, set by `sharding.expert_balance`) the weights are
-    stacked per physical slot instead (redundant replicas included), each pair goes to one replica of its
-    expert, and the tokens each slot received are sown as the `slot_load` intermediate."""
+    stacked per physical slot instead (redundant replicas included) and each pair goes to one replica of its
+    expert; a dispatch with a `first_token(t)` method (a data-parallel rank's) offsets the replica choice."""
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -122,8 +122,6 @@ class Experts(nnx.Module):
         if hasattr(self, "log2phy"):
             first = routed.first_token(ids.shape[0]) if hasattr(routed, "first_token") else 0
             ids = replica_slots(ids, self.log2phy[...], self.logcnt[...], first)
-            slots = self.w1[...].shape[0]
-            self.sow(nnx.Intermediate, "slot_load", jnp.zeros((slots,), jnp.int32).at[ids.reshape(-1)].add(1))
         return routed(x, ids, weights, self.w1[...], self.w2[...], self.w3[...], self.limit)
 
 

@@ -144,8 +144,12 @@ class Engine:
         scheduler = Scheduler if self.data_parallel is None else self.data_parallel.scheduler
         self.scheduler = scheduler(self.layout, prefill_chunk, budget, max_prefill_rows, batch_invariant,
                                    self.num_drafts)
-        self.decode_rows = (max_slots,) if batch_invariant else powers_of_two(max_slots)
-        self.prefill_rows = (max_prefill_rows,) if batch_invariant else powers_of_two(max_prefill_rows)
+        rows, prefill_rows = max_slots, max_prefill_rows  # a data-parallel step's buckets count rows per rank
+        if self.data_parallel is not None:
+            rows = self.data_parallel.layout.max_slots
+            prefill_rows = min(rows, max_prefill_rows)
+        self.decode_rows = (rows,) if batch_invariant else powers_of_two(rows)
+        self.prefill_rows = (prefill_rows,) if batch_invariant else powers_of_two(prefill_rows)
         self.prefill_tokens = (prefill_chunk,) if batch_invariant else tuple(
             t for t in (8, 32, 128, 512) if t < prefill_chunk) + (prefill_chunk,)
         # verify bucket widths (1 + drafts): every width for DSpark, the full block for fixed speculation
@@ -160,9 +164,6 @@ class Engine:
         self.scheduler.prefix = self._prefix_cache(prefix_cache, prefix_replay, host_pages)
         # what the compiled steps take (flattened once)
         self.weights = (jax.tree.leaves(model.params), jax.tree.leaves(drafter.params) if drafter else [])
-        if self.data_parallel is not None:
-            per_rank = self.data_parallel.layout.max_slots  # decode buckets count rows per rank
-            self.decode_rows = (per_rank,) if batch_invariant else powers_of_two(per_rank)
         empty = module.init_cache(1, self.layout.pages_per_slot * self.layout.page_tokens, self.layout.ring)
         spec = None if drafter is None else DrafterSpec(drafter.graphdef, jax.tree.structure(drafter.params),
                                                          draft_module.init_state(1), drafter.config.target_layer_ids)

@@ -114,6 +114,10 @@ class Scheduler:
             budget -= len(row.tokens)
         return decode, prefill
 
+    def competes(self, victim: Request, request: Request) -> bool:
+        """Whether preempting `victim` can free pages for `request` (one pool: always; per-rank pools: same rank)."""
+        return True
+
     def take_slot(self) -> int:
         """A free slot for a new request (the data-parallel engine picks the least-loaded rank's)."""
         return self.free_slots.pop()
@@ -153,7 +157,8 @@ class Scheduler:
         """Pages for `tokens` tokens of a running request, preempting later arrivals if the pool is short.
         False if `request` itself had to be preempted."""
         while self.pages.grow(request.slot, tokens) is None:
-            victims = [r for r in self.running if r is not request and r.status is Status.RUNNING]
+            victims = [r for r in self.running if r is not request and r.status is Status.RUNNING
+                       and self.competes(r, request)]
             victim = max(victims, key=lambda r: r.arrival) if victims else request
             if in_flight:
                 raise NeedsFlush

@@ -33,10 +33,10 @@ from jaxtyping import Array, Float, Int
 from model import moe
 from model.api import Model
 from serving.kv_cache import CacheLayout, PageAllocator, init_engine_cache
-from serving.request import Status
+from serving.request import Request
 from serving.scheduler import Scheduler
 from serving.step import StepBatch, StepOutput, empty_batch
-from sharding.expert_balance import ExpertSlots
+from sharding.expert_balance import ExpertSlots, shard_balancedness
 from sharding.expert_parallel import TOKEN_AXES, _local_pairs
 from sharding.mesh import MeshSpec, make_mesh, param_shardings, shard_model
 
@@ -82,12 +82,9 @@ class DataParallelScheduler(Scheduler):
         self.free_slots.remove(slot)
         return slot
 
-    def rank_loads(self) -> list[int]:
-        """Running requests per rank."""
+    def competes(self, victim: Request, request: Request) -> bool:
         per_rank = self.pages.slots_per_rank
-        counts = np.bincount([rank_of(r.slot, per_rank) for r in self.running if r.status is Status.RUNNING],
-                             minlength=self.ranks)
-        return counts.tolist()
+        return rank_of(victim.slot, per_rank) == rank_of(request.slot, per_rank)
 
 
 @dataclasses.dataclass
@@ -134,8 +131,10 @@ class DataParallel:
             self.model = self.experts.model
         else:
             self.model = shard_model(model, mesh)
-        self._loads: list[jax.Array] = []  # per dispatched step: pairs per slot, per rank [ranks, layers, slots]
-        self._static_loads: list[np.ndarray] = []  # without EPLB: kept for the balancedness metric
+        # pairs per slot of each step, per rank [ranks, layers, slots]: dispatched this iteration, and before it
+        self._loads: list[jax.Array] = []
+        self._previous: list[jax.Array] = []
+        self._static_load: np.ndarray | None = None  # without EPLB: pairs per expert since the start
         self._steps_since = 0  # steps recorded since the last rebalance
 
     # ---- construction -------------------------------------------------------------------------------------
@@ -221,40 +220,41 @@ class DataParallel:
         return int(np.bincount([rank_of(r.request.slot, sp) for r in rows], minlength=self.ranks).max())
 
     # ---- EPLB ---------------------------------------------------------------------------------------------
-    def _record(self, keep_last: int) -> None:
-        """Move the pair counts of dispatched steps (all but the last `keep_last`, which may still run) to the
-        host: into EPLB's window, or kept for the metric."""
-        done = self._loads[:len(self._loads) - keep_last]
-        self._loads = self._loads[len(done):]
-        for per_rank in done:
+    def _record(self, steps: list[jax.Array]) -> None:
+        """Move the pair counts of dispatched steps to the host: into EPLB's window, or summed for the metric."""
+        for per_rank in steps:
             loads = np.asarray(per_rank).sum(axis=0)
             if self.experts is not None:
                 self.experts.record(loads)
             else:
-                self._static_loads.append(loads)
+                self._static_load = loads if self._static_load is None else self._static_load + loads
             self._steps_since += 1
 
     def after_step(self, weights: tuple, stats: dict) -> tuple:
-        """Between engine iterations: record finished steps' loads, rebalance every `eplb_every` recorded steps
-        (new weights: the moved experts and their maps; no recompilation), and refresh
-        `stats["eplb_balancedness"]`."""
+        """After an iteration's dispatch: record the loads of the previous iteration's steps (which the engine
+        reads next anyway, so nothing waits), rebalance every `eplb_every` recorded steps (new weights: the
+        moved experts and their maps; no recompilation), and refresh `stats["eplb_balancedness"]`."""
         if self.ep == 1:
             return weights
-        self._record(keep_last=1)
+        self._record(self._previous)
+        self._previous, self._loads = self._loads, []
+        stats.setdefault("eplb_rebalances", 0)
         if self.eplb_every and self._steps_since >= self.eplb_every:
             self.rebalance()
             weights = self.weights()
-            stats["eplb_rebalances"] = stats.get("eplb_rebalances", 0) + 1
+            stats["eplb_rebalances"] += 1
         balance = self.balancedness()
         if balance is not None:
             stats["eplb_balancedness"] = balance
         return weights
 
     def rebalance(self) -> None:
-        """EPLB on the load window now (every finished step recorded first); the engine takes `weights()`."""
+        """EPLB on the load window now; the engine takes `weights()`. Every dispatched step is recorded first
+        (its counts are per slot of the placement it ran with), which waits for the steps in flight."""
         if self.experts is None:
             raise ValueError("rebalancing needs EPLB (Engine(..., eplb_every=N or redundant_experts=R))")
-        self._record(keep_last=0)
+        self._record(self._previous + self._loads)
+        self._previous, self._loads = [], []
         self.experts.rebalance()
         self.model = self.experts.model
         self._steps_since = 0
@@ -263,12 +263,8 @@ class DataParallel:
         """Mean over max (token, expert) pairs per `ep` shard, summed over layers, under the current placement
         (None before any step was recorded). Padding tokens of a bucket are counted too."""
         if self.experts is not None:
-            return self.experts.balancedness() if self.experts.slot_loads else None
-        if not self._static_loads:
-            return None
-        per_shard = np.sum(self._static_loads, axis=0).reshape(-1, self.ep, self._static_loads[0].shape[1] // self.ep)
-        per_shard = per_shard.sum(-1)
-        return float(per_shard.mean(axis=1).sum() / per_shard.max(axis=1).sum())
+            return self.experts.balancedness() if self.experts.recorded else None
+        return None if self._static_load is None else shard_balancedness(self._static_load, self.ep)
 
 
 class _Executable:

@@ -1,7 +1,7 @@
 """The data-parallel engine on 8 emulated CPU devices (tests/conftest.py) against the single-device full forward
 (itself checked against the engine in tests/test_engine.py): greedy tokens and logits on dp=2 and on dp=4 x ep=2
-with EPLB rebalancing mid-run, each rank's pages its own, no collective but the expert all-to-all in the compiled
-steps, and the balancedness metric."""
+with EPLB rebalancing mid-run (the weights move with the maps; the shards' balance improves), each rank's pages
+its own, no collective but the expert all-to-all in the compiled steps, and the balancedness metric."""
 
 import numpy as np
 import pytest
@@ -18,7 +18,7 @@ RNG = np.random.default_rng(3)
 PROMPTS = [RNG.integers(0, CONFIG.vocab_size, n).tolist() for n in (5, 23, 9, 17)]
 STEPS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-# batch-invariant buckets: two compiled steps per engine (one decode, one prefill)
+# batch-invariant buckets: one decode and one prefill step per engine
 ENGINE = dict(max_slots=4, max_len=48, page_tokens=16, prefill_chunk=16, max_prefill_rows=2, batch_invariant=True,
               num_top_logprobs=0, return_logits=True)
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
@@ -78,7 +78,9 @@ def test_dp2_engine_equals_single_device_and_keeps_ranks_apart(model, reference)
 def test_dp4_ep2_engine_with_eplb_rebalancing_mid_run_equals_single_device(model, reference):
     """4 attention ranks, experts over 2 shards with 2 redundant slots: one run without rebalancing, one that
     rebalances every 2 steps; both give the single-device tokens and logits, and the hot expert gets replicas."""
-    engine = Engine(model, mesh="dp=4,ep=2", redundant_experts=2, eplb_every=0, **ENGINE)
+    # one token per prefill row: with one slot per rank the prefill and decode steps share one compiled bucket
+    engine = Engine(model, mesh="dp=4,ep=2", redundant_experts=2, eplb_every=0,
+                    **ENGINE | dict(prefill_chunk=1, max_prefill_rows=4))
     _check(_run(engine)[0], reference)
     before = engine.stats["eplb_balancedness"]
     engine.data_parallel.eplb_every = 2
@@ -91,7 +93,12 @@ def test_dp4_ep2_engine_with_eplb_rebalancing_mid_run_equals_single_device(model
     print(f"\nexpert-shard balancedness {before:.3f} before, {after:.3f} after rebalancing; expert 0 replicas "
           f"{hot.tolist()} of 6 slots")
     assert 0 < before < after <= 1 and (hot > 1).all()
-    assert _collectives(engine) == {"all-to-all"}  # the expert dispatch only; the caches stay on their ranks
+    # the weights moved with the maps: every slot holds its logical expert's weights, split over ep
+    w1 = model.params["layers"][1]["ffn"]["experts"]["w1"][...]
+    moved = engine.data_parallel.model.params["layers"][1]["ffn"]["experts"]["w1"][...]
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(w1)[engine.data_parallel.experts.phy2log[1]])
+    assert moved.sharding.spec[0] == "ep"
+    assert list(engine.compiled) == [(1, 1, 1)] and _collectives(engine) == {"all-to-all"}  # the expert dispatch only; the caches stay on their ranks
     metrics = ServerMetrics("tiny")
     metrics.observe_eplb(engine.stats)
     line = next(l for l in metrics.render().decode().splitlines() if l.startswith("jaxseek:eplb_balancedness{"))
