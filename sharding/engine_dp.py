@@ -37,7 +37,7 @@ from serving.request import Request
 from serving.scheduler import Scheduler
 from serving.step import StepBatch, StepOutput, empty_batch
 from sharding.expert_balance import ExpertSlots, shard_balancedness
-from sharding.expert_parallel import TOKEN_AXES, _local_pairs
+from sharding.expert_parallel import TOKEN_AXES, local_pairs
 from sharding.mesh import MeshSpec, make_mesh, param_shardings, shard_model
 
 RANKS = P(TOKEN_AXES)  # a leading axis split over the attention ranks
@@ -304,7 +304,7 @@ class _RankExperts:
                  limit: float) -> Float[Array, "t d"]:
         slots = w1.shape[0] * self.n_shards
         self.loads.append(jnp.zeros((slots,), jnp.int32).at[ids.reshape(-1)].add(1))
-        return _local_pairs(x, ids, weights.astype(jnp.float32), w1, w2, w3, limit, axis="ep",
+        return local_pairs(x, ids, weights.astype(jnp.float32), w1, w2, w3, limit, axis="ep",
                             n_shards=self.n_shards)
 
 

@@ -9,8 +9,11 @@ import pytest
 from model.api import Model
 from model.config import preset
 from serving.engine import Engine
+from serving.kv_cache import CacheLayout
 from serving.metrics import ServerMetrics
+from serving.request import Request
 from serving.sampling import SamplingParams
+from sharding.engine_dp import DataParallelScheduler
 from tests.helpers import greedy_full_forward, random_model
 
 CONFIG = preset("tiny")
@@ -70,7 +73,7 @@ def test_dp2_engine_equals_single_device_and_keeps_ranks_apart(model, reference)
     engine = Engine(model, mesh="dp=2", **ENGINE)
     outputs, ranks = _run(engine)
     _check(outputs, reference)
-    assert sorted(ranks) == [0, 0, 1, 1]  # the least-loaded rank takes each new request
+    assert ranks == [0, 1, 0, 1]  # the least-loaded rank takes each new request
     assert _collectives(engine) == set()  # every rank attends over its own slots and pages: nothing gathered
     assert "eplb_balancedness" not in engine.stats  # no expert shards
 
@@ -116,3 +119,24 @@ def test_mesh_arguments_are_validated(model):
         Engine(model, mesh="cp=2,dp=2", max_slots=4, max_len=48)
     with pytest.raises(ValueError, match="speculation and prefix cache"):
         Engine(model, mesh="dp=2", prefix_cache=True, max_slots=4, max_len=48)
+
+
+def test_ranks_take_requests_by_load_and_preempt_only_their_own():
+    """Host-side: 2 ranks of 2 slots and 2 pages. New requests alternate between the ranks; when the first
+    request needs a second page, its rank preempts its own latest arrival, not the later one of the other rank
+    (whose pages it could not use)."""
+    layout = CacheLayout(max_slots=4, max_len=32, num_pages=4, page_tokens=16, ring=8, vocab_size=256)
+    scheduler = DataParallelScheduler(layout, 16, 64, 4, False, ranks=2)
+    requests = [Request(f"r{i}", [1] * n, SamplingParams(max_tokens=8, ignore_eos=True), arrival=float(i))
+                for i, n in enumerate((16, 8, 8, 8))]
+    for request in requests:
+        scheduler.add(request)
+    _, prefill = scheduler.schedule(in_flight=False)
+    assert [r.slot for r in requests] == [0, 2, 1, 3]
+    assert [scheduler.pages.owned[r.slot] for r in requests] == [[0], [2], [1], [3]]
+    for row in prefill:  # the prompts are in the cache and each sampled a token
+        row.request.computed += len(row.tokens)
+        row.request.output.append(5)
+    decode, _ = scheduler.schedule(in_flight=False)  # r0 reaches position 16: a second page
+    assert [row.request.request_id for row in decode] == ["r0", "r1", "r3"]
+    assert [r.preemptions for r in requests] == [0, 0, 1, 0] and scheduler.pages.owned[0] == [0, 1]
