@@ -93,10 +93,12 @@ class ExpertMap(nnx.Variable):
     """An MoE layer's EPLB tables (`sharding.expert_balance`): integers that place experts, never trained."""
 
 
-def replica_slots(ids: Int[Array, "t k"], log2phy: Int[Array, "e r"], logcnt: Int[Array, " e"]) -> Int[Array, "t k"]:
+def replica_slots(ids: Int[Array, "t k"], log2phy: Int[Array, "e r"], logcnt: Int[Array, " e"],
+                  first=0) -> Int[Array, "t k"]:
     """The physical slot serving each (token, expert) pair: the expert's replica (token index mod its replica
-    count), so replicas share a busy expert's tokens deterministically."""
-    replica = jnp.arange(ids.shape[0])[:, None] % logcnt[ids]
+    count), so replicas share a busy expert's tokens deterministically. `first`: the index of the first of
+    these tokens in the whole batch (a data-parallel rank's share starts past the ranks before it)."""
+    replica = (first + jnp.arange(ids.shape[0]))[:, None] % logcnt[ids]
     return log2phy[ids, replica]
 
 
@@ -104,8 +106,8 @@ class Experts(nnx.Module):
     """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I].
 
     With EPLB tables (`log2phy`, `logcnt` ExpertMaps, set by `sharding.expert_balance`) the weights are
-    stacked per physical slot instead (redundant replicas included), each pair goes to one replica of its
-    expert, and the tokens each slot received are sown as the `slot_load` intermediate."""
+    stacked per physical slot instead (redundant replicas included) and each pair goes to one replica of its
+    expert; a dispatch with a `first_token(t)` method (a data-parallel rank's) offsets the replica choice."""
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -118,9 +120,8 @@ class Experts(nnx.Module):
         """Sum over each token's chosen experts of weight * expert(x) (the kernel registry's `routed_experts`)."""
         routed = _dispatch[-1] if _dispatch else registry.op("routed_experts")
         if hasattr(self, "log2phy"):
-            ids = replica_slots(ids, self.log2phy[...], self.logcnt[...])
-            slots = self.w1[...].shape[0]
-            self.sow(nnx.Intermediate, "slot_load", jnp.zeros((slots,), jnp.int32).at[ids.reshape(-1)].add(1))
+            first = routed.first_token(ids.shape[0]) if hasattr(routed, "first_token") else 0
+            ids = replica_slots(ids, self.log2phy[...], self.logcnt[...], first)
         return routed(x, ids, weights, self.w1[...], self.w2[...], self.w3[...], self.limit)
 
 

@@ -53,6 +53,7 @@ from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
 from serving.step import DrafterSpec, StepBatch, build_step, compile_step, empty_batch
 from serving.verify_plan import CostTable, plan_verify, prefix_survival
+from sharding.engine_dp import DataParallel
 
 MAX_TOP_LOGPROBS = 20
 SPECULATION = ("none", "fixed", "dspark")
@@ -86,7 +87,11 @@ class Engine:
     `exact_replay_tokens`; fewer is approximate), with up to `host_pages` evicted pages kept in host memory;
     `constraint_close`: how constrained outputs are closed before their `max_tokens` (None: the limit may cut
     them mid-structure); `jump_forward`: a constrained request takes the tokens its grammar forces in one
-    prefill row instead of sampling them one per step.
+    prefill row instead of sampling them one per step. `mesh` (a spec like "dp=4,ep=2", a MeshSpec or a mesh of
+    `sharding.mesh.make_mesh`) splits the slots, pages and steps over attention data-parallel ranks, with the
+    experts over `ep` (`sharding.engine_dp`; no speculation or prefix cache); there `redundant_experts` EPLB
+    slots per MoE layer and `eplb_every` (steps between rebalances, 0: never) balance the expert shards over
+    a window of `eplb_window` steps.
     """
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_len: int = 1024, num_pages: int | None = None,
@@ -97,7 +102,8 @@ class Engine:
                  speculation: str = "none", num_drafts: int | None = None,
                  verify_widths: Sequence[int] | None = None, draft_fallback: bool = True, probe_every: int = 8,
                  prefix_cache: bool | None = None, prefix_replay: int | None = None, host_pages: int = 0,
-                 constraint_close: ClosePolicy | None = ClosePolicy(), jump_forward: bool = False):
+                 constraint_close: ClosePolicy | None = ClosePolicy(), jump_forward: bool = False,
+                 mesh=None, redundant_experts: int = 0, eplb_every: int = 0, eplb_window: int = 100):
         if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if speculation not in SPECULATION:
@@ -122,16 +128,31 @@ class Engine:
         self.model, self.config = model, model.config
         self.layout = CacheLayout.for_model(self.config, max_slots, max_len, num_pages, page_tokens, backtrack)
         self.prefill_chunk = prefill_chunk
+        self.data_parallel = None
+        if mesh is not None:
+            if speculation != "none" or prefix_cache:
+                raise ValueError("a data-parallel engine (mesh=...) runs without speculation and prefix cache")
+            prefix_cache = False
+            self.data_parallel = DataParallel(mesh, model, self.layout, redundant_experts=redundant_experts,
+                                              eplb_every=eplb_every, eplb_window=eplb_window)
+            model = self.data_parallel.model  # placed on the mesh (with EPLB: its maps and slot-stacked experts)
+        elif redundant_experts or eplb_every:
+            raise ValueError("EPLB (redundant_experts, eplb_every) needs a mesh with ep > 1 (mesh=...)")
         # Engram hashes a decode row's input token on the host, so the host must have read the previous
         # step: zero-overhead scheduling is off for Engram models (device-side hashing would lift this).
         self.engram = model.engram
         self.batch_invariant, self.zero_overhead = batch_invariant, zero_overhead and self.engram is None
         self.num_top, self.return_logits, self.detokenize = num_top_logprobs, return_logits, detokenize
         budget = token_budget or max_slots + max_prefill_rows * prefill_chunk
-        self.scheduler = Scheduler(self.layout, prefill_chunk, budget, max_prefill_rows, batch_invariant,
+        scheduler = Scheduler if self.data_parallel is None else self.data_parallel.scheduler
+        self.scheduler = scheduler(self.layout, prefill_chunk, budget, max_prefill_rows, batch_invariant,
                                    self.num_drafts)
-        self.decode_rows = (max_slots,) if batch_invariant else powers_of_two(max_slots)
-        self.prefill_rows = (max_prefill_rows,) if batch_invariant else powers_of_two(max_prefill_rows)
+        rows, prefill_rows = max_slots, max_prefill_rows  # a data-parallel step's buckets count rows per rank
+        if self.data_parallel is not None:
+            rows = self.data_parallel.layout.max_slots
+            prefill_rows = min(rows, max_prefill_rows)
+        self.decode_rows = (rows,) if batch_invariant else powers_of_two(rows)
+        self.prefill_rows = (prefill_rows,) if batch_invariant else powers_of_two(prefill_rows)
         self.prefill_tokens = (prefill_chunk,) if batch_invariant else tuple(
             t for t in (8, 32, 128, 512) if t < prefill_chunk) + (prefill_chunk,)
         # verify bucket widths (1 + drafts): every width for DSpark, the full block for fixed speculation
@@ -141,7 +162,8 @@ class Engine:
         self.verify_widths = {"none": (), "fixed": (self.num_drafts + 1,), "dspark": widths}[speculation]
         module = model.module()
         draft_module = drafter.module() if drafter is not None else None
-        self.cache = init_engine_cache(module, self.layout, draft_module)
+        self.cache = (init_engine_cache(module, self.layout, draft_module) if self.data_parallel is None
+                      else self.data_parallel.init_cache(module))
         self.scheduler.prefix = self._prefix_cache(prefix_cache, prefix_replay, host_pages)
         # what the compiled steps take (flattened once)
         self.weights = (jax.tree.leaves(model.params), jax.tree.leaves(drafter.params) if drafter else [])
@@ -208,6 +230,10 @@ class Engine:
     def _executable(self, bucket: tuple[int, int, int]):
         if bucket not in self.compiled:
             rows, width, verify_len = bucket
+            if self.data_parallel is not None:
+                self.compiled[bucket] = self.data_parallel.compile(self._step_fn, self.weights, self.cache, rows,
+                                                                   width, verify_len, self._engram_shapes())
+                return self.compiled[bucket]
             self.compiled[bucket] = compile_step(self._step_fn, self.weights, self.cache,
                                                  empty_batch(self.layout, rows, width, self._engram_shapes(),
                                                              verify_len), verify_len)
@@ -328,6 +354,8 @@ class Engine:
         if prefill:
             width = next(t for t in self.prefill_tokens if t >= max(len(r.tokens) for r in prefill))
             dispatched.append(self._dispatch(prefill, self.prefill_rows, width, 1))
+        if self.data_parallel is not None:  # expert loads and EPLB between iterations
+            self.weights = self.data_parallel.after_step(self.weights, self.stats)
         if self.zero_overhead:
             finished += self._read(self.pending)
             self.pending = dispatched
@@ -414,8 +442,13 @@ class Engine:
         """Build the batch of a bucket, launch its compiled step (async) and do the host bookkeeping; a verify
         bucket's rows split `budget` drafts (default: every row verifies its cap); `draft` False: a decode
         step whose drafter does not draft (the no-draft fallback)."""
-        bucket = (next(r for r in row_buckets if r >= len(rows)), width, verify_len)
-        batch = self._batch(rows, bucket[0], width, verify_len, budget)._replace(draft=np.asarray(draft))
+        dp = self.data_parallel
+        per_rank = len(rows) if dp is None else dp.rows_per_rank(rows)
+        bucket = (next(r for r in row_buckets if r >= per_rank), width, verify_len)
+        batch = self._batch(rows, bucket[0] if dp is None else len(rows), width, verify_len,
+                            budget)._replace(draft=np.asarray(draft))
+        if dp is not None:
+            batch = dp.place(batch, rows, bucket[0], width, verify_len, self._engram_shapes())
         for row in rows:
             if row.reset and row.start:  # a prefix hit replays from `start`: the prompt tokens before it
                 self.device_pages.start_prompt(row.request.slot, row.request.prompt[:row.start])

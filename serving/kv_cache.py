@@ -190,18 +190,26 @@ class PageAllocator:
         pages, or None (nothing taken) if the pool is still short."""
         if tokens > self.layout.max_len:
             raise ValueError(f"{tokens} tokens exceed the cache's max_len={self.layout.max_len}")
-        need = self.pages_needed(slot, tokens)
-        if need > len(self.free) and self.reclaim is not None:
-            self.reclaim(need - len(self.free))
-        if need > len(self.free):
+        need, free = self.pages_needed(slot, tokens), self.free_pages(slot)
+        if need > len(free) and self.reclaim is not None:
+            self.reclaim(need - len(free))
+        if need > len(free):
             return None
-        new = [self.allocate() for _ in range(need)]
+        new = [self.allocate(free) for _ in range(need)]
         self.owned.setdefault(slot, []).extend(new)
         return new
 
-    def allocate(self) -> int:
-        """A free page with one reference, held by the caller (the pool must not be empty)."""
-        page = self.free.pop()
+    def free_pages(self, slot: int) -> list[int]:
+        """The free list `slot` takes pages from: the one pool (`sharding.engine_dp` keeps one per rank)."""
+        return self.free
+
+    def home(self, page: int) -> list[int]:
+        """The free list a freed `page` returns to."""
+        return self.free
+
+    def allocate(self, free: list[int] | None = None) -> int:
+        """A page of `free` (default: the pool) with one reference, held by the caller (it must not be empty)."""
+        page = (self.free if free is None else free).pop()
         self.refs[page] = 1
         return page
 
@@ -227,7 +235,7 @@ class PageAllocator:
         self.refs[page] -= 1
         if self.refs[page]:
             return False
-        self.free.append(page)
+        self.home(page).append(page)
         return True
 
     def freeze(self, slot: int, pages: int) -> None:

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server: request latencies (TTFT, TPOT, E2E), queue depths, KV-page usage, token
 counts, the time to add a constrained request (its grammar's compilation), the host time spent filling token
-masks of constrained requests and, under speculative decoding,
+masks of constrained requests, the expert shards' balance of a data-parallel engine with experts over `ep` and,
+under speculative decoding,
 drafts verified and accepted (per block position), in a registry of their own (so several servers can live in
 one process)."""
 
@@ -55,6 +56,9 @@ class ServerMetrics:
                                     "constrained requests (the matchers' work before each step).",
                                     **label).labels(model_name)
         self._grammar_seconds = 0.0
+        self._balance = Gauge("jaxseek:eplb_balancedness", "Mean over max (token, expert) pairs per expert shard "
+                              "under the current EPLB placement, summed over MoE layers (1: balanced).", **label)
+        self.eplb_balancedness = None  # labelled on the first value: engines without expert shards export none
         self.model_name = model_name
         self.num_drafts = num_drafts
         if num_drafts:
@@ -88,6 +92,14 @@ class ServerMetrics:
         """The engine's cumulative mask-filling time (`Engine.stats["grammar_seconds"]`) after a step."""
         self.grammar_mask.inc(max(stats["grammar_seconds"] - self._grammar_seconds, 0.0))
         self._grammar_seconds = stats["grammar_seconds"]
+
+    def observe_eplb(self, stats: dict) -> None:
+        """The engine's expert-shard balancedness (`Engine.stats["eplb_balancedness"]`, present once a step of a
+        mesh with ep > 1 has been counted)."""
+        if "eplb_balancedness" in stats:
+            if self.eplb_balancedness is None:
+                self.eplb_balancedness = self._balance.labels(self.model_name)
+            self.eplb_balancedness.set(stats["eplb_balancedness"])
 
     def observe_speculation(self, stats: dict) -> None:
         """The engine's cumulative speculation counts (`Engine.stats`: decode_rows, verified, accepted,

@@ -100,7 +100,7 @@ class Scheduler:
                 budget -= len(row.tokens)
         while self.waiting and self.free_slots and budget > 0 and len(prefill) < self.max_prefill_rows:
             request = self.waiting.popleft()
-            request.slot, request.status, request.fresh_slot = self.free_slots.pop(), Status.RUNNING, True
+            request.slot, request.status, request.fresh_slot = self.take_slot(), Status.RUNNING, True
             if self.prefix is not None:
                 self.prefix.admit(request)
             self.running.append(request)
@@ -113,6 +113,14 @@ class Scheduler:
             prefill.append(row)
             budget -= len(row.tokens)
         return decode, prefill
+
+    def competes(self, victim: Request, request: Request) -> bool:
+        """Whether preempting `victim` can free pages for `request` (one pool: always; per-rank pools: same rank)."""
+        return True
+
+    def take_slot(self) -> int:
+        """A free slot for a new request (the data-parallel engine picks the least-loaded rank's)."""
+        return self.free_slots.pop()
 
     def _requeue(self, request: Request, status: Status) -> None:
         """Take the request's slot and pages (caching nothing) and queue it first, to compute from the start."""
@@ -149,7 +157,8 @@ class Scheduler:
         """Pages for `tokens` tokens of a running request, preempting later arrivals if the pool is short.
         False if `request` itself had to be preempted."""
         while self.pages.grow(request.slot, tokens) is None:
-            victims = [r for r in self.running if r is not request and r.status is Status.RUNNING]
+            victims = [r for r in self.running if r is not request and r.status is Status.RUNNING
+                       and self.competes(r, request)]
             victim = max(victims, key=lambda r: r.arrival) if victims else request
             if in_flight:
                 raise NeedsFlush

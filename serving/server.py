@@ -120,6 +120,7 @@ class Server:
         self.metrics.observe_engine(len(s.running), len(s.waiting), total - free, total)
         self.metrics.observe_speculation(self.decode_engine.stats)
         self.metrics.observe_grammar(self.decode_engine.stats)
+        self.metrics.observe_eplb(self.decode_engine.stats)
         self.metrics.prefix_hit_rate.set(self.decode_engine.prefix_cache_metrics().get("hit_rate", 0.0))
         for output in finished:
             self.metrics.observe_finished(output)

@@ -1,17 +1,15 @@
 """EPLB while serving: replicated experts in every MoE layer, load statistics, and rebalancing between steps.
 
-`ExpertBalancer` turns a model into its expert-parallel form on a mesh with `redundant_slots` extra
-physical expert slots per MoE layer. Each layer gets its own maps (`model.moe.ExpertMap`: each expert's
-slots and replica count) and its routed-expert weights stacked per physical slot, split over `ep`. Every
-`step` records how many (token, expert) pairs each slot served; `rebalance` feeds the window's per-expert
-load to `sharding.eplb.rebalance_experts` and moves the weights into the new slots (a gather from the
-slots that hold each expert now, which XLA turns into transfers between the `ep` shards). Replicas hold
-identical weights, so a rebalance changes which device computes a pair, never the result.
+`ExpertSlots` gives a model `redundant_slots` extra physical expert slots per MoE layer on a mesh. Each layer
+gets its own maps (`model.moe.ExpertMap`: each expert's slots and replica count) and its routed-expert weights
+stacked per physical slot, split over `ep`. The data-parallel engine (`sharding.engine_dp`) runs it: its
+compiled step counts the (token, expert) pairs each slot served and `record` takes them; `rebalance` feeds
+the window's per-expert load to `sharding.eplb.rebalance_experts` and moves the weights into the new slots (a
+gather from the slots that hold each expert now, which XLA turns into transfers between the `ep` shards).
+Replicas hold identical weights, so a rebalance changes which device computes a pair, never the result.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +22,12 @@ from jaxtyping import Float, Int
 from model.api import Model
 from model.moe import ExpertMap
 from sharding.eplb import ExpertLoadWindow, rebalance_experts
-from sharding.expert_parallel import expert_parallel
-from sharding.mesh import batch_sharded, place, shard_model
+from sharding.mesh import shard_model
 
 
-class ExpertBalancer:
-    """A model served with EPLB on `mesh` (see the module docstring): `init_cache`, `step`, `rebalance`.
+class ExpertSlots:
+    """A model's EPLB placement on `mesh`: its MoE layers' maps and slot-stacked weights (`model`, sharded),
+    the per-expert load window, and `record` / `rebalance` / `balancedness`.
 
     `window` steps of load feed each rebalance (DeepInfer keeps 100); `num_groups` / `num_nodes` choose
     EPLB's hierarchical policy when the expert groups divide over the nodes (else the global one)."""
@@ -46,11 +44,10 @@ class ExpertBalancer:
         self.max_replicas = redundant_slots + 1  # fixed map shapes: a rebalance never recompiles the step
         layers = config.num_hidden_layers
         self.window = ExpertLoadWindow(layers, self.experts, window)
-        self.slot_loads: list[np.ndarray] = []  # [layers, slots] per step since the last rebalance
+        self.slot_load = np.zeros((layers, self.slots), np.int64)  # pairs per slot since the last rebalance
+        self.recorded = 0  # steps in `slot_load`
         self.model = shard_model(model, mesh)
-        self._engram = model.engram
         self._install(self._maps(np.ones((layers, self.experts))), moved_from=None)
-        self._forward = jax.jit(self._loaded_forward(), donate_argnums=2)
 
     def _maps(self, load: Float[np.ndarray, "layers experts"]):
         """EPLB's (phy2log, log2phy padded to `max_replicas`, logcnt) for a load."""
@@ -78,55 +75,33 @@ class ExpertBalancer:
                            drafter=self.model.drafter)
         self.phy2log, self.log2phy, self.logcnt = phy2log, log2phy, logcnt
 
-    def _loaded_forward(self):
-        """`(params, tokens, cache, *engram_rows) -> (logits, cache, slot loads [layers, slots])`."""
-        graphdef, has_engram = self.model.graphdef, self._engram is not None
-
-        def forward(params, tokens, cache, *rows):
-            module = nnx.merge(graphdef, params)
-            out, sown = nnx.capture(module, nnx.Intermediate)(tokens, cache, *([tuple(rows)] if has_engram else []))
-            loads = [sown["layers"][i]["ffn"]["experts"]["slot_load"].get_value()[0]
-                     for i in range(len(module.layers))]
-            return *out[:2], jnp.stack(loads)
-
-        return forward
-
-    def init_cache(self, batch: int, max_len: int) -> dict:
-        """An empty cache with its sequences split over the attention ranks."""
-        cache = self.model.init_cache(batch, max_len)
-        return place(cache, batch_sharded(self.mesh, cache))
-
-    def step(self, tokens: Int[np.ndarray, "b c"], cache: dict):
-        """`Model.step` on the mesh (the cache is donated) that also records the step's expert load."""
-        tokens = np.asarray(self.model._check_tokens(tokens))
-        rows = ()
-        if self._engram is not None:
-            rows, history = self._engram.lookup(tokens, np.asarray(cache["engram_history"]))
-        tokens, rows = place((tokens, tuple(rows)), batch_sharded(self.mesh, (tokens, tuple(rows))))
-        with expert_parallel(self.mesh) if self.ep > 1 else contextlib.nullcontext():
-            logits, cache, loads = self._forward(self.model.params, tokens, cache, *rows)
-        if self._engram is not None:
-            cache = {**cache, "engram_history": jnp.asarray(history, jnp.int32)}
-        loads = np.asarray(loads)
-        self.slot_loads.append(loads)
+    def record(self, loads: Int[np.ndarray, "layers slots"]) -> None:
+        """One step's (token, expert) pairs per physical slot and layer: kept for `balancedness`, and added to
+        the window per logical expert."""
+        self.slot_load += loads
+        self.recorded += 1
         logical = np.zeros((loads.shape[0], self.experts), np.int64)
         for layer in range(loads.shape[0]):
             np.add.at(logical[layer], self.phy2log[layer], loads[layer])
         self.window.add(logical)
-        return logits, cache
 
     def rebalance(self) -> None:
         """New maps from the window's load; expert weights move to their new slots."""
         self._install(self._maps(self.window.load()), moved_from=self.log2phy)
-        self.slot_loads = []
+        self.slot_load[...], self.recorded = 0, 0
 
     def balancedness(self) -> float:
         """Mean over max (token, expert) pairs per `ep` shard since the last rebalance, summed over layers
         (1.0 = every shard served as many pairs)."""
-        if not self.slot_loads:
+        if not self.recorded:
             raise ValueError("no step has run since the last rebalance")
-        per_shard = np.sum(self.slot_loads, axis=0).reshape(-1, self.ep, self.slots // self.ep).sum(-1)
-        return float(per_shard.mean(axis=1).sum() / per_shard.max(axis=1).sum())
+        return shard_balancedness(self.slot_load, self.ep)
+
+
+def shard_balancedness(slot_load: Int[np.ndarray, "layers slots"], shards: int) -> float:
+    """Mean over max pairs per shard (slots split into `shards` consecutive groups), summed over layers."""
+    per_shard = slot_load.reshape(slot_load.shape[0], shards, -1).sum(-1)
+    return float(per_shard.mean(axis=1).sum() / max(per_shard.max(axis=1).sum(), 1))
 
 
 def _rows(weights, source):

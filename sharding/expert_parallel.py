@@ -63,8 +63,11 @@ class ExpertPlacement:
         return moe.replica_slots(ids, jnp.asarray(self.log2phy), jnp.asarray(self.logcnt))
 
 
-def _local_pairs(x, ids, weights, w1, w2, w3, limit, *, axis: str, n_shards: int):
-    """The shard_map body: dispatch this device's pairs by all-to-all, run local experts, combine."""
+def local_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
+                w1: Float[Array, "e i d"], w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float, *,
+                axis: str, n_shards: int) -> Float[Array, "t d"]:
+    """Inside a shard_map over `axis` (`n_shards` expert shards, `w*` this shard's experts): dispatch this
+    device's pairs by all-to-all, run the local experts, combine each token's results in slot order."""
     t, k = ids.shape
     local = w1.shape[0]
     dest, expert = ids // local, ids % local  # [t, k]
@@ -102,7 +105,7 @@ def ep_routed_experts(mesh: Mesh):
         t = x.shape[0]
         pad = -t % n_token_shards  # padding pairs carry weight 0 and go to expert 0
         x, ids, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, ids, weights))
-        body = functools.partial(_local_pairs, limit=limit, axis="ep", n_shards=n_shards)
+        body = functools.partial(local_pairs, limit=limit, axis="ep", n_shards=n_shards)
         tokens, experts = P(TOKEN_AXES), P("ep")
         out = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts),
                             out_specs=tokens)(x, ids, weights.astype(jnp.float32), w1, w2, w3)

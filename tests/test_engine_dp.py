@@ -1,0 +1,142 @@
+"""The data-parallel engine on 8 emulated CPU devices (tests/conftest.py) against the single-device full forward
+(itself checked against the engine in tests/test_engine.py): greedy tokens and logits on dp=2 and on dp=4 x ep=2
+with EPLB rebalancing mid-run (the weights move with the maps; the shards' balance improves), each rank's pages
+its own, no collective but the expert all-to-all in the compiled steps, and the balancedness metric."""
+
+import numpy as np
+import pytest
+
+from model.api import Model
+from model.config import preset
+from serving.engine import Engine
+from serving.kv_cache import CacheLayout
+from serving.metrics import ServerMetrics
+from serving.request import Request
+from serving.sampling import SamplingParams
+from sharding.engine_dp import DataParallelScheduler
+from tests.helpers import greedy_full_forward, random_model
+
+CONFIG = preset("tiny")
+RNG = np.random.default_rng(3)
+PROMPTS = [RNG.integers(0, CONFIG.vocab_size, n).tolist() for n in (5, 23, 9, 17)]
+STEPS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+# batch-invariant buckets: one decode and one prefill step per engine
+ENGINE = dict(max_slots=4, max_len=48, page_tokens=16, prefill_chunk=16, max_prefill_rows=2, batch_invariant=True,
+              num_top_logprobs=0, return_logits=True)
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+@pytest.fixture(scope="module")
+def model():
+    """tiny with a router bias that sends every token of the top-k-routed layers to expert 0 (a skewed load)."""
+    module = random_model(CONFIG, seed=11, noise=0.05).module()
+    for blk in module.layers:
+        if hasattr(blk.ffn.gate, "bias"):
+            blk.ffn.gate.bias[...] = blk.ffn.gate.bias[...].at[0].add(10.0)
+    return Model(module)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return greedy_full_forward(model, PROMPTS, STEPS)
+
+
+def _run(engine):
+    """Greedy outputs of PROMPTS, checking after every iteration that each running request's pages lie in its
+    rank's range; also the rank each request ran on."""
+    dp = engine.data_parallel
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    ranks, results = {}, {}
+    while engine.has_work:
+        for out in engine.step():
+            results[out.request_id] = out
+        for request in engine.scheduler.running:
+            rank = request.slot // dp.layout.max_slots
+            ranks[request.request_id] = rank
+            pages = np.asarray(engine.scheduler.pages.owned.get(request.slot, []))
+            assert ((pages // dp.layout.num_pages) == rank).all(), (request.slot, pages)
+    return [results[i] for i in ids], [ranks[i] for i in ids]
+
+
+def _check(outputs, reference):
+    for out, (tokens, logits) in zip(outputs, reference, strict=True):
+        assert out.token_ids == tokens
+        np.testing.assert_allclose(np.stack(out.logits), logits, atol=1e-5, rtol=0)
+
+
+def _collectives(engine) -> set[str]:
+    return {op for step in engine.compiled.values() for op in COLLECTIVES if op in step.step.as_text()}
+
+
+def test_dp2_engine_equals_single_device_and_keeps_ranks_apart(model, reference):
+    engine = Engine(model, mesh="dp=2", **ENGINE)
+    outputs, ranks = _run(engine)
+    _check(outputs, reference)
+    assert ranks == [0, 1, 0, 1]  # the least-loaded rank takes each new request
+    assert _collectives(engine) == set()  # every rank attends over its own slots and pages: nothing gathered
+    assert "eplb_balancedness" not in engine.stats  # no expert shards
+
+
+def test_dp4_ep2_engine_with_eplb_rebalancing_mid_run_equals_single_device(model, reference):
+    """4 attention ranks, experts over 2 shards with 2 redundant slots: one run without rebalancing, one that
+    rebalances every 2 steps; both give the single-device tokens and logits, and the hot expert gets replicas."""
+    # one token per prefill row: with one slot per rank the prefill and decode steps share one compiled bucket
+    engine = Engine(model, mesh="dp=4,ep=2", redundant_experts=2, eplb_every=0,
+                    **ENGINE | dict(prefill_chunk=1, max_prefill_rows=4))
+    _check(_run(engine)[0], reference)
+    before = engine.stats["eplb_balancedness"]
+    engine.data_parallel.eplb_every = 2
+    outputs, ranks = _run(engine)
+    _check(outputs, reference)
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert engine.stats["eplb_rebalances"] >= 2
+    after = engine.stats["eplb_balancedness"]
+    hot = engine.data_parallel.experts.logcnt[1:, 0]
+    print(f"\nexpert-shard balancedness {before:.3f} before, {after:.3f} after rebalancing; expert 0 replicas "
+          f"{hot.tolist()} of 6 slots")
+    assert 0 < before < after <= 1 and (hot > 1).all()
+    # the weights moved with the maps: every slot holds its logical expert's weights, split over ep
+    w1 = model.params["layers"][1]["ffn"]["experts"]["w1"][...]
+    moved = engine.data_parallel.model.params["layers"][1]["ffn"]["experts"]["w1"][...]
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(w1)[engine.data_parallel.experts.phy2log[1]])
+    assert moved.sharding.spec[0] == "ep"
+    assert list(engine.compiled) == [(1, 1, 1)] and _collectives(engine) == {"all-to-all"}  # the expert dispatch only; the caches stay on their ranks
+    metrics = ServerMetrics("tiny")
+    metrics.observe_eplb(engine.stats)
+    line = next(l for l in metrics.render().decode().splitlines() if l.startswith("jaxseek:eplb_balancedness{"))
+    assert float(line.split()[-1]) == pytest.approx(after)
+
+
+def test_mesh_arguments_are_validated(model):
+    with pytest.raises(ValueError, match="divide over the 8"):
+        Engine(model, mesh="dp=8", max_slots=4, max_len=48)
+    with pytest.raises(ValueError, match="ep > 1"):
+        Engine(model, mesh="dp=2", eplb_every=4, max_slots=4, max_len=48)
+    with pytest.raises(ValueError, match="needs a mesh"):
+        Engine(model, redundant_experts=2, max_slots=4, max_len=48)
+    with pytest.raises(ValueError, match="cp=1"):
+        Engine(model, mesh="cp=2,dp=2", max_slots=4, max_len=48)
+    with pytest.raises(ValueError, match="speculation and prefix cache"):
+        Engine(model, mesh="dp=2", prefix_cache=True, max_slots=4, max_len=48)
+
+
+def test_ranks_take_requests_by_load_and_preempt_only_their_own():
+    """Host-side: 2 ranks of 2 slots and 2 pages. New requests alternate between the ranks; when the first
+    request needs a second page, its rank preempts its own latest arrival, not the later one of the other rank
+    (whose pages it could not use)."""
+    layout = CacheLayout(max_slots=4, max_len=32, num_pages=4, page_tokens=16, ring=8, vocab_size=256)
+    scheduler = DataParallelScheduler(layout, 16, 64, 4, False, ranks=2)
+    requests = [Request(f"r{i}", [1] * n, SamplingParams(max_tokens=8, ignore_eos=True), arrival=float(i))
+                for i, n in enumerate((16, 8, 8, 8))]
+    for request in requests:
+        scheduler.add(request)
+    _, prefill = scheduler.schedule(in_flight=False)
+    assert [r.slot for r in requests] == [0, 2, 1, 3]
+    assert [scheduler.pages.owned[r.slot] for r in requests] == [[0], [2], [1], [3]]
+    for row in prefill:  # the prompts are in the cache and each sampled a token
+        row.request.computed += len(row.tokens)
+        row.request.output.append(5)
+    decode, _ = scheduler.schedule(in_flight=False)  # r0 reaches position 16: a second page
+    assert [row.request.request_id for row in decode] == ["r0", "r1", "r3"]
+    assert [r.preemptions for r in requests] == [0, 0, 1, 0] and scheduler.pages.owned[0] == [0, 1]
