@@ -94,8 +94,9 @@ def cmd_generate(args) -> int:
     tokenizer = tokenizer_for(model)
     encode_prompts(tokenizer, requests, format_for(tokenizer, args.chat_format, args.model))
     num_top = max([r.params.logprobs for r in requests if r.params and r.params.logprobs] + [1])
-    # batch-invariant runs keep the flags' shapes: a request's numbers must not depend on the batch's size
-    slots, chunk = ((args.max_slots, args.prefill_chunk) if args.batch_invariant
+    # batch-invariant runs keep the flags' shapes (a request's numbers must not depend on the batch's size), and
+    # so do mesh runs (the slots split evenly over the attention ranks)
+    slots, chunk = ((args.max_slots, args.prefill_chunk) if args.batch_invariant or args.mesh
                     else engine_shape(requests, args.max_slots, args.prefill_chunk))
     engine = Engine(model, max_slots=slots, max_len=args.max_len, prefill_chunk=chunk,
                     batch_invariant=args.batch_invariant, zero_overhead=not args.no_zero_overhead,
@@ -239,13 +240,22 @@ def _add_cache_and_grammar_flags(e) -> None:
                    help="evicted prefix-cache pages kept in host memory and restored instead of recomputed")
     e.add_argument("--jump-forward", action="store_true",
                    help="a constrained request takes the tokens its grammar forces without sampling them")
+    e.add_argument("--mesh", metavar="SPEC",
+                   help="serve on a device mesh, e.g. dp=4,ep=2: requests and paged caches split over the dp "
+                        "attention ranks, routed experts over ep (no speculation or prefix cache)")
+    e.add_argument("--redundant-experts", type=_int_at_least(0), default=0,
+                   help="with --mesh and ep > 1: EPLB replica slots per MoE layer")
+    e.add_argument("--eplb-every", type=_int_at_least(0), default=0,
+                   help="with --mesh: steps between EPLB rebalances (0: never)")
 
 
 def _engine_cache_and_grammar(args) -> dict:
     """The Engine keyword arguments of `_add_cache_and_grammar_flags`."""
     prefix = False if args.no_prefix_cache else None
+    mesh = {"mesh": args.mesh, "redundant_experts": args.redundant_experts, "eplb_every": args.eplb_every}
     return {"prefix_cache": prefix, "jump_forward": args.jump_forward,
-            **({"host_pages": args.host_pages} if args.host_pages else {})}
+            **({"host_pages": args.host_pages} if args.host_pages else {}),
+            **(mesh if args.mesh else {})}
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
