@@ -3,8 +3,10 @@
 On admission a request matches its prompt in the radix tree (`serving.prefix_cache`, blocks = pages, aligned
 with every compression ratio) and adopts the matched pages (a reference each, read-only). Everything else a
 step needs is per slot and not cached: the window rings, the compressors' open windows, the DSpark drafter's
-context ring and the Engram n-gram history. Those are rebuilt by prefilling from `replay` tokens before the end
-of the hit instead of from the hit's end. The replayed tokens run through every layer, but their compressed
+context ring and the Engram n-gram history. The request restores them from the deepest window-state snapshot
+inside its hit (`serving.window_snapshots`: copies of a slot's state taken at page-aligned prefill chunk ends) and
+prefills from there; without a usable snapshot they are rebuilt by prefilling from `replay` tokens before the
+end of the hit instead of from the hit's end. The replayed tokens run through every layer, but their compressed
 entries are not written again: the step marks the shared tokens `frozen` (`model.compressor.store_complete`
 keeps their entries, which the queries read from the shared pages; `serving.kv_cache.scatter_rows` writes no
 shared page).
@@ -37,7 +39,7 @@ import numpy as np
 from serving.kv_cache import PAGED_LEAVES, PageAllocator
 from serving.prefix_cache import PrefixCache, PrefixMatch
 from serving.request import Request
-from serving.window_snapshots import SnapshotStore, prefix_key
+from serving.window_snapshots import SnapshotStore, prefix_key, put_newest
 
 RINGS = ("ring_kv", "recent_kv")  # per-slot leaves [b, slots, d] whose slots follow the newest positions
 
@@ -67,14 +69,9 @@ class HostTier:
 
     def put(self, prefix: tuple[int, ...], contents: list[np.ndarray]) -> None:
         """Keep one evicted page's contents under its prefix (dropping the oldest page when full)."""
-        if not self.capacity:
-            return
-        self.pages[prefix] = contents
-        self.pages.move_to_end(prefix)
-        self.stored += 1
-        while len(self.pages) > self.capacity:
-            self.pages.popitem(last=False)
-            self.dropped += 1
+        if self.capacity:
+            self.stored += 1
+            self.dropped += put_newest(self.pages, prefix, contents, self.capacity)
 
     def take(self, prefix: tuple[int, ...]) -> list[np.ndarray] | None:
         """The contents of the page ending `prefix` (it leaves the tier: the device holds it again), or None."""

@@ -35,6 +35,17 @@ def boundary_keys(tokens: Sequence[int], block: int, limit: int) -> list[tuple[i
     return out
 
 
+def put_newest(entries: collections.OrderedDict, key, value, capacity: int) -> int:
+    """Put `value` under `key` as the most recently used entry, then drop the least recently used ones beyond
+    `capacity`; returns how many were dropped."""
+    entries[key] = value
+    entries.move_to_end(key)
+    dropped = max(0, len(entries) - capacity)
+    for _ in range(dropped):
+        entries.popitem(last=False)
+    return dropped
+
+
 class SnapshotStore:
     """Slot-state snapshots (device arrays) by prefix key: at most `capacity` (0: none), least recently used
     dropped first; counters for monitoring."""
@@ -51,14 +62,9 @@ class SnapshotStore:
 
     def put(self, key: bytes, state: list[jax.Array]) -> None:
         """File a new snapshot (dropping the least recently used beyond the capacity)."""
-        if not self.capacity:
-            return
-        self.entries[key] = state
-        self.entries.move_to_end(key)
-        self.taken += 1
-        while len(self.entries) > self.capacity:
-            self.entries.popitem(last=False)
-            self.dropped += 1
+        if self.capacity:
+            self.taken += 1
+            self.dropped += put_newest(self.entries, key, state, self.capacity)
 
     def get(self, key: bytes) -> list[jax.Array] | None:
         """The snapshot filed under `key` (now the most recently used), or None."""
