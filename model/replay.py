@@ -93,7 +93,7 @@ def for_engine(config, replay: Replay | None, ring: int, drafter_ring: int = 0, 
         return None
     if not ced:
         raise ValueError("bounded replay needs a causal encoder-decoder (V4.1) model with layers after its last "
-                         "KV source; pass replay=None for this one")
+                         "KV source; pass replay=None (--replay off) for this one")
     replay.check(ring, config.sliding_window)
     if replay.keep < need:
         raise ValueError(f"replay keep={replay.keep} must cover the DSpark drafter's context ring ({need} "
