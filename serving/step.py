@@ -54,7 +54,7 @@ class StepBatch(NamedTuple):
     bitmask: Int[Array, "r v words"]  # per verify position the allowed tokens, packed (-1: all; constraints)
     draft: Bool[Array, ""]  # a drafter step drafts the next blocks (False: its drafter only absorbs features)
     frozen: Int[Array, " r"]  # tokens at the row's sequence start held in shared pages: never written (prefix cache)
-    prompt_end: Int[Array, " r"]  # bounded replay: where a prefill row's prompt ends (0: no bound, `model.replay`)
+    prompt_end: Int[Array, " r"]  # bounded replay: where a prefill row's prompt ends (0: none, `model.replay`)
 
 
 # What a token of a row is, for the penalty statistics: prompt tokens join the prompt mask, replayed
@@ -147,8 +147,10 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
         extra = {"engram_rows": batch.engram_rows} if batch.engram_rows else {}
         if drafter is not None:
             extra["collect"] = drafter.target_layers
-        if replay is not None:
-            extra |= {"replay": replay, "prompt_end": batch.prompt_end}
+        if replay is not None:  # a row without a prompt end is unbounded, unless it outgrows compact's keep rows
+            unbounded = (batch.prompt_end == 0) & (counts <= replay.keep)
+            extra |= {"replay": replay, "prompt_end": jnp.where(unbounded, 0, jnp.maximum(batch.prompt_end,
+                                                                                        starts + counts))}
         logits, new, *taps = module(tokens, {"pos": starts, "layers": states}, count=counts, **extra)
         pages = min(batch.block_tables.shape[1], (width - 1) // page_tokens + 2)  # a chunk spans at most these
         first = jnp.maximum(starts, batch.frozen) // page_tokens  # shared pages are read-only

@@ -160,22 +160,21 @@ def v41():
 
 
 def test_v41_engine_bounded_replay_gives_the_models_numbers(v41):
-    """The engine's chunked prefill with per-row prompt ends equals `Model.step` on the whole prompt with the same
-    Replay, then decode; `mask` gives `compact`'s numbers; replay off gives others."""
-    model, replay, prompt = v41.model, Replay("compact", KEEP), v41.b
-    logits, cache = model.step(np.array([prompt]), model.init_cache(1, 160), replay=replay,
-                               prompt_end=np.array([len(prompt)], np.int32))
-    tokens, rows = [], []
-    for _ in range(GREEDY.max_tokens):
-        rows.append(np.asarray(logits)[0, -1])
-        tokens.append(int(rows[-1].argmax()))
-        logits, cache = model.step(np.array([[tokens[-1]]]), cache)
-    same(v41.cold, types.SimpleNamespace(token_ids=tokens, logits=rows))
-    full = np.asarray(model.logits(np.array([prompt])))[0, -1]
-    assert np.abs(full - rows[0]).max() > 1e-3  # keep < exact_keep: the replay shows
+    """The engine's chunked prefill with per-row prompt ends, then decode, gives `Model.logits` of the prompt and
+    its greedy continuation with the same bounded replay (`mask`: it runs rows past the prompt's end, whose
+    windows lie past the floor, so one forward shows every step); the engine's `mask` gives `compact`'s numbers;
+    a full forward (replay off) moves the logits, since keep < exact_keep."""
+    model, prompt, out = v41.model, v41.b, v41.cold
+    sequence = np.array([prompt + out.token_ids[:-1]])
+    positions = slice(len(prompt) - 1, None)
+    replayed = np.asarray(model.logits(sequence, replay=Replay("mask", KEEP),
+                                       prompt_end=np.array([len(prompt)], np.int32)))[0, positions]
+    same(out, types.SimpleNamespace(token_ids=replayed.argmax(-1).tolist(), logits=list(replayed)))
+    full = np.asarray(model.logits(sequence))[0, positions]
+    assert np.abs(full - replayed).max() > 1e-3
     masked = Engine(model, max_slots=1, max_len=160, page_tokens=16, prefill_chunk=32, max_prefill_rows=1,
                     batch_invariant=True, return_logits=True, replay=Replay("mask", KEEP))
-    same(masked.generate([prompt], GREEDY)[0], v41.cold, atol=1e-5)
+    same(masked.generate([prompt], GREEDY)[0], out, atol=1e-5)
 
 
 def test_v41_snapshot_hit_equals_cold_run(v41):
