@@ -140,7 +140,7 @@ class Scheduler:
         counted = len(request.prompt) + request.counted_outputs
         kinds = [PROMPT if i < len(request.prompt) else COUNTED if i < counted else RECOMPUTED
                  for i in range(start, start + size)]
-        # a jump-forward row (outputs already counted) continues decoding: no replay bound
+        # a jump-forward row (outputs already counted) continues decoding: no replay bound (`serving.step`)
         row = Row(request, sequence[start:start + size], start, False, request.fresh_slot,
                   start + size == len(sequence), kinds, frozen=self.pages.frozen_tokens(request.slot),
                   prompt_end=0 if request.counted_outputs else len(sequence),
