@@ -187,6 +187,15 @@ def test_v41_snapshot_hit_equals_cold_run(v41):
     same(engine.generate([v41.b], GREEDY)[0], v41.cold)
     grew = delta(engine, before)
     assert grew["hit_tokens"] == 128 and grew["snapshot_hits"] == 1 and grew["prefilled"] == 138 - 96
+    prefix = engine.scheduler.prefix
+    prefix.bounded_keep = 0  # without the rule B would start from A's snapshot at 128, and its logits move
+    try:
+        before = counters(engine)
+        out = engine.generate([v41.b], GREEDY)[0]
+    finally:
+        prefix.bounded_keep = KEEP
+    assert delta(engine, before)["prefilled"] == 138 - 128
+    assert np.abs(np.stack(out.logits) - np.stack(v41.cold.logits)).max() > 1e-3
 
 
 def test_prefix_hit_under_speculation_equals_plain_greedy():
