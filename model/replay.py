@@ -30,6 +30,10 @@ the last replay layer is exact only when keep >= ring + (D - 1) * (W - 1) (`exac
 140 >= 128 + 6 for V4.1-Flash (D = 19), so its final hidden states differ slightly from a full prefill,
 by design. With one replay layer (the bundled model) the default keep is exact for the last keep - W + 1
 tokens and for the ring.
+
+The serving engine bounds its prefill rows the same way (`serving.engine.Engine(replay=...)`, compact by default
+on a CED model): each prefill row passes where its request's prompt ends; `for_engine` picks and validates the
+setting.
 """
 
 from __future__ import annotations
