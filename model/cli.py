@@ -232,7 +232,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def _add_cache_and_grammar_flags(e) -> None:
     """Engine flags `generate` and `serve` share: prefix caching, jump-forward decoding of grammar-forced
-    tokens."""
+    tokens, bounded decoder replay."""
     e.add_argument("--no-prefix-cache", action="store_true",
                    help="do not share the KV pages of cached prompt prefixes (on by default unless "
                         "--batch-invariant)")
@@ -247,14 +247,25 @@ def _add_cache_and_grammar_flags(e) -> None:
                    help="with --mesh and ep > 1: EPLB replica slots per MoE layer")
     e.add_argument("--eplb-every", type=_int_at_least(0), default=0,
                    help="with --mesh: steps between EPLB rebalances (0: never)")
+    e.add_argument("--prefix-snapshots", type=_int_at_least(0),
+                   help="window-state snapshots kept for prefix-cache hits (default 8 per slot; 0: replay instead)")
+    e.add_argument("--replay", choices=["off", "mask", "compact"],
+                   help="V4.1 bounded decoder replay in prefill (default compact; off: every layer on every token)")
+    e.add_argument("--replay-keep", type=_int_at_least(1), metavar="N",
+                   help="prompt tokens the replay layers see (default 140, at least window + backtracking)")
 
 
 def _engine_cache_and_grammar(args) -> dict:
     """The Engine keyword arguments of `_add_cache_and_grammar_flags`."""
+    from model.replay import DEFAULT_KEEP, Replay
+
     prefix = False if args.no_prefix_cache else None
     mesh = {"mesh": args.mesh, "redundant_experts": args.redundant_experts, "eplb_every": args.eplb_every}
-    return {"prefix_cache": prefix, "jump_forward": args.jump_forward,
+    replay = {} if args.replay is None and args.replay_keep is None else {
+        "replay": Replay(args.replay or "compact", args.replay_keep or DEFAULT_KEEP)}
+    return {"prefix_cache": prefix, "jump_forward": args.jump_forward, **replay,
             **({"host_pages": args.host_pages} if args.host_pages else {}),
+            **({"prefix_snapshots": args.prefix_snapshots} if args.prefix_snapshots is not None else {}),
             **(mesh if args.mesh else {})}
 
 

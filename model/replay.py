@@ -30,6 +30,10 @@ the last replay layer is exact only when keep >= ring + (D - 1) * (W - 1) (`exac
 140 >= 128 + 6 for V4.1-Flash (D = 19), so its final hidden states differ slightly from a full prefill,
 by design. With one replay layer (the bundled model) the default keep is exact for the last keep - W + 1
 tokens and for the ring.
+
+The serving engine bounds its prefill rows the same way (`serving.engine.Engine(replay=...)`, compact by default
+on a CED model): each prefill row passes where its request's prompt ends; `for_engine` picks and validates the
+setting.
 """
 
 from __future__ import annotations
@@ -67,6 +71,39 @@ class Replay:
             raise ValueError(f"replay keep={self.keep} must be >= window + backtracking = {window} + "
                              f"{ring - window} = {ring} (the replay layers' ring slots), or decode would read "
                              "ring slots prefill never wrote")
+
+
+ENGINE_DEFAULT = Replay("compact")  # `serving.engine.Engine`'s default (`for_engine` adapts its keep)
+
+
+def for_engine(config, replay: Replay | None, ring: int, drafter_ring: int = 0, tapped: tuple[int, ...] = ()
+               ) -> Replay | None:
+    """The bounded replay an engine's prefill runs (None: off). `replay` is what the caller asked for: a Replay,
+    None (off), or `ENGINE_DEFAULT` (compact on a CED model with keep = max(DEFAULT_KEEP, what the rings need),
+    off on any other model). `ring` is the engine's window ring (window + backtracking), `drafter_ring` the
+    DSpark drafter's context ring and `tapped` the target layers it reads: when one of them is a replay layer,
+    keep must also cover the drafter's ring, since features of tokens below the floor never pass the replay
+    layers. Raises ValueError for an active replay on a model without replay layers or a keep too small."""
+    ced = getattr(config, "n_prefill_layer", config.num_hidden_layers) < config.num_hidden_layers
+    needs_drafter = any(i >= getattr(config, "n_prefill_layer", config.num_hidden_layers) for i in tapped)
+    need = max(ring, drafter_ring if needs_drafter else 0)
+    if replay is ENGINE_DEFAULT:
+        return Replay("compact", max(DEFAULT_KEEP, need)) if ced else None
+    if replay is None:
+        return None
+    if not isinstance(replay, Replay):
+        raise ValueError(f"replay must be a model.replay.Replay or None, got {replay!r}")
+    if not replay.active:
+        return None
+    if not ced:
+        raise ValueError("bounded replay needs a causal encoder-decoder (V4.1) model with layers after its last "
+                         "KV source; pass replay=None (--replay off) for this one")
+    replay.check(ring, config.sliding_window)
+    if replay.keep < need:
+        raise ValueError(f"replay keep={replay.keep} must cover the DSpark drafter's context ring ({need} "
+                         f"positions): it reads layers {list(tapped)}, whose features below the floor never pass "
+                         "the replay layers")
+    return replay
 
 
 def exact_keep(config, ring: int) -> int:

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_prefill.py             # 5 timed runs per figure (~20 min on 2 busy cores)
     .venv/bin/python scripts/bench_prefill.py --runs 1 --ttft-len 4096
+    .venv/bin/python scripts/bench_prefill.py --quick     # a check that it runs: 2k / 512-token sizes, 1 run
 
 Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
 
@@ -27,12 +28,14 @@ them. `load_avg_1m_before` / `_after` come from `os.getloadavg()`:
 a shared machine's other work slows both modes alike only if it is steady, so compare runs with low load.
 
 Time to first token with the engine's prefix cache (`serving.prefix_admission`), same model, one slot, chunks of
-`--ttft-chunk` tokens: `ttft_cold_s` for a `--ttft-len`-token prompt A with nothing cached (this run then caches
-A's pages), `ttft_hit_s` for a prompt B sharing its first 90 % with A (the exact replay, the engine's default:
-ring + 39 x 127 = 5081 tokens on this 40-layer model, so most of B is recomputed), `ttft_hit_window_s` with the
-approximate replay of one window ring (128 tokens, what vLLM and DeepInfer replay), each with a fresh B suffix,
+`--ttft-chunk` tokens, bounded replay as above (compact, `--keep`; the engine's default): `ttft_cold_s` for a
+`--ttft-len`-token prompt A with nothing cached (this run then caches A's pages and snapshots its window state
+at every chunk end), `ttft_hit_s` for a prompt B sharing its first 90 % with A in the engine's default mode
+(exact: B starts from A's deepest usable window-state snapshot, `serving.window_snapshots`, a chunk end at most
+P - keep, and prefills only the rest), `ttft_hit_replay_s` with snapshots off (the exact replay instead:
+ring + 39 x 127 = 5081 tokens on this 40-layer model, so most of B is recomputed), each with a fresh B suffix,
 the median of `--runs` rounds (the cache cleared before each); `ttft_*_over_cold` are their ratios to cold.
-`ttft_replay_tokens` gives both replays.
+`--quick` checks that the script runs (2k figures only, a 2048-token TTFT prompt).
 """
 
 from __future__ import annotations
@@ -75,36 +78,41 @@ def prefill_seconds(model: Model, tokens: np.ndarray, chunk: int, replay: Replay
     return time.perf_counter() - t0
 
 
-def ttft_seconds(model: Model, prompt_len: int, chunk: int, runs: int, rng) -> dict:
+def ttft_seconds(model: Model, prompt_len: int, chunk: int, runs: int, rng, keep: int) -> dict:
     """TTFT figures of the engine's prefix cache (see the module docstring)."""
     from serving.engine import Engine
     from serving.sampling import SamplingParams
 
     # one prefill bucket, compiled in round 0 (a request of one token never decodes)
     engine = Engine(model, max_slots=1, max_len=prompt_len + 8, prefill_chunk=chunk, max_prefill_rows=1,
-                    batch_invariant=True, prefix_cache=True)
+                    batch_invariant=True, prefix_cache=True, replay=Replay("compact", keep))
     prefix, shared = engine.scheduler.prefix, prompt_len * 9 // 10
-    replays = {"hit": prefix.replay, "hit_window": engine.layout.ring}
+    store = prefix.snapshots
+    snapshots = {"hit": store.capacity, "hit_replay": 0}  # the default (snapshots), then the exact replay
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    times: dict[str, list[float]] = {"cold": [], **{name: [] for name in replays}}
+    times: dict[str, list[float]] = {"cold": [], **{name: [] for name in snapshots}}
     for r in range(runs + 1):  # round 0 warms up the host paths
         prefix.clear()
         a = rng.integers(0, model.config.vocab_size, prompt_len).tolist()
         ttft = {"cold": engine.generate([a], one)[0].time_to_first_token}
-        for name, replay in replays.items():
-            prefix.replay = replay
+        for name, capacity in snapshots.items():
+            store.capacity = capacity
+            if not capacity:
+                store.entries.clear()
             b = a[:shared] + rng.integers(0, model.config.vocab_size, prompt_len - shared).tolist()
             ttft[name] = engine.generate([b], one)[0].time_to_first_token
-        prefix.replay = replays["hit"]
+        store.capacity = snapshots["hit"]
         print(f"ttft round {r}: " + ", ".join(f"{k} {v:.2f} s" for k, v in ttft.items()), file=sys.stderr)
         for name, seconds in ttft.items():
             if r:
                 times[name].append(round(seconds, 4))
     out = {f"ttft_{name}_s": round(statistics.median(v), 4) for name, v in times.items()}
-    out |= {f"ttft_{name}_over_cold": round(out[f"ttft_{name}_s"] / out["ttft_cold_s"], 3) for name in replays}
+    out |= {f"ttft_{name}_over_cold": round(out[f"ttft_{name}_s"] / out["ttft_cold_s"], 3) for name in snapshots}
+    metrics = engine.prefix_cache_metrics()
     return out | {f"runs_ttft_{name}": v for name, v in times.items()} | {
-        "ttft_len": prompt_len, "ttft_shared": shared, "ttft_chunk": chunk, "ttft_replay_tokens": replays,
-        "prefix_hit_rate": round(engine.prefix_cache_metrics()["hit_rate"], 3)}
+        "ttft_len": prompt_len, "ttft_shared": shared, "ttft_chunk": chunk, "ttft_replay_tokens": prefix.replay,
+        "ttft_engine_replay": f"{engine.replay.mode} keep {engine.replay.keep}" if engine.replay else "off",
+        "prefix_hit_rate": round(metrics["hit_rate"], 3), "snapshot_hits": metrics["snapshot_hits"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -114,7 +122,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--keep", type=int, default=140, help="replay keep (tokens)")
     parser.add_argument("--ttft-len", type=int, default=8192, help="prompt tokens of the TTFT figures")
     parser.add_argument("--ttft-chunk", type=int, default=512, help="engine prefill chunk of the TTFT figures")
+    parser.add_argument("--quick", action="store_true", help="a check that the script runs: the 2k figures only, "
+                        "TTFT of 2048-token prompts in 256-token chunks, one run")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.runs, args.ttft_len, args.ttft_chunk = 1, 2048, 256
     if args.runs < 1 or args.chunk < 1 or 2048 % args.chunk:
         parser.error("--runs must be >= 1 and --chunk a divisor of 2048")
     if args.ttft_len < 640 or args.ttft_chunk < 1:
@@ -123,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(0)
     result: dict = {"load_avg_1m_before": round(os.getloadavg()[0], 2)}
     modes = {"off": None, "on": Replay("compact", args.keep)}
-    for n, label in ((2048, "2k"), (8192, "8k")):
+    for n, label in ((2048, "2k"),) + ((8192, "8k"),) * (not args.quick):
         tokens = rng.integers(0, model.config.vocab_size, (1, n)).astype(np.int32)
         runs: dict[str, list[float]] = {name: [] for name in modes}
         for name, replay in modes.items():
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
             result[f"runs_{label}_{name}"] = runs[name]
         on, off = result[f"prefill_s_{label}_on"], result[f"prefill_s_{label}_off"]
         result[f"ratio_{label}_on_over_off"] = round(on / off, 3)
-    result.update(ttft_seconds(model, args.ttft_len, args.ttft_chunk, args.runs, rng))
+    result.update(ttft_seconds(model, args.ttft_len, args.ttft_chunk, args.runs, rng, args.keep))
     result.update(load_avg_1m_after=round(os.getloadavg()[0], 2), keep=args.keep, chunk=args.chunk,
                   config="bench_config(): v41-flash schedule, 40 layers (21 prefill + 19 replay), hidden 128")
     print(json.dumps(result))

@@ -12,8 +12,9 @@ the profiled cost of each verify bucket. Verification is lossless: greedy output
 and sampled outputs are distributed as the target's.
 
 Prefix caching (`prefix_cache`): a request adopts the cached pages of its prompt's longest cached prefix and
-prefills from shortly before the hit's end, replaying enough tokens to rebuild its window state exactly
-(`serving.prefix_admission`); evicted pages may wait in a host-memory tier.
+prefills from the deepest window-state snapshot in it (`serving.window_snapshots`) or, without one, from shortly
+before the hit's end, replaying enough tokens to rebuild its window state exactly (`serving.prefix_admission`);
+evicted pages may wait in a host-memory tier.
 
 Structured outputs (`add_request(..., constraint=)`): a constrained request's rows carry packed token masks that
 the compiled step applies before sampling and verification. A mask depends on every token before it, so before
@@ -42,6 +43,7 @@ import numpy as np
 
 from model.api import Model
 from model.mtp_drafter import mtp_drafter
+from model.replay import ENGINE_DEFAULT, Replay, for_engine
 from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer
 from serving.grammar_budget import ClosePolicy
 from serving.grammar_mask import RequestGrammar, fill_masks, speculate_masks
@@ -85,6 +87,10 @@ class Engine:
     cached prompt prefixes (default: on unless `batch_invariant`, since a hit changes how a prompt is
     chunked), replaying `prefix_replay` tokens before a hit's end (default: the exact replay,
     `exact_replay_tokens`; fewer is approximate), with up to `host_pages` evicted pages kept in host memory;
+    `replay` (a `model.replay.Replay`, or None: off) bounds a V4.1 prefill's replay layers to each prompt's last
+    `keep` tokens (default: compact, keep 140 or what the window and drafter rings need; off for other models);
+    `prefix_snapshots`: window-state snapshots kept at page-aligned prefill chunk ends, so a prefix hit
+    starts from one instead of replaying (default 8 per slot; 0: always replay; `serving.window_snapshots`);
     `constraint_close`: how constrained outputs are closed before their `max_tokens` (None: the limit may cut
     them mid-structure); `jump_forward`: a constrained request takes the tokens its grammar forces in one
     prefill row instead of sampling them one per step. `mesh` (a spec like "dp=4,ep=2", a MeshSpec or a mesh of
@@ -103,7 +109,8 @@ class Engine:
                  verify_widths: Sequence[int] | None = None, draft_fallback: bool = True, probe_every: int = 8,
                  prefix_cache: bool | None = None, prefix_replay: int | None = None, host_pages: int = 0,
                  constraint_close: ClosePolicy | None = ClosePolicy(), jump_forward: bool = False,
-                 mesh=None, redundant_experts: int = 0, eplb_every: int = 0, eplb_window: int = 100):
+                 mesh=None, redundant_experts: int = 0, eplb_every: int = 0, eplb_window: int = 100,
+                 replay: Replay | None = ENGINE_DEFAULT, prefix_snapshots: int | None = None):
         if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if speculation not in SPECULATION:
@@ -164,14 +171,18 @@ class Engine:
         draft_module = drafter.module() if drafter is not None else None
         self.cache = (init_engine_cache(module, self.layout, draft_module) if self.data_parallel is None
                       else self.data_parallel.init_cache(module))
-        self.scheduler.prefix = self._prefix_cache(prefix_cache, prefix_replay, host_pages)
+        drafter_ring = max((leaf.shape[1] for leaf in jax.tree.leaves(self.cache.get("drafter", []))
+                            if leaf.ndim == 3), default=0)
+        self.replay = for_engine(self.config, replay, self.layout.ring, drafter_ring,
+                                 drafter.config.target_layer_ids if drafter is not None else ())
+        self.scheduler.prefix = self._prefix_cache(prefix_cache, prefix_replay, host_pages, prefix_snapshots)
         # what the compiled steps take (flattened once)
         self.weights = (jax.tree.leaves(model.params), jax.tree.leaves(drafter.params) if drafter else [])
         empty = module.init_cache(1, self.layout.pages_per_slot * self.layout.page_tokens, self.layout.ring)
         spec = None if drafter is None else DrafterSpec(drafter.graphdef, jax.tree.structure(drafter.params),
                                                          draft_module.init_state(1), drafter.config.target_layer_ids)
         self._step_fn = build_step(model.graphdef, jax.tree.structure(model.params), empty["layers"],
-                                   self.layout.page_tokens, num_top_logprobs, return_logits, spec)
+                                   self.layout.page_tokens, num_top_logprobs, return_logits, spec, self.replay)
         self.compiled: dict[tuple[int, int, int], Callable] = {}
         self.costs: CostTable | None = None  # DSpark: seconds per decode / verify bucket (`profile`)
         self._steady_since: float | None = None  # end of the last iteration that ran no prefill step
@@ -239,13 +250,14 @@ class Engine:
                                                              verify_len), verify_len)
         return self.compiled[bucket]
 
-    def _prefix_cache(self, enabled: bool | None, replay: int | None, host_pages: int) -> PrefixAdmission | None:
+    def _prefix_cache(self, enabled: bool | None, replay: int | None, host_pages: int,
+                      snapshots: int | None) -> PrefixAdmission | None:
         """The engine's prefix cache (None when off), with its device ops on `self.cache`."""
         if enabled is None:
             enabled = not self.batch_invariant
         if not enabled:
-            if replay is not None or host_pages:
-                raise ValueError("prefix_replay and host_pages need prefix_cache=True")
+            if replay is not None or host_pages or snapshots:
+                raise ValueError("prefix_replay, host_pages and prefix_snapshots need prefix_cache=True")
             return None
         exact = exact_replay_tokens(self.config, self.cache)
         replay = exact if replay is None else replay
@@ -254,7 +266,9 @@ class Engine:
                              f"decode finds its window filled (exact replay: {exact}), got {replay!r}")
         self.device_pages = DevicePages(self, self.layout.max_len)
         return PrefixAdmission(self.scheduler.pages, replay, host_pages, self.device_pages.read,
-                               self.device_pages.write)
+                               self.device_pages.write, self.replay.keep if self.replay is not None else 0,
+                               8 * self.layout.max_slots if snapshots is None else snapshots, self.device_pages.take,
+                               exact)
 
     def prefix_cache_metrics(self) -> dict[str, float]:
         """Prefix-cache counters (`PrefixAdmission.metrics`: `hit_rate` = prompt tokens served from the cache
@@ -450,7 +464,9 @@ class Engine:
         if dp is not None:
             batch = dp.place(batch, rows, bucket[0], width, verify_len, self._engram_shapes())
         for row in rows:
-            if row.reset and row.start:  # a prefix hit replays from `start`: the prompt tokens before it
+            if row.reset and row.start:  # a prefix hit starts at `start`: its snapshot, the prompt before it
+                if row.restore is not None:
+                    self.device_pages.restore(row.request.slot, row.restore)
                 self.device_pages.start_prompt(row.request.slot, row.request.prompt[:row.start])
         outputs, self.cache = self._executable(bucket)(self.weights, self.cache, batch)
         if width == verify_len:
@@ -465,6 +481,8 @@ class Engine:
                 self.stats["decode_rows"] += 1
             else:
                 request.computed += len(row.tokens)
+                if self.scheduler.prefix is not None:
+                    self.scheduler.prefix.chunk_done(request)
                 if row.sample:
                     request.in_flight.append(1)
                 self.stats["prefill_tokens"] += len(row.tokens)
@@ -481,9 +499,9 @@ class Engine:
                 self._engram_row(b, i, row)
             b.tokens[i, :n], b.kinds[i, :n] = row.tokens, row.kinds
             b.slots[i], b.starts[i], b.counts[i], b.caps[i] = row.request.slot, row.start, n, row.caps
-            b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset, row.sample
+            b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset and row.restore is None, row.sample
             b.block_tables[i] = self.scheduler.block_table(row.request)
-            b.frozen[i] = row.frozen
+            b.frozen[i], b.prompt_end[i] = row.frozen, row.prompt_end
         b.budget[...] = b.caps.sum() if budget is None else budget
         sampling = SamplingBatch.from_params([r.request.params for r in rows], num_rows)
         return b._replace(sampling=sampling)

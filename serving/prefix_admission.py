@@ -3,8 +3,10 @@
 On admission a request matches its prompt in the radix tree (`serving.prefix_cache`, blocks = pages, aligned
 with every compression ratio) and adopts the matched pages (a reference each, read-only). Everything else a
 step needs is per slot and not cached: the window rings, the compressors' open windows, the DSpark drafter's
-context ring and the Engram n-gram history. Those are rebuilt by prefilling from `replay` tokens before the end
-of the hit instead of from the hit's end. The replayed tokens run through every layer, but their compressed
+context ring and the Engram n-gram history. The request restores them from the deepest window-state snapshot
+inside its hit (`serving.window_snapshots`: copies of a slot's state taken at page-aligned prefill chunk ends) and
+prefills from there; without a usable snapshot they are rebuilt by prefilling from `replay` tokens before the
+end of the hit instead of from the hit's end. The replayed tokens run through every layer, but their compressed
 entries are not written again: the step marks the shared tokens `frozen` (`model.compressor.store_complete`
 keeps their entries, which the queries read from the shared pages; `serving.kv_cache.scatter_rows` writes no
 shared page).
@@ -37,6 +39,7 @@ import numpy as np
 from serving.kv_cache import PAGED_LEAVES, PageAllocator
 from serving.prefix_cache import PrefixCache, PrefixMatch
 from serving.request import Request
+from serving.window_snapshots import SnapshotStore, prefix_key, put_newest
 
 RINGS = ("ring_kv", "recent_kv")  # per-slot leaves [b, slots, d] whose slots follow the newest positions
 
@@ -66,14 +69,9 @@ class HostTier:
 
     def put(self, prefix: tuple[int, ...], contents: list[np.ndarray]) -> None:
         """Keep one evicted page's contents under its prefix (dropping the oldest page when full)."""
-        if not self.capacity:
-            return
-        self.pages[prefix] = contents
-        self.pages.move_to_end(prefix)
-        self.stored += 1
-        while len(self.pages) > self.capacity:
-            self.pages.popitem(last=False)
-            self.dropped += 1
+        if self.capacity:
+            self.stored += 1
+            self.dropped += put_newest(self.pages, prefix, contents, self.capacity)
 
     def take(self, prefix: tuple[int, ...]) -> list[np.ndarray] | None:
         """The contents of the page ending `prefix` (it leaves the tier: the device holds it again), or None."""
@@ -85,19 +83,32 @@ class HostTier:
 class PrefixAdmission:
     """The engine's prefix cache: the tree over the scheduler's page pool, what each running request holds of
     it, the replay length (`replay`, read at each admission) and the optional host tier (`read_page` /
-    `write_page` copy one page's paged leaves between the device cache and numpy)."""
+    `write_page` copy one page's paged leaves between the device cache and numpy). With bounded replay in the
+    engine's prefill (`bounded_keep` > 0, `model.replay`) a hit's prefill starts no later than `bounded_keep`
+    tokens before the prompt's end, so the replay layers see what a cold prefill shows them."""
 
     def __init__(self, pages: PageAllocator, replay: int, host_pages: int = 0,
                  read_page: Callable[[int], list[np.ndarray]] | None = None,
-                 write_page: Callable[[int, list[np.ndarray]], None] | None = None):
+                 write_page: Callable[[int, list[np.ndarray]], None] | None = None, bounded_keep: int = 0,
+                 snapshots: int = 0, take_state: Callable[[int], list[jax.Array]] | None = None,
+                 exact_replay: int | None = None):
         if isinstance(replay, bool) or not isinstance(replay, int) or replay < 0:
             raise ValueError(f"prefix replay must be a non-negative number of tokens, got {replay!r}")
-        self.pages, self.replay = pages, replay
+        if isinstance(bounded_keep, bool) or not isinstance(bounded_keep, int) or bounded_keep < 0:
+            raise ValueError(f"bounded_keep must be a non-negative number of tokens, got {bounded_keep!r}")
+        self.pages, self.replay, self.bounded_keep = pages, replay, bounded_keep
         self.tree = PrefixCache(pages.layout.page_tokens)
         self.host = HostTier(host_pages)
         if host_pages and (read_page is None or write_page is None):
             raise ValueError("a host tier needs read_page and write_page")
         self.read_page, self.write_page = read_page, write_page
+        self.snapshots = SnapshotStore(snapshots)
+        if snapshots and take_state is None:
+            raise ValueError("window-state snapshots need take_state")
+        self.take_state, self.exact_replay = take_state, replay if exact_replay is None else exact_replay
+        self.exact_from: dict[str, int] = {}  # request id -> first position at which its slot state is exact
+        self.restores: dict[str, list[jax.Array]] = {}  # request id -> the snapshot its first chunk starts from
+        self.snapshot_tokens = 0  # prompt tokens snapshots spared from prefill beyond what replay would have
         self.held: dict[str, PrefixMatch] = {}  # request id -> the locked path it uses
         self.inserts: list[Request] = []  # prefills dispatched this round: cached from the next one
         self.replayed_tokens = 0
@@ -106,7 +117,15 @@ class PrefixAdmission:
     # ---- admission ---------------------------------------------------------------------------------------
     def admit(self, request: Request) -> None:
         """A request just given a fresh slot: adopt the pages of its prompt's cached prefix (restoring pages from
-        the host tier where the tree ends) and start its prefill `replay` tokens before the hit's end."""
+        the host tier where the tree ends) and start its prefill from the deepest usable window-state snapshot
+        (`serving.window_snapshots`) or, without one, `replay` tokens before the hit's end.
+
+        A snapshot at boundary b is usable when b is inside the cached prefix and before the prompt's last token
+        and, with bounded replay, b <= P - keep for a prompt of P tokens: the snapshot's replay-layer rings were
+        not computed for this prompt (the request that left it ran its replay layers only on its own last keep
+        tokens), but a cold bounded prefill of this prompt hides every replay-layer key below P - keep anyway,
+        and its P - b >= keep prefilled tokens overwrite those rings and the drafter's context ring. So a
+        snapshot hit is as exact as the exact replay: the numbers of a cold run, up to float reassociation."""
         prompt = request.prompt
         match = self.tree.match(prompt, record=False)
         self.tree.lock(match)  # restoring may evict: never this path
@@ -119,11 +138,36 @@ class PrefixAdmission:
                 self.pages.drop(page)
             match = self.tree.match(prompt, record=False)
             self.tree.lock(match)
+        self.exact_from[request.request_id] = 0
         if not match.tokens:
             return
         self.held[request.request_id] = match
         self.pages.adopt(request.slot, list(match.pages))
-        request.computed = max(0, match.tokens - self.replay)
+        last = len(prompt) - self.bounded_keep if self.bounded_keep else len(prompt) - 1
+        start = max(0, min(match.tokens - self.replay, last))  # bounded: replay layers see the last keep tokens
+        boundary, snapshot = self.snapshots.deepest(prompt, self.tree.block_tokens, min(match.tokens, last), start)
+        if snapshot is not None:
+            self.restores[request.request_id] = snapshot
+            self.snapshot_tokens += boundary - start
+        elif start:
+            self.exact_from[request.request_id] = start + self.exact_replay
+        request.computed = boundary
+
+    def restore(self, request: Request) -> list[jax.Array] | None:
+        """The snapshot the request's first chunk starts from (installed in its slot before that chunk), or None
+        when it prefills from the start or replays."""
+        return self.restores.pop(request.request_id, None)
+
+    def chunk_done(self, request: Request) -> None:
+        """A prefill chunk of `request` was dispatched (its `computed` advanced): snapshot its slot state when the
+        chunk ends on a page boundary and the state there is exact (not inside a replay's inexact stretch)."""
+        end = request.computed
+        if (not self.snapshots.capacity or end % self.tree.block_tokens
+                or end < self.exact_from.get(request.request_id, end + 1)):
+            return
+        key = prefix_key(request.sequence[:end])
+        if self.snapshots.get(key) is None:
+            self.snapshots.put(key, self.take_state(request.slot))
 
     def confirm(self, request: Request) -> None:
         """The request's first chunk is scheduled: count its query in the hit-rate metrics."""
@@ -170,6 +214,11 @@ class PrefixAdmission:
 
     def dropped(self, request: Request) -> None:
         """The request gives up its slot without caching anything (preempted, or admission undone)."""
+        self.exact_from.pop(request.request_id, None)
+        self.restores.pop(request.request_id, None)
+        self._unlock(request)
+
+    def _unlock(self, request: Request) -> None:
         match = self.held.pop(request.request_id, None)
         if match is not None:
             self.tree.unlock(match)
@@ -182,7 +231,7 @@ class PrefixAdmission:
             self.pages.share(page)
         self.pages.freeze(request.slot, blocks)
         if relock and blocks:
-            self.dropped(request)
+            self._unlock(request)
             match = self.tree.match(tokens, record=False)
             self.tree.lock(match)
             self.held[request.request_id] = match
@@ -197,35 +246,43 @@ class PrefixAdmission:
             if not blocks:
                 break
             for prefix, page in blocks:
+                self.snapshots.drop(prefix_key(prefix))
                 if self.host.capacity and self.pages.refs[page] == 1:
                     self.host.put(prefix, self.read_page(page))
                 freed += self.pages.drop(page)
         return freed
 
     def clear(self) -> None:
-        """Drop every unlocked cached block (pages return to the pool; the host tier keeps what it holds)."""
-        for page in self.tree.evict(self.tree.cached_blocks):
+        """Drop every unlocked cached block and its snapshot (pages return to the pool; the host tier keeps what
+        it holds)."""
+        for prefix, page in self.tree.evict_blocks(self.tree.cached_blocks):
+            self.snapshots.drop(prefix_key(prefix))
             self.pages.drop(page)
 
     def metrics(self) -> dict[str, float]:
         """The tree's counters (queries, tokens queried / matched, hit rate, blocks cached / evicted), tokens
-        replayed to rebuild slot state, and the host tier's pages held / stored / restored / dropped."""
-        return {**self.tree.metrics(), "replayed_tokens": self.replayed_tokens,
+        replayed to rebuild slot state, window-state snapshots (hits, tokens they spared from replay, held,
+        their bytes, taken, dropped) and the host tier's pages held / stored / restored / dropped."""
+        store = self.snapshots
+        return {**self.tree.metrics(), "replayed_tokens": self.replayed_tokens, "snapshot_hits": store.hits,
+                "snapshot_tokens": self.snapshot_tokens, "snapshots": len(store.entries),
+                "snapshot_bytes": store.nbytes, "snapshots_taken": store.taken, "snapshots_dropped": store.dropped,
                 "host_pages": len(self.host.pages), "host_stored": self.host.stored,
                 "host_restored": self.host.restored, "host_dropped": self.host.dropped}
 
 
 class DevicePages:
     """What prefix caching does on the engine's device cache, reached as `owner.cache` (the engine replaces it
-    on every step): copy one page's paged leaves to or from numpy (host tier), and start a slot's penalty
-    statistics with the prompt tokens the replay does not feed. Each op is compiled once (`warmup`)."""
+    on every step): copy one page's paged leaves to or from numpy (host tier), copy a slot's per-slot state to
+    or from a device snapshot, and start a slot's penalty statistics with the prompt tokens its prefill does not
+    feed. Each op is compiled once (`warmup`)."""
 
     def __init__(self, owner, max_len: int):
         self.owner, self.max_len = owner, max_len
         self._ops: dict[str, Callable] = {}
 
     def warmup(self) -> None:
-        for name in ("read", "write", "mark"):
+        for name in ("read", "write", "mark", "take", "restore"):
             self._op(name)
 
     def read(self, page: int) -> list[np.ndarray]:
@@ -235,6 +292,14 @@ class DevicePages:
     def write(self, page: int, contents: list[np.ndarray]) -> None:
         """Put `contents` (from `read`) into page `page`."""
         self.owner.cache = self._op("write")(self.owner.cache, np.int32(page), contents)
+
+    def take(self, slot: int) -> list[jax.Array]:
+        """A device copy of the slot's per-slot state (`_slot_leaves`), taken after the steps dispatched so far."""
+        return self._op("take")(self.owner.cache, np.int32(slot))
+
+    def restore(self, slot: int, state: list[jax.Array]) -> None:
+        """Put a snapshot from `take` into slot `slot`."""
+        self.owner.cache = self._op("restore")(self.owner.cache, np.int32(slot), state)
 
     def start_prompt(self, slot: int, tokens: list[int]) -> None:
         """Start the slot's penalty statistics of a request that prefills from mid-prompt (a prefix hit): its
@@ -249,10 +314,12 @@ class DevicePages:
             spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
             scalar = jax.ShapeDtypeStruct((), np.int32)
             paged = [spec(leaf[0]) for leaf in _paged_leaves(cache)]
-            args = {"read": (scalar,), "write": (scalar, paged),
+            per_slot = [spec(leaf[0]) for leaf in _slot_leaves(cache)]
+            args = {"read": (scalar,), "write": (scalar, paged), "take": (scalar,), "restore": (scalar, per_slot),
                     "mark": (scalar, jax.ShapeDtypeStruct((self.max_len,), np.int32), scalar)}[name]
-            fn = {"read": _read_page, "write": _write_page, "mark": _start_prompt}[name]
-            donate = () if name == "read" else (0,)
+            fn = {"read": _read_page, "write": _write_page, "mark": _start_prompt, "take": _take_slot,
+                  "restore": _restore_slot}[name]
+            donate = () if name in ("read", "take") else (0,)
             self._ops[name] = jax.jit(fn, donate_argnums=donate).lower(jax.tree.map(spec, cache), *args).compile()
         return self._ops[name]
 
@@ -261,6 +328,27 @@ def _paged_leaves(cache: dict) -> list[jax.Array]:
     """The page pools of the cache's layers, in tree order."""
     named = jax.tree_util.tree_flatten_with_path(cache["layers"])[0]
     return [leaf for path, leaf in named if getattr(path[-1], "key", None) in PAGED_LEAVES]
+
+
+def _slot_leaves(cache: dict) -> list[jax.Array]:
+    """What a window-state snapshot holds, in tree order: every non-paged layer leaf (window rings, compressor
+    open windows) and the DSpark drafter's context rings, each with its slot axis."""
+    named = jax.tree_util.tree_flatten_with_path(cache["layers"])[0]
+    return [leaf for path, leaf in named if getattr(path[-1], "key", None) not in PAGED_LEAVES] + \
+        jax.tree.leaves(cache.get("drafter", []))
+
+
+def _take_slot(cache: dict, slot):
+    return [leaf[slot] for leaf in _slot_leaves(cache)]
+
+
+def _restore_slot(cache: dict, slot, state):
+    rows = iter(state)
+    put = lambda leaf: leaf.at[slot].set(next(rows))  # noqa: E731
+    layers = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf if getattr(path[-1], "key", None) in PAGED_LEAVES else put(leaf), cache["layers"])
+    return {**cache, "layers": layers, **({"drafter": jax.tree.map(put, cache["drafter"])} if "drafter" in cache
+                                          else {})}
 
 
 def _read_page(cache: dict, page):

@@ -33,6 +33,8 @@ class Row:
     kinds: list[int]
     caps: int = 0  # a decode row: the most drafts it may verify
     frozen: int = 0  # tokens at the sequence start in shared pages (the step writes none of them)
+    prompt_end: int = 0  # a (re)prefill row: where its sequence ends, which bounded replay counts back from
+    restore: object = None  # a prefix hit's window-state snapshot, installed in the slot before the row runs
 
 
 class NeedsFlush(Exception):
@@ -146,8 +148,11 @@ class Scheduler:
         counted = len(request.prompt) + request.counted_outputs
         kinds = [PROMPT if i < len(request.prompt) else COUNTED if i < counted else RECOMPUTED
                  for i in range(start, start + size)]
+        # a jump-forward row (outputs already counted) continues decoding: no replay bound (`serving.step`)
         row = Row(request, sequence[start:start + size], start, False, request.fresh_slot,
-                  start + size == len(sequence), kinds, frozen=self.pages.frozen_tokens(request.slot))
+                  start + size == len(sequence), kinds, frozen=self.pages.frozen_tokens(request.slot),
+                  prompt_end=0 if request.counted_outputs else len(sequence),
+                  restore=self.prefix.restore(request) if self.prefix is not None and request.fresh_slot else None)
         request.fresh_slot = False
         if row.sample and self.prefix is not None:
             self.prefix.prefilled(request)

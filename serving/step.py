@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from model.replay import Replay
 from serving.grammar_mask import ALL_ALLOWED, apply_token_bitmask, bitmask_width
 from serving.kv_cache import CacheLayout, freeze, gather_rows, gather_slots, scatter_rows, thaw
 from serving.sampling import GREEDY_BELOW, SamplingBatch, draw_tokens, processed_logits, token_logprobs
@@ -52,6 +53,7 @@ class StepBatch(NamedTuple):
     bitmask: Int[Array, "r v words"]  # per verify position the allowed tokens, packed (-1: all; constraints)
     draft: Bool[Array, ""]  # a drafter step drafts the next blocks (False: its drafter only absorbs features)
     frozen: Int[Array, " r"]  # tokens at the row's sequence start held in shared pages: never written (prefix cache)
+    prompt_end: Int[Array, " r"]  # bounded replay: where a prefill row's prompt ends (0: none, `model.replay`)
 
 
 # What a token of a row is, for the penalty statistics: prompt tokens join the prompt mask, replayed
@@ -94,7 +96,7 @@ def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=(), v
         engram_rows=tuple(np.zeros((rows, tokens, *shape), np.float32) for shape in engram_shapes),
         caps=z(rows), budget=np.zeros((), np.int32), draft=np.ones((), bool),
         bitmask=np.full((rows, verify_len, bitmask_width(layout.vocab_size)), ALL_ALLOWED, np.int32),
-        frozen=z(rows))
+        frozen=z(rows), prompt_end=z(rows))
 
 
 class DrafterSpec(NamedTuple):
@@ -108,13 +110,14 @@ class DrafterSpec(NamedTuple):
 
 
 def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_top: int, return_logits: bool,
-               drafter: DrafterSpec | None = None):
+               drafter: DrafterSpec | None = None, replay: Replay | None = None):
     """The pure step function `step(weights, cache, batch, verify)` (jit it with the cache donated and `verify`
     static). `weights` is (the target's flat parameter leaves of tree structure `param_tree`, the drafter's
     leaves or []): flattening nnx state on every call costs host time. `empty_layers` is a fresh one-row
     state, `page_tokens` the cache layout's page size. `verify` is the bucket's verify length: 1 for prefill and
     decode buckets (each emitting row samples after its last real position), the row width for verify buckets
-    (a DSpark drafter is required)."""
+    (a DSpark drafter is required). An active `replay` (V4.1) bounds each prefill row's replay layers to the
+    last `replay.keep` tokens before its `prompt_end`."""
 
     def step(weights: tuple, cache: dict, batch: StepBatch, verify_len: int) -> tuple[StepOutput, dict]:
         target_leaves, drafter_leaves = weights
@@ -143,6 +146,10 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
         extra = {"engram_rows": batch.engram_rows} if batch.engram_rows else {}
         if drafter is not None:
             extra["collect"] = drafter.target_layers
+        if replay is not None:  # a row without a prompt end is unbounded, unless it outgrows compact's keep rows
+            unbounded = (batch.prompt_end == 0) & (counts <= replay.keep)
+            extra |= {"replay": replay, "prompt_end": jnp.where(unbounded, 0, jnp.maximum(batch.prompt_end,
+                                                                                        starts + counts))}
         logits, new, *taps = module(tokens, {"pos": starts, "layers": states}, count=counts, **extra)
         pages = min(batch.block_tables.shape[1], (width - 1) // page_tokens + 2)  # a chunk spans at most these
         first = jnp.maximum(starts, batch.frozen) // page_tokens  # shared pages are read-only

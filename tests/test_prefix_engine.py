@@ -1,11 +1,15 @@
-"""Prefix caching in the engine (`serving.prefix_admission`): a hit gives the tokens and logits of a cold run of the
-same prompt (tiny V4 and a 6-layer tiny V4.1, exact replay) while prefilling fewer tokens, concurrent hits share
-pages, eviction and the host-memory tier keep results correct, and every page comes back once the cache is
-cleared.
+"""Prefix caching in the engine (`serving.prefix_admission`, `serving.window_snapshots`): a hit gives the tokens
+and logits of a cold run of the same prompt (tiny V4; a 6-layer tiny V4.1 with bounded replay) while prefilling
+fewer tokens, whether it starts from a window-state snapshot or replays; concurrent hits share pages; eviction,
+the snapshot LRU and the host-memory tier keep results correct; every page comes back once the cache is cleared;
+a hit under speculative decoding gives plain greedy decoding's tokens. The engine's bounded replay (V4.1) gives
+the model's numbers for the same `Replay`.
 
 The reference is the same engine's cold run of each prompt (nothing cached; the cold path itself is checked
-against the model in test_engine). A replay shorter than the exact one must change the logits, so the comparison
-can fail. The tiny V4 engine has test_engine's shapes, so its steps come from the suite's compilation cache."""
+against the model in test_engine), the model's own bounded-replay prefill and decode (`Model.step`), or the
+model's full forwards. A replay shorter than the exact one, and a bounded replay below `exact_keep`, must change
+the logits, so the comparisons can fail. The tiny V4 engine has test_engine's shapes and the speculative one
+test_spec_engine's, so their steps come from the suite's compilation cache."""
 
 import dataclasses
 import types
@@ -13,15 +17,21 @@ import types
 import numpy as np
 import pytest
 
+from model.api import init_model
 from model.config import preset
+from model.dspark import init_drafter
+from model.replay import ENGINE_DEFAULT, Replay, exact_keep, for_engine
 from serving.engine import Engine
 from serving.sampling import SamplingParams
+from serving.window_snapshots import prefix_key
 from tests.helpers import random_model
+from tests.test_dspark import CONFIG as DRAFTER, TARGET as SPEC_TARGET
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 RNG = np.random.default_rng(5)
 V41 = dataclasses.replace(preset("tiny-v41"), num_hidden_layers=6, compress_ratios=(0, 2, 2, 1, 1, 1),
                           kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 5), candidate_source_layer_id=3)
+KEEP = 12  # >= the ring (8) and < exact_keep (15): the bounded replay moves the last logits
 
 
 def prompts(vocab: int, length: int, shared: tuple[int, ...]) -> tuple[list[int], list[list[int]]]:
@@ -49,7 +59,7 @@ def tiny():
 
 
 def fresh(engine) -> None:
-    """Nothing cached (device tree and host tier)."""
+    """Nothing cached (device tree, its snapshots and the host tier)."""
     engine.scheduler.prefix.clear()
     engine.scheduler.prefix.host.pages.clear()
 
@@ -59,11 +69,21 @@ def same(out, ref, atol=1e-4):
     np.testing.assert_allclose(np.stack(out.logits), np.stack(ref.logits), atol=atol, rtol=0)
 
 
+def delta(engine, before: dict) -> dict:
+    """How much each prefix-cache counter (and the prefilled tokens) grew since `before` (`counters`)."""
+    return {k: v - before[k] for k, v in counters(engine).items()}
+
+
+def counters(engine) -> dict:
+    return {**engine.prefix_cache_metrics(), "prefilled": engine.stats["prefill_tokens"]}
+
+
 def test_hits_equal_cold_runs_and_share_pages(tiny):
     engine, prefix, pages = tiny.engine, tiny.engine.scheduler.prefix, tiny.engine.scheduler.pages
     fresh(engine)
     engine.generate([tiny.a], GREEDY)
-    before, prefilled = prefix.metrics(), engine.stats["prefill_tokens"]
+    assert prefix.metrics()["snapshots"] == 3  # A's slot state after its chunks ending at 16, 32 and 48
+    before = counters(engine)
     ids = [engine.add_request(p, GREEDY) for p in (tiny.b, tiny.b2)]
     engine.step()  # both admitted: they adopt A's first 3 pages
     shared = prefix.held[ids[0]].pages
@@ -72,9 +92,13 @@ def test_hits_equal_cold_runs_and_share_pages(tiny):
     results = engine.run()
     for rid, ref in zip(ids, tiny.cold):
         same(results[rid], ref)
-    assert prefix.metrics()["hit_tokens"] - before["hit_tokens"] == 2 * 48
-    replayed = 2 * (58 - 48 + prefix.replay)  # each prefills from 48 - 37 = 11 on
-    assert engine.stats["prefill_tokens"] - prefilled == replayed < 2 * 58
+    grew = delta(engine, before)
+    assert grew["hit_tokens"] == 2 * 48 and grew["snapshot_hits"] == 2
+    assert grew["prefilled"] == 2 * (58 - 48)  # from A's snapshot at 48: nothing replayed
+    prefix.snapshots.entries.clear()  # without a snapshot, the exact replay: from 48 - 37 = 11 on
+    before = counters(engine)
+    same(engine.generate([tiny.b], GREEDY)[0], tiny.cold[0])
+    assert delta(engine, before)["prefilled"] == 58 - 48 + prefix.replay
     exact = prefix.replay
     prefix.replay = engine.layout.ring  # the approximate replay: its windows miss keys, so the logits move
     try:
@@ -82,6 +106,26 @@ def test_hits_equal_cold_runs_and_share_pages(tiny):
     finally:
         prefix.replay = exact
     assert np.abs(np.stack(out.logits) - np.stack(tiny.cold[0].logits)).max() > 1e-3
+
+
+def test_snapshot_lru_and_an_earlier_boundary_keep_results_and_pages(tiny):
+    engine, prefix, pages = tiny.engine, tiny.engine.scheduler.prefix, tiny.engine.scheduler.pages
+    store, capacity = prefix.snapshots, prefix.snapshots.capacity
+    fresh(engine)
+    store.capacity = 2
+    try:
+        before = counters(engine)
+        engine.generate([tiny.a], GREEDY)  # snapshots at 16, 32, 48: the least recently used (16) goes
+        assert list(store.entries) == [prefix_key(tiny.a[:32]), prefix_key(tiny.a[:48])]
+        store.drop(prefix_key(tiny.a[:48]))  # the deepest usable one is now 32: pages 32..48 adopted, recomputed
+        same(engine.generate([tiny.b], GREEDY)[0], tiny.cold[0])
+        grew = delta(engine, before)
+        assert grew["snapshot_hits"] == 1 and grew["prefilled"] == 58 + 58 - 32 and grew["snapshots_dropped"] == 2
+    finally:
+        store.capacity = capacity
+    fresh(engine)
+    assert not store.entries  # dropped with their blocks
+    assert len(pages.free) == engine.layout.num_pages and not any(pages.refs)  # no leaks
 
 
 def test_eviction_and_host_tier_keep_results_and_pages_come_back(tiny):
@@ -92,34 +136,113 @@ def test_eviction_and_host_tier_keep_results_and_pages_come_back(tiny):
     for out, ref in zip(engine.generate(tiny.others, GREEDY), tiny.cold_others):  # they need all 16 pages
         same(out, ref)
     assert prefix.metrics()["evicted_blocks"] - evicted >= 3 and prefix.host.stored >= 3
-    restored, hits = prefix.host.restored, prefix.metrics()["hit_tokens"]
+    assert prefix_key(tiny.a[:48]) not in prefix.snapshots  # gone with A's evicted blocks
+    restored, before = prefix.host.restored, counters(engine)
     same(engine.generate([tiny.b], GREEDY)[0], tiny.cold[0])  # A's evicted pages come back from host memory
-    assert prefix.host.restored - restored == 3 and prefix.metrics()["hit_tokens"] - hits == 48
+    grew = delta(engine, before)
+    assert prefix.host.restored - restored == 3 and grew["hit_tokens"] == 48 and grew["snapshot_hits"] == 0
     prefix.clear()
     assert len(pages.free) == engine.layout.num_pages and not any(pages.refs)  # no leaks
 
 
-def test_v41_hit_equals_cold_run():
-    """V4.1: shared entries and index keys of the KV sources, Engram history rebuilt on the host."""
+@pytest.fixture(scope="module")
+def v41():
+    """A 6-layer tiny V4.1 engine (pages of 16, chunks of 32) with compact bounded replay, keep 12 < exact_keep;
+    A of 150 tokens and B of 138 sharing its first 130 (a hit of 128), B's cold run."""
     model = random_model(V41, seed=3, noise=0.05)
-    engine = Engine(model, max_slots=1, max_len=160, prefill_chunk=32, max_prefill_rows=1, batch_invariant=True,
-                    prefix_cache=True, return_logits=True)
-    assert engine.layout.page_tokens == 64 and engine.scheduler.prefix.replay == 8 + 5 * 7
-    a, (b,) = prompts(V41.vocab_size, 150, (140,))
+    assert exact_keep(V41, V41.sliding_window) == 15 > KEEP
+    engine = Engine(model, max_slots=1, max_len=160, page_tokens=16, prefill_chunk=32, max_prefill_rows=1,
+                    batch_invariant=True, prefix_cache=True, return_logits=True, replay=Replay("compact", KEEP))
+    a = RNG.integers(0, V41.vocab_size, 150).tolist()
+    b = a[:130] + RNG.integers(0, V41.vocab_size, 8).tolist()
     cold = engine.generate([b], GREEDY)[0]
+    return types.SimpleNamespace(engine=engine, model=model, a=a, b=b, cold=cold)
+
+
+def test_v41_engine_bounded_replay_gives_the_models_numbers(v41):
+    """The engine's chunked prefill with per-row prompt ends, then decode, gives `Model.logits` of the prompt and
+    its greedy continuation with the same bounded replay (`mask`: it runs rows past the prompt's end, whose
+    windows lie past the floor, so one forward shows every step); the engine's `mask` gives `compact`'s numbers;
+    a full forward (replay off) moves the logits, since keep < exact_keep."""
+    model, prompt, out = v41.model, v41.b, v41.cold
+    sequence = np.array([prompt + out.token_ids[:-1]])
+    positions = slice(len(prompt) - 1, None)
+    replayed = np.asarray(model.logits(sequence, replay=Replay("mask", KEEP),
+                                       prompt_end=np.array([len(prompt)], np.int32)))[0, positions]
+    same(out, types.SimpleNamespace(token_ids=replayed.argmax(-1).tolist(), logits=list(replayed)))
+    full = np.asarray(model.logits(sequence))[0, positions]
+    assert np.abs(full - replayed).max() > 1e-3
+    masked = Engine(model, max_slots=1, max_len=160, page_tokens=16, prefill_chunk=32, max_prefill_rows=1,
+                    batch_invariant=True, return_logits=True, replay=Replay("mask", KEEP))
+    same(masked.generate([prompt], GREEDY)[0], out, atol=1e-5)
+
+
+def test_v41_snapshot_hit_equals_cold_run(v41):
+    """Bounded replay: a snapshot at b is usable only for b <= P - keep = 126, so B starts from A's snapshot at 96
+    (the one at 128 lacks B's replay-layer keys 126, 127), not replaying."""
+    engine = v41.engine
     fresh(engine)
-    engine.generate([a], GREEDY)
-    prefilled = engine.stats["prefill_tokens"]
-    same(engine.generate([b], GREEDY)[0], cold)
-    assert engine.stats["prefill_tokens"] - prefilled == 150 - 128 + 43
+    engine.generate([v41.a], GREEDY)
+    before = counters(engine)
+    same(engine.generate([v41.b], GREEDY)[0], v41.cold)
+    grew = delta(engine, before)
+    assert grew["hit_tokens"] == 128 and grew["snapshot_hits"] == 1 and grew["prefilled"] == 138 - 96
+    prefix = engine.scheduler.prefix
+    prefix.bounded_keep = 0  # without the rule B would start from A's snapshot at 128, and its logits move
+    try:
+        before = counters(engine)
+        out = engine.generate([v41.b], GREEDY)[0]
+    finally:
+        prefix.bounded_keep = KEEP
+    assert delta(engine, before)["prefilled"] == 138 - 128
+    assert np.abs(np.stack(out.logits) - np.stack(v41.cold.logits)).max() > 1e-3
+
+
+def test_prefix_hit_under_speculation_equals_plain_greedy():
+    """A hit restores the drafter's context ring with the windows: fixed speculation (greedy) then emits the
+    tokens of a cold run, which test_spec_engine checks against plain greedy decoding (same engine shapes)."""
+    model = init_model(SPEC_TARGET, seed=0)
+    model.drafter = init_drafter(SPEC_TARGET, DRAFTER, seed=1)
+    engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
+                    speculation="fixed", zero_overhead=True, verify_widths=(2, 4), num_drafts=3)
+    a = RNG.integers(0, SPEC_TARGET.vocab_size, 40).tolist()
+    b = a[:36] + RNG.integers(0, SPEC_TARGET.vocab_size, 4).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    cold = engine.generate([b], params)[0]
+    fresh(engine)
+    engine.generate([a], params)
+    before = counters(engine)
+    assert engine.generate([b], params)[0].token_ids == cold.token_ids
+    assert delta(engine, before)["snapshot_hits"] == 1 and engine.speculation_metrics()["accepted_per_step"] > 0
 
 
 def test_default_and_validation(tiny):
     model = tiny.model
-    assert Engine(model, max_slots=1, max_len=64).scheduler.prefix is not None  # on by default
+    engine = Engine(model, max_slots=1, max_len=64)
+    assert engine.scheduler.prefix is not None and engine.scheduler.prefix.snapshots.capacity == 8  # on by default
+    assert engine.replay is None  # V4: no replay layers
     assert Engine(model, max_slots=1, max_len=64, batch_invariant=True).scheduler.prefix is None
     with pytest.raises(ValueError, match="prefix_replay must be an integer >= the window ring"):
         Engine(model, max_slots=1, max_len=64, prefix_replay=tiny.engine.layout.ring - 1)
     with pytest.raises(ValueError, match="need prefix_cache=True"):
         Engine(model, max_slots=1, max_len=64, prefix_cache=False, host_pages=4)
+    with pytest.raises(ValueError, match="prefix_snapshots must be a non-negative integer"):
+        Engine(model, max_slots=1, max_len=64, prefix_snapshots=-1)
+    with pytest.raises(ValueError, match="needs a causal encoder-decoder"):
+        Engine(model, max_slots=1, max_len=64, replay=Replay("compact"))
     assert tiny.engine.prefix_cache_metrics()["hit_rate"] > 0
+
+
+def test_engine_replay_validation(v41):
+    model = v41.model
+    assert Engine(model, max_slots=1, max_len=64).replay == Replay("compact", 140)  # V4.1's default
+    assert Engine(model, max_slots=1, max_len=64, replay=None).replay is None
+    with pytest.raises(ValueError, match=r"keep=9 must be >= window \+ backtracking = 8 \+ 2 = 10"):
+        Engine(model, max_slots=1, max_len=64, backtrack=2, replay=Replay("mask", 9))
+    with pytest.raises(ValueError, match="replay must be a model.replay.Replay or None"):
+        Engine(model, max_slots=1, max_len=64, replay="compact")
+    # a DSpark drafter reading a replay layer (4, 5 here) needs keep >= its context ring
+    assert for_engine(V41, Replay("compact", 11), ring=10, drafter_ring=13, tapped=(1, 3)) == Replay("compact", 11)
+    with pytest.raises(ValueError, match=r"keep=11 must cover the DSpark drafter's context ring \(13 positions\)"):
+        for_engine(V41, Replay("compact", 11), ring=10, drafter_ring=13, tapped=(3, 5))
+    assert for_engine(V41, ENGINE_DEFAULT, ring=10, drafter_ring=150, tapped=(5,)) == Replay("compact", 150)
