@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -189,7 +190,8 @@ def decode_step_ms(new_tokens: int) -> float:
     return (run(2 * new_tokens) - run(new_tokens)) / new_tokens * 1e3
 
 
-def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, speculation: str, close: bool) -> dict:
+def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, speculation: str, close: bool,
+                    repeats: int) -> dict:
     """The engine's mask work per step and its end-to-end slowdown at batch 16 (see the module docstring)."""
     from model import load_model
     from serving.engine import Engine
@@ -224,17 +226,22 @@ def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, specula
     same = [SamplingParams(temperature=1.0, max_tokens=len(o.token_ids), seed=i, ignore_eos=True)
             for i, o in enumerate(outputs)]
     run(same, [None] * requests)
-    spent.clear()
-    _, constrained_s, steps = run(sampled, specs)
-    mask_s = sum(spent)
-    _, free_s, free_steps = run(same, [None] * requests)
+    rounds = []
+    for _ in range(repeats):  # constrained and unconstrained alternate, so load drifts hit both alike
+        spent.clear()
+        _, constrained_s, steps = run(sampled, specs)
+        mask_s = sum(spent)
+        _, free_s, free_steps = run(same, [None] * requests)
+        rounds.append({"step_ms": constrained_s / steps * 1e3, "free_step_ms": free_s / free_steps * 1e3,
+                       "mask_ms_per_step": mask_s / steps * 1e3, "mask_fraction": mask_s / constrained_s,
+                       "slowdown": constrained_s / free_s - 1, "steps": steps, "free_steps": free_steps})
+    median = {k: round(float(np.median([r[k] for r in rounds])), 4) for k in rounds[0]}
     return {"engine_speculation": speculation, "engine_close": close, "engine_requests": requests,
-            "engine_tokens": sum(len(o.token_ids) for o in outputs), "engine_steps": steps,
-            "engine_free_steps": free_steps, "engine_step_ms": round(constrained_s / steps * 1e3, 3),
-            "engine_free_step_ms": round(free_s / free_steps * 1e3, 3),
-            "engine_mask_ms_per_step": round(mask_s / steps * 1e3, 3),
-            "engine_mask_fraction": round(mask_s / constrained_s, 4),
-            "engine_slowdown": round(constrained_s / free_s - 1, 4)}
+            "engine_tokens": sum(len(o.token_ids) for o in outputs), "engine_repeats": repeats,
+            "engine_mask_fill": {None: "timing", True: "serial", False: "pool"}[engine._executor.serial],
+            **{f"engine_{k}": v for k, v in median.items()},
+            "engine_mask_fraction_runs": [round(r["mask_fraction"], 4) for r in rounds],
+            "engine_slowdown_runs": [round(r["slowdown"], 4) for r in rounds]}
 
 
 def main() -> None:
@@ -251,7 +258,10 @@ def main() -> None:
     p.add_argument("--engine-tokens", type=int, default=96, help="--engine: max_tokens per request")
     p.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none", help="--engine")
     p.add_argument("--no-close", action="store_true", help="--engine: close mode off")
+    p.add_argument("--repeats", type=int, default=5, help="--engine: constrained / unconstrained rounds (medians)")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
 
     tokenizer, vocab, eos = load_tokenizer(args.vocab)
     t = time.perf_counter()
@@ -268,7 +278,8 @@ def main() -> None:
     paths = [(c, sample_path(c, bias, rng)) for _ in range(4) for c in compiled]
     words, executor = bitmask_width(vocab), llg.LLExecutor(args.threads)
     log("timing")
-    result = {"benchmark": "bench_grammar", "vocab": vocab, "batch": args.batch, "steps": args.steps,
+    result = {"benchmark": "bench_grammar", "load_average_start": round(os.getloadavg()[0], 2), "vocab": vocab,
+              "batch": args.batch, "steps": args.steps,
               "threads": args.threads, "llguidance": llg.__version__, "backend": jax.default_backend(),
               "tokenizer_ms": round(tokenizer_ms, 1), "compile_ms_median": round(statistics.median(compile_ms), 2),
               "compile_ms_max": round(max(compile_ms), 2),
@@ -284,7 +295,8 @@ def main() -> None:
     if args.engine:
         log("running constrained requests in the engine")
         result.update(engine_overhead(list(schemas.values()), args.requests, args.engine_tokens, args.speculation,
-                                      not args.no_close))
+                                      not args.no_close, args.repeats))
+    result["load_average_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result))
 
 

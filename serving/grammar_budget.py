@@ -196,6 +196,19 @@ def closing_path(matcher: llg.LLMatcher, table: TokenBytes, max_bytes: int = 256
             matcher.rollback(taken_total)
 
 
+def reconnect(matcher: llg.LLMatcher, table: TokenBytes, closing: Closing, eos: int) -> Closing | None:
+    """`closing` (a path found from an earlier state) if it still completes the matcher's output (`eos`: an
+    end-of-sequence id the matcher allows where its output is complete), else None. After the model leaves a
+    closing path with a token that does not change what closes the output (one more letter of a string, one
+    more digit), the old path still completes it: one validation of its bytes and an EOS, without consuming
+    them, instead of a search. Whether an EOS must follow is kept from the old path (it moves the path's token
+    count by one, and the grammar's own mask decides at its end)."""
+    tokens = [int(table.byte_token[b]) for b in closing.path]
+    if tokens and min(tokens) < 0:
+        return None
+    return closing if matcher.validate_tokens(tokens + [eos]) == len(tokens) + 1 else None
+
+
 def _expand(matcher: llg.LLMatcher, table: TokenBytes, room: int, seen: dict[int, int], max_repeats: int
             ) -> list | None:
     """The search level of the matcher's state: a forced run taken at once ([[], bytes, None, tokens]), or the

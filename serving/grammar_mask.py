@@ -13,6 +13,7 @@ verifier accepted. `fill_masks` / `speculate_masks` do a batch, computing the ma
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from serving.constraints import CompiledConstraint
-from serving.grammar_budget import ClosePolicy, Closing, closing_path
+from serving.grammar_budget import ClosePolicy, Closing, closing_path, reconnect
 
 ALL_ALLOWED = -1  # a mask word with every bit set
 
@@ -94,6 +95,7 @@ class RequestGrammar:
         self._consumed = 0  # tokens the matcher has taken (committed and tentative)
         self._closing: tuple[int, Closing | None] | None = None  # (at `_consumed`, closing path) last computed
         self._searched: tuple[int, int | None] | None = None  # (tokens left, closing tokens) at the last search
+        self._candidate: Closing | None = None  # the last closing path known: tried again before a new search
         self.eos_ids = constraint.eos_ids
         self.words = bitmask_width(constraint.vocab_size)
         self.trigger = trigger
@@ -148,8 +150,10 @@ class RequestGrammar:
         if self._closing is None or self._closing[0] != self._consumed:
             if not self.close.search_due(left, self._searched):
                 return
-            found = closing_path(self.matcher, self.token_bytes, self.close.max_bytes, self.close.max_nodes)
-            self._closing = (self._consumed, found)
+            found = self._candidate and reconnect(self.matcher, self.token_bytes, self._candidate, self.eos_ids[0])
+            if found is None:
+                found = closing_path(self.matcher, self.token_bytes, self.close.max_bytes, self.close.max_nodes)
+            self._closing, self._candidate = (self._consumed, found), found
             self._searched = (left, None if found is None else found.tokens)
         closing = self._closing[1]
         if closing is None or left > closing.tokens + self.close.margin:
@@ -245,6 +249,7 @@ class RequestGrammar:
         if self._closing is not None and self._closing[0] == self._consumed and self._closing[1] is not None:
             rest = self._closing[1].after(self.token_bytes.of_token[token])
             self._closing = None if rest is None else (self._consumed + 1, rest)
+            self._candidate = rest or self._candidate  # leaving the path: the path from before, to reconnect
         self._consumed += 1
 
     def _rollback(self, n: int) -> None:
@@ -279,10 +284,39 @@ class RequestGrammar:
             _only(self.eos_ids, row)
 
 
+class MaskFill:
+    """Computes a batch's grammar masks in the calling thread or on llguidance's thread pool, whichever is
+    faster here. Both give the same masks; which is faster depends on the machine (the pool pays with idle cores
+    and masks costly enough for the hand-off: a large vocabulary; on a busy CPU, or beside the compiled step's
+    own threads, waking the pool costs more than a small mask). The first `trials` batches alternate the two and
+    time them per row; the faster median is kept from then on (`serial`: True, False, or None while timing)."""
+
+    def __init__(self, executor: llg.LLExecutor, trials: int = 16):
+        if trials < 2:
+            raise ValueError(f"trials must be >= 2 (one batch each way), got {trials}")
+        self.executor, self.trials = executor, trials
+        self.serial: bool | None = None
+        self._seconds: tuple[list[float], list[float]] = ([], [])  # per row: pool, serial
+
+    def __call__(self, rows: list[tuple[llg.LLMatcher, int]], masks: Int[np.ndarray, "r words"]) -> None:
+        """Write matcher k's mask into `masks[row_k]`, for each (matcher, row_k) in `rows`."""
+        serial = self.serial if self.serial is not None else len(self._seconds[1]) < len(self._seconds[0])
+        start = time.perf_counter()
+        if serial:
+            for matcher, i in rows:
+                matcher.unsafe_compute_mask_ptr(masks[i].ctypes.data, masks[i].nbytes)
+        else:
+            self.executor.unsafe_compute_mask_ptr(rows, masks.ctypes.data, masks[0].nbytes, masks.shape[0])
+        if self.serial is None:
+            self._seconds[serial].append((time.perf_counter() - start) / len(rows))
+            if len(self._seconds[0]) + len(self._seconds[1]) >= self.trials:
+                self.serial = bool(np.median(self._seconds[1]) < np.median(self._seconds[0]))
+
+
 def fill_masks(grammars: Sequence[RequestGrammar | None], masks: Int[np.ndarray, "r words"],
-               executor: llg.LLExecutor) -> None:
+               executor: llg.LLExecutor | MaskFill) -> None:
     """Fill one mask row per batch row: row i from `grammars[i]` (None: unconstrained, all allowed; rows past
-    the list too). Active matchers run in parallel on `executor`."""
+    the list too). Active matchers run in parallel on `executor`, or as a `MaskFill` chooses."""
     _check_batch(masks, len(grammars))
     masks[len(grammars):] = ALL_ALLOWED
     parallel = []
@@ -295,7 +329,10 @@ def fill_masks(grammars: Sequence[RequestGrammar | None], masks: Int[np.ndarray,
         else:
             g.fill(masks[i])
     if parallel:
-        executor.unsafe_compute_mask_ptr(parallel, masks.ctypes.data, masks[0].nbytes, masks.shape[0])
+        if isinstance(executor, MaskFill):
+            executor(parallel, masks)
+        else:
+            executor.unsafe_compute_mask_ptr(parallel, masks.ctypes.data, masks[0].nbytes, masks.shape[0])
         for _, i in parallel:
             g = grammars[i]
             g._check_filled(masks[i])
