@@ -65,6 +65,9 @@ class _Taken:
     activated: bool
 
 
+_CONSUMED, _ACTIVATED, _PASSED = _Taken(True, False), _Taken(False, True), _Taken(False, False)
+
+
 class RequestGrammar:
     """One request's constraint while it decodes.
 
@@ -232,17 +235,17 @@ class RequestGrammar:
         if not self.active:
             if t == self.trigger:
                 self.active = True
-                return _Taken(consumed=False, activated=True)
-            return _Taken(consumed=False, activated=False)
+                return _ACTIVATED
+            return _PASSED
         if t in self.eos_ids:
             if not (self.matcher.is_stopped() or self.matcher.is_accepting()):
                 return None
             self.ended = True  # EOS is not fed to the matcher: the output ends here
-            return _Taken(consumed=False, activated=False)
+            return _PASSED
         if self.matcher.try_consume_tokens([t]) != 1:
             return None
         self._consumed_one(t)
-        return _Taken(consumed=True, activated=False)
+        return _CONSUMED
 
     def _consumed_one(self, token: int) -> None:
         """Count a token the matcher took; a known closing path carries over when the token follows it."""
@@ -261,11 +264,11 @@ class RequestGrammar:
     def _take_active(self, drafts: list[int]) -> list[_Taken]:
         """`_take` over drafts up to the first refused one, for an active constraint: one matcher call."""
         end = next((j for j, t in enumerate(drafts) if t in self.eos_ids), len(drafts))
-        taken = [_Taken(consumed=True, activated=False)] * self.matcher.try_consume_tokens(drafts[:end])
+        taken = [_CONSUMED] * self.matcher.try_consume_tokens(drafts[:end])
         self._consumed += len(taken)
         self._closing = None
         if len(taken) == end < len(drafts) and self._take(drafts[end]) is not None:
-            taken.append(_Taken(consumed=False, activated=False))
+            taken.append(_PASSED)
         return taken
 
     def _check_settled(self) -> None:
@@ -303,8 +306,9 @@ class MaskFill:
         serial = self.serial if self.serial is not None else len(self._seconds[1]) < len(self._seconds[0])
         start = time.perf_counter()
         if serial:
+            base, nbytes = masks.ctypes.data, masks[0].nbytes  # rows of a C-contiguous array
             for matcher, i in rows:
-                matcher.unsafe_compute_mask_ptr(masks[i].ctypes.data, masks[i].nbytes)
+                matcher.unsafe_compute_mask_ptr(base + i * nbytes, nbytes)
         else:
             self.executor.unsafe_compute_mask_ptr(rows, masks.ctypes.data, masks[0].nbytes, masks.shape[0])
         if self.serial is None:
@@ -333,10 +337,12 @@ def fill_masks(grammars: Sequence[RequestGrammar | None], masks: Int[np.ndarray,
             executor(parallel, masks)
         else:
             executor.unsafe_compute_mask_ptr(parallel, masks.ctypes.data, masks[0].nbytes, masks.shape[0])
-        for _, i in parallel:
+        empty = ~masks.any(axis=1)
+        for matcher, i in parallel:
             g = grammars[i]
-            g._check_filled(masks[i])
-            if g.error is None and g.closing_due():
+            if empty[i] or matcher.is_error():
+                g._check_filled(masks[i])
+            elif g.closing_due():
                 g._close(masks[i], g.max_tokens - g.emitted)
 
 
