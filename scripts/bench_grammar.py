@@ -27,12 +27,16 @@ next. The engine fills a constrained batch's masks after reading the previous st
 before it), so this host time adds to the step.
 
 `--engine` measures it end to end: the bundled model's engine at batch 16 (`--speculation`) runs `--requests`
-JSON-Schema requests (sampled, the schemas round robin, `--engine-tokens` at most each; a first round of both runs warms up), timing the engine's own
-mask work per step (filling the step's masks, close mode's closing-path searches in each request's last tokens
-(on, the engine's default), advancing the matchers over the tokens read): `engine_mask_ms_*`
-and `engine_mask_fraction` of the mean step time. Then the same prompts run unconstrained, each with
-max_tokens = its constrained output's length and EOS ignored (the same tokens per request, so the same batches):
-`engine_slowdown` = constrained / unconstrained wall time - 1, which also counts the device-side mask.
+JSON-Schema requests (sampled, the schemas round robin, `--engine-tokens` at most each; a first round of both
+runs warms up), timing the engine's own mask work per step (filling the step's masks, close mode's closing-path
+checks in each request's last tokens (on, the engine's default), advancing the matchers over the tokens read):
+`engine_mask_ms_per_step` and `engine_mask_fraction` of the constrained wall time. Then the same prompts run
+unconstrained, each with max_tokens = its constrained output's length and EOS ignored (the same tokens per
+request, so the same batches): `engine_slowdown` = constrained / unconstrained wall time - 1, which also counts
+the device-side mask. `--repeats` rounds of the two alternate; the figures are medians, with each round's
+fraction and slowdown listed (`*_runs`), the load average at the start and end, and how the engine's
+`MaskFill` fills masks (`engine_mask_fill`: serial or pool). On a shared CPU the slowdown is far noisier than
+the mask fraction (the two runs of a round see different load).
 """
 
 from __future__ import annotations

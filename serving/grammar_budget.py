@@ -12,7 +12,10 @@ enough tokens for the rest of it (the model still picks among them), or the EOS 
 complete within the limit whenever the path fits in it.
 
 Outputs that end with more than `window` tokens to spare are never touched. Within the window the path is
-searched every step near the point where closing starts, and every few tokens before it (`ClosePolicy.watch`).
+checked every step near the point where closing starts, and every few tokens before it (`ClosePolicy.watch`).
+While the model follows the path it carries over; once a token leaves it, the check first tries the old path from
+the new state (`reconnect`, one `validate_tokens` call: another letter of a string or digit of a number leaves the
+closing unchanged) and searches anew only when that fails.
 A single sampled token that lengthens the shortest completion by more than `margin` tokens just before the
 closing starts (opening a structure with many required fields) can still leave too little; a larger `margin`
 trades the model's freedom at the end for that safety. When the search finds no completion within its node

@@ -6,7 +6,8 @@ A mask row is int32 `[W]`, W = ceil(V / 32): token i is allowed when bit `i % 32
 offers grammar-forced tokens (jump-forward), holds the constraint off until a trigger token (the end of a
 reasoning block), closes the output before its token limit (`serving.grammar_budget`), and for speculative
 decoding fills one mask per verify position while tentatively taking the drafts, then settles on the number the
-verifier accepted. `fill_masks` / `speculate_masks` do a batch, computing the masks on llguidance's thread pool.
+verifier accepted. `fill_masks` / `speculate_masks` do a batch: the masks computed on llguidance's thread pool,
+or for plain decoding as `MaskFill` finds faster (in the calling thread on a small or busy CPU).
 `apply_token_bitmask` is the device side: pure jnp, for the jitted sampler.
 """
 
