@@ -467,7 +467,7 @@ class Engine:
         if verify_len == 1:
             fill_masks(grammars, masks.reshape(num_rows, words), self._executor)
         else:
-            speculate_masks(grammars, [row.request.drafts[:row.caps] for row in rows], masks, self._executor.executor)
+            speculate_masks(grammars, [row.request.drafts[:row.caps] for row in rows], masks, self._executor)
         self.stats["grammar_seconds"] += time.perf_counter() - start
         return masks
 

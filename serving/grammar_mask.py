@@ -348,12 +348,13 @@ def fill_masks(grammars: Sequence[RequestGrammar | None], masks: Int[np.ndarray,
 
 
 def speculate_masks(grammars: Sequence[RequestGrammar | None], drafts: Sequence[Sequence[int]],
-                    masks: Int[np.ndarray, "r v words"], executor: llg.LLExecutor) -> list[int]:
+                    masks: Int[np.ndarray, "r v words"], executor: llg.LLExecutor | MaskFill) -> list[int]:
     """`RequestGrammar.speculate` for a batch of verify rows: row i's v masks from `grammars[i]` and its
     drafts (None: all allowed). Returns the drafts each row's constraint allows (len(drafts[i]) for an
     unconstrained row). Active matchers compute their masks in parallel on `executor`; a row whose constraint
-    is not yet active (its drafts may cross the trigger) goes token by token."""
+    is not yet active (its drafts may cross the trigger) goes token by token (a `MaskFill`: on its pool)."""
     _check_batch(masks, len(grammars))
+    executor = executor.executor if isinstance(executor, MaskFill) else executor
     if len(drafts) != len(grammars):
         raise ValueError(f"{len(grammars)} grammars but {len(drafts)} draft lists")
     rows, verify, words = masks.shape
