@@ -231,14 +231,18 @@ def _expand(matcher: llg.LLMatcher, table: TokenBytes, room: int, seen: dict[int
     ok = np.flatnonzero((mask[table.search_tokens >> 3] >> (table.search_tokens & 7)) & 1)
     if not len(ok):
         return None
-    classes = table.search_class[ok]
-    _, first = np.unique(classes, return_index=True)
-    _, last = np.unique(classes[::-1], return_index=True)
     # per class its first allowed byte, then its last (a loop on the first, '0.000...', may end on another);
-    # a state seen before on the path starts from a later ranked class (a loop of spaces or of ',000' groups ends)
-    pairs = np.stack([ok[first], ok[len(ok) - 1 - last]], axis=1)
-    ranked = int((np.unique(classes) < len(_RANKED_CLASSES)).sum())  # every other byte stays last
+    # a state seen before on the path starts from a later ranked class (a loop of spaces or of ',000' groups ends).
+    # Plain lists: a few dozen bytes, where numpy's per-call cost would dominate.
+    pairs: list[list[int]] = []
+    for i, cls in zip(ok.tolist(), table.search_class[ok].tolist()):  # classes ascend: search bytes are ranked
+        if pairs and pairs[-1][2] == cls:
+            pairs[-1][1] = i
+        else:
+            pairs.append([i, i, cls])
+    ranked = sum(cls < len(_RANKED_CLASSES) for _, _, cls in pairs)  # every other byte stays last
     if ranked:
-        pairs[:ranked] = np.roll(pairs[:ranked], -(seen.get(signature, 0) % ranked), axis=0)
+        k = seen.get(signature, 0) % ranked
+        pairs[:ranked] = pairs[k:ranked] + pairs[:k]
     seen[signature] = seen.get(signature, 0) + 1
-    return [list(dict.fromkeys(pairs.ravel().tolist()))[::-1], 0, signature, None]
+    return [list(dict.fromkeys(i for first, last, _ in pairs for i in (first, last)))[::-1], 0, signature, None]
