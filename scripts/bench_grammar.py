@@ -28,15 +28,16 @@ before it), so this host time adds to the step.
 
 `--engine` measures it end to end: the bundled model's engine at batch 16 (`--speculation`) runs `--requests`
 JSON-Schema requests (sampled, the schemas round robin, `--engine-tokens` at most each; a first round of both
-runs warms up), timing the engine's own mask work per step (filling the step's masks, close mode's closing-path
-checks in each request's last tokens (on, the engine's default), advancing the matchers over the tokens read):
-`engine_mask_ms_per_step` and `engine_mask_fraction` of the constrained wall time. Then the same prompts run
-unconstrained, each with max_tokens = its constrained output's length and EOS ignored (the same tokens per
-request, so the same batches): `engine_slowdown` = constrained / unconstrained wall time - 1, which also counts
-the device-side mask. `--repeats` rounds of the two alternate; the figures are medians, with each round's
-fraction and slowdown listed (`*_runs`), the load average at the start and end, and how the engine's
-`MaskFill` fills masks (`engine_mask_fill`: serial or pool). On a shared CPU the slowdown is far noisier than
-the mask fraction (the two runs of a round see different load).
+runs warms up), timing the engine's own grammar work per step: filling the step's masks, with close mode's
+closing-path checks in each request's last tokens (on, the engine's default), `engine_fill_ms_per_step`;
+advancing the matchers over the tokens read, `engine_commit_ms_per_step`; their sum `engine_mask_ms_per_step`
+and its share of the constrained wall time, `engine_mask_fraction`. Then the same prompts run unconstrained,
+each with max_tokens = its constrained output's length and EOS ignored (the same tokens per request, so the
+same batches): `engine_slowdown` = constrained / unconstrained wall time - 1, which also counts the device-side
+mask. `--repeats` rounds of the two alternate; the figures are medians, with each round's fraction and slowdown
+listed (`*_runs`), the load average at the start and end, and how the engine's `MaskFill` fills masks
+(`engine_mask_fill`: serial or pool). On a shared CPU the slowdown is far noisier than the mask fraction (the
+two runs of a round see different load).
 """
 
 from __future__ import annotations
@@ -204,18 +205,18 @@ def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, specula
     engine = Engine(m, max_slots=16, max_len=64 + max_tokens, prefill_chunk=32, speculation=speculation,
                     **({} if close else {"constraint_close": None}))
     engine.warmup()
-    spent = []
+    spent = {"fill": [], "commit": []}
 
-    def timed(fn):
+    def timed(fn, kind):
         def wrapper(*a, **k):
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                spent.append(time.perf_counter() - t)
+                spent[kind].append(time.perf_counter() - t)
         return wrapper
 
-    engine._bitmask, engine._advance_grammar = timed(engine._bitmask), timed(engine._advance_grammar)
+    engine._bitmask, engine._advance_grammar = timed(engine._bitmask, "fill"), timed(engine._advance_grammar, "commit")
     prompts = [m.tokenizer.encode(f"Enter the {i}th messenger.") for i in range(requests)]
 
     def run(params, constraints):
@@ -232,12 +233,14 @@ def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, specula
     run(same, [None] * requests)
     rounds = []
     for _ in range(repeats):  # constrained and unconstrained alternate, so load drifts hit both alike
-        spent.clear()
+        spent["fill"].clear(), spent["commit"].clear()
         _, constrained_s, steps = run(sampled, specs)
-        mask_s = sum(spent)
+        fill_s, commit_s = sum(spent["fill"]), sum(spent["commit"])
+        mask_s = fill_s + commit_s
         _, free_s, free_steps = run(same, [None] * requests)
         rounds.append({"step_ms": constrained_s / steps * 1e3, "free_step_ms": free_s / free_steps * 1e3,
-                       "mask_ms_per_step": mask_s / steps * 1e3, "mask_fraction": mask_s / constrained_s,
+                       "mask_ms_per_step": mask_s / steps * 1e3, "fill_ms_per_step": fill_s / steps * 1e3,
+                       "commit_ms_per_step": commit_s / steps * 1e3, "mask_fraction": mask_s / constrained_s,
                        "slowdown": constrained_s / free_s - 1, "steps": steps, "free_steps": free_steps})
     median = {k: round(float(np.median([r[k] for r in rounds])), 4) for k in rounds[0]}
     return {"engine_speculation": speculation, "engine_close": close, "engine_requests": requests,
