@@ -291,9 +291,9 @@ class RequestGrammar:
 class MaskFill:
     """Computes a batch's grammar masks in the calling thread or on llguidance's thread pool, whichever is
     faster here. Both give the same masks; which is faster depends on the machine (the pool pays with idle cores
-    and masks costly enough for the hand-off: a large vocabulary; on a busy CPU, or beside the compiled step's
-    own threads, waking the pool costs more than a small mask). The first `trials` batches alternate the two and
-    time them per row; the faster median is kept from then on (`serial`: True, False, or None while timing)."""
+    and masks costly enough for the hand-off, as with a large vocabulary; on a busy CPU waking the pool costs
+    more than a small mask). The first `trials` batches alternate the two and time them per row; the faster
+    median is kept from then on (`serial`: True, False, or None while timing)."""
 
     def __init__(self, executor: llg.LLExecutor, trials: int = 16):
         if trials < 2:
