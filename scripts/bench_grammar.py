@@ -27,18 +27,24 @@ next. The engine fills a constrained batch's masks after reading the previous st
 before it), so this host time adds to the step.
 
 `--engine` measures it end to end: the bundled model's engine at batch 16 (`--speculation`) runs `--requests`
-JSON-Schema requests (sampled, the schemas round robin, `--engine-tokens` at most each; a first round of both runs warms up), timing the engine's own
-mask work per step (filling the step's masks, close mode's closing-path searches in each request's last tokens
-(on, the engine's default), advancing the matchers over the tokens read): `engine_mask_ms_*`
-and `engine_mask_fraction` of the mean step time. Then the same prompts run unconstrained, each with
-max_tokens = its constrained output's length and EOS ignored (the same tokens per request, so the same batches):
-`engine_slowdown` = constrained / unconstrained wall time - 1, which also counts the device-side mask.
+JSON-Schema requests (sampled, the schemas round robin, `--engine-tokens` at most each; a first round of both
+runs warms up), timing the engine's own grammar work per step: filling the step's masks, with close mode's
+closing-path checks in each request's last tokens (on, the engine's default), `engine_fill_ms_per_step`;
+advancing the matchers over the tokens read, `engine_commit_ms_per_step`; their sum `engine_mask_ms_per_step`
+and its share of the constrained wall time, `engine_mask_fraction`. Then the same prompts run unconstrained,
+each with max_tokens = its constrained output's length and EOS ignored (the same tokens per request, so the
+same batches): `engine_slowdown` = constrained / unconstrained wall time - 1, which also counts the device-side
+mask. `--repeats` rounds of the two alternate; the figures are medians, with each round's fraction and slowdown
+listed (`*_runs`), the load average at the start and end, and how the engine's `MaskFill` fills masks
+(`engine_mask_fill`: serial or pool). On a shared CPU the slowdown is far noisier than the mask fraction (the
+two runs of a round see different load).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -189,7 +195,8 @@ def decode_step_ms(new_tokens: int) -> float:
     return (run(2 * new_tokens) - run(new_tokens)) / new_tokens * 1e3
 
 
-def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, speculation: str, close: bool) -> dict:
+def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, speculation: str, close: bool,
+                    repeats: int) -> dict:
     """The engine's mask work per step and its end-to-end slowdown at batch 16 (see the module docstring)."""
     from model import load_model
     from serving.engine import Engine
@@ -198,18 +205,18 @@ def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, specula
     engine = Engine(m, max_slots=16, max_len=64 + max_tokens, prefill_chunk=32, speculation=speculation,
                     **({} if close else {"constraint_close": None}))
     engine.warmup()
-    spent = []
+    spent = {"fill": [], "commit": []}
 
-    def timed(fn):
+    def timed(fn, kind):
         def wrapper(*a, **k):
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                spent.append(time.perf_counter() - t)
+                spent[kind].append(time.perf_counter() - t)
         return wrapper
 
-    engine._bitmask, engine._advance_grammar = timed(engine._bitmask), timed(engine._advance_grammar)
+    engine._bitmask, engine._advance_grammar = timed(engine._bitmask, "fill"), timed(engine._advance_grammar, "commit")
     prompts = [m.tokenizer.encode(f"Enter the {i}th messenger.") for i in range(requests)]
 
     def run(params, constraints):
@@ -224,17 +231,24 @@ def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, specula
     same = [SamplingParams(temperature=1.0, max_tokens=len(o.token_ids), seed=i, ignore_eos=True)
             for i, o in enumerate(outputs)]
     run(same, [None] * requests)
-    spent.clear()
-    _, constrained_s, steps = run(sampled, specs)
-    mask_s = sum(spent)
-    _, free_s, free_steps = run(same, [None] * requests)
+    rounds = []
+    for _ in range(repeats):  # constrained and unconstrained alternate, so load drifts hit both alike
+        spent["fill"].clear(), spent["commit"].clear()
+        _, constrained_s, steps = run(sampled, specs)
+        fill_s, commit_s = sum(spent["fill"]), sum(spent["commit"])
+        mask_s = fill_s + commit_s
+        _, free_s, free_steps = run(same, [None] * requests)
+        rounds.append({"step_ms": constrained_s / steps * 1e3, "free_step_ms": free_s / free_steps * 1e3,
+                       "mask_ms_per_step": mask_s / steps * 1e3, "fill_ms_per_step": fill_s / steps * 1e3,
+                       "commit_ms_per_step": commit_s / steps * 1e3, "mask_fraction": mask_s / constrained_s,
+                       "slowdown": constrained_s / free_s - 1, "steps": steps, "free_steps": free_steps})
+    median = {k: round(float(np.median([r[k] for r in rounds])), 4) for k in rounds[0]}
     return {"engine_speculation": speculation, "engine_close": close, "engine_requests": requests,
-            "engine_tokens": sum(len(o.token_ids) for o in outputs), "engine_steps": steps,
-            "engine_free_steps": free_steps, "engine_step_ms": round(constrained_s / steps * 1e3, 3),
-            "engine_free_step_ms": round(free_s / free_steps * 1e3, 3),
-            "engine_mask_ms_per_step": round(mask_s / steps * 1e3, 3),
-            "engine_mask_fraction": round(mask_s / constrained_s, 4),
-            "engine_slowdown": round(constrained_s / free_s - 1, 4)}
+            "engine_tokens": sum(len(o.token_ids) for o in outputs), "engine_repeats": repeats,
+            "engine_mask_fill": {None: "timing", True: "serial", False: "pool"}[engine._executor.serial],
+            **{f"engine_{k}": v for k, v in median.items()},
+            "engine_mask_fraction_runs": [round(r["mask_fraction"], 4) for r in rounds],
+            "engine_slowdown_runs": [round(r["slowdown"], 4) for r in rounds]}
 
 
 def main() -> None:
@@ -251,7 +265,10 @@ def main() -> None:
     p.add_argument("--engine-tokens", type=int, default=96, help="--engine: max_tokens per request")
     p.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none", help="--engine")
     p.add_argument("--no-close", action="store_true", help="--engine: close mode off")
+    p.add_argument("--repeats", type=int, default=5, help="--engine: constrained / unconstrained rounds (medians)")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
 
     tokenizer, vocab, eos = load_tokenizer(args.vocab)
     t = time.perf_counter()
@@ -268,7 +285,8 @@ def main() -> None:
     paths = [(c, sample_path(c, bias, rng)) for _ in range(4) for c in compiled]
     words, executor = bitmask_width(vocab), llg.LLExecutor(args.threads)
     log("timing")
-    result = {"benchmark": "bench_grammar", "vocab": vocab, "batch": args.batch, "steps": args.steps,
+    result = {"benchmark": "bench_grammar", "load_average_start": round(os.getloadavg()[0], 2), "vocab": vocab,
+              "batch": args.batch, "steps": args.steps,
               "threads": args.threads, "llguidance": llg.__version__, "backend": jax.default_backend(),
               "tokenizer_ms": round(tokenizer_ms, 1), "compile_ms_median": round(statistics.median(compile_ms), 2),
               "compile_ms_max": round(max(compile_ms), 2),
@@ -284,7 +302,8 @@ def main() -> None:
     if args.engine:
         log("running constrained requests in the engine")
         result.update(engine_overhead(list(schemas.values()), args.requests, args.engine_tokens, args.speculation,
-                                      not args.no_close))
+                                      not args.no_close, args.repeats))
+    result["load_average_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result))
 
 

@@ -46,7 +46,7 @@ from model.mtp_drafter import mtp_drafter
 from model.replay import ENGINE_DEFAULT, Replay, for_engine
 from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer
 from serving.grammar_budget import ClosePolicy
-from serving.grammar_mask import RequestGrammar, fill_masks, speculate_masks
+from serving.grammar_mask import MaskFill, RequestGrammar, fill_masks, speculate_masks
 from serving.jump_forward import jump_forward
 from serving.kv_cache import CacheLayout, init_engine_cache
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
@@ -189,7 +189,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._compiler: ConstraintCompiler | None = None  # built with the first constrained request
         self.constraint_close, self.jump_forward = constraint_close, jump_forward
-        self._executor: llg.LLExecutor | None = None
+        self._executor: MaskFill | None = None  # computes constrained rows' masks (llguidance's pool or serial)
         self._all_allowed: dict[tuple[int, ...], jax.Array] = {}  # bitmask of unconstrained batches, on device
         self.pending: list[tuple[list[Row], object]] = []
         self._cancelled: list[RequestOutput] = []
@@ -336,7 +336,7 @@ class Engine:
                                  "has none")
             self._compiler = ConstraintCompiler(grammar_tokenizer(tokenizer, self.config.vocab_size,
                                                                   [self.config.eos_token_id]))
-            self._executor = llg.LLExecutor()
+            self._executor = MaskFill(llg.LLExecutor())
         return self._compiler
 
     def cancel(self, request_id: str) -> None:

@@ -12,7 +12,10 @@ enough tokens for the rest of it (the model still picks among them), or the EOS 
 complete within the limit whenever the path fits in it.
 
 Outputs that end with more than `window` tokens to spare are never touched. Within the window the path is
-searched every step near the point where closing starts, and every few tokens before it (`ClosePolicy.watch`).
+checked every step near the point where closing starts, and every few tokens before it (`ClosePolicy.watch`).
+While the model follows the path it carries over; once a token leaves it, the check first tries the old path from
+the new state (`reconnect`, one `validate_tokens` call: another letter of a string or digit of a number leaves the
+closing unchanged) and searches anew only when that fails.
 A single sampled token that lengthens the shortest completion by more than `margin` tokens just before the
 closing starts (opening a structure with many required fields) can still leave too little; a larger `margin`
 trades the model's freedom at the end for that safety. When the search finds no completion within its node
@@ -196,6 +199,19 @@ def closing_path(matcher: llg.LLMatcher, table: TokenBytes, max_bytes: int = 256
             matcher.rollback(taken_total)
 
 
+def reconnect(matcher: llg.LLMatcher, table: TokenBytes, closing: Closing, eos: int) -> Closing | None:
+    """`closing` (a path found from an earlier state) if it still completes the matcher's output (`eos`: an
+    end-of-sequence id the matcher allows where its output is complete), else None. After the model leaves a
+    closing path with a token that does not change what closes the output (one more letter of a string, one
+    more digit), the old path still completes it: one validation of its bytes and an EOS, without consuming
+    them, instead of a search. Whether an EOS must follow is kept from the old path (it moves the path's token
+    count by one, and the grammar's own mask decides at its end)."""
+    tokens = [int(table.byte_token[b]) for b in closing.path]
+    if tokens and min(tokens) < 0:
+        return None
+    return closing if matcher.validate_tokens(tokens + [eos]) == len(tokens) + 1 else None
+
+
 def _expand(matcher: llg.LLMatcher, table: TokenBytes, room: int, seen: dict[int, int], max_repeats: int
             ) -> list | None:
     """The search level of the matcher's state: a forced run taken at once ([[], bytes, None, tokens]), or the
@@ -215,14 +231,18 @@ def _expand(matcher: llg.LLMatcher, table: TokenBytes, room: int, seen: dict[int
     ok = np.flatnonzero((mask[table.search_tokens >> 3] >> (table.search_tokens & 7)) & 1)
     if not len(ok):
         return None
-    classes = table.search_class[ok]
-    _, first = np.unique(classes, return_index=True)
-    _, last = np.unique(classes[::-1], return_index=True)
     # per class its first allowed byte, then its last (a loop on the first, '0.000...', may end on another);
-    # a state seen before on the path starts from a later ranked class (a loop of spaces or of ',000' groups ends)
-    pairs = np.stack([ok[first], ok[len(ok) - 1 - last]], axis=1)
-    ranked = int((np.unique(classes) < len(_RANKED_CLASSES)).sum())  # every other byte stays last
+    # a state seen before on the path starts from a later ranked class (a loop of spaces or of ',000' groups ends).
+    # Plain lists: a few dozen bytes, where numpy's per-call cost would dominate.
+    pairs: list[list[int]] = []
+    for i, cls in zip(ok.tolist(), table.search_class[ok].tolist()):  # classes ascend: search bytes are ranked
+        if pairs and pairs[-1][2] == cls:
+            pairs[-1][1] = i
+        else:
+            pairs.append([i, i, cls])
+    ranked = sum(cls < len(_RANKED_CLASSES) for _, _, cls in pairs)  # every other byte stays last
     if ranked:
-        pairs[:ranked] = np.roll(pairs[:ranked], -(seen.get(signature, 0) % ranked), axis=0)
+        k = seen.get(signature, 0) % ranked
+        pairs[:ranked] = pairs[k:ranked] + pairs[:k]
     seen[signature] = seen.get(signature, 0) + 1
-    return [list(dict.fromkeys(pairs.ravel().tolist()))[::-1], 0, signature, None]
+    return [list(dict.fromkeys(i for first, last, _ in pairs for i in (first, last)))[::-1], 0, signature, None]

@@ -6,13 +6,15 @@ A mask row is int32 `[W]`, W = ceil(V / 32): token i is allowed when bit `i % 32
 offers grammar-forced tokens (jump-forward), holds the constraint off until a trigger token (the end of a
 reasoning block), closes the output before its token limit (`serving.grammar_budget`), and for speculative
 decoding fills one mask per verify position while tentatively taking the drafts, then settles on the number the
-verifier accepted. `fill_masks` / `speculate_masks` do a batch, computing the masks on llguidance's thread pool.
+verifier accepted. `fill_masks` / `speculate_masks` do a batch: the masks computed on llguidance's thread pool,
+or for plain decoding as `MaskFill` finds faster (in the calling thread on a small or busy CPU).
 `apply_token_bitmask` is the device side: pure jnp, for the jitted sampler.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from serving.constraints import CompiledConstraint
-from serving.grammar_budget import ClosePolicy, Closing, closing_path
+from serving.grammar_budget import ClosePolicy, Closing, closing_path, reconnect
 
 ALL_ALLOWED = -1  # a mask word with every bit set
 
@@ -64,6 +66,9 @@ class _Taken:
     activated: bool
 
 
+_CONSUMED, _ACTIVATED, _PASSED = _Taken(True, False), _Taken(False, True), _Taken(False, False)
+
+
 class RequestGrammar:
     """One request's constraint while it decodes.
 
@@ -94,6 +99,7 @@ class RequestGrammar:
         self._consumed = 0  # tokens the matcher has taken (committed and tentative)
         self._closing: tuple[int, Closing | None] | None = None  # (at `_consumed`, closing path) last computed
         self._searched: tuple[int, int | None] | None = None  # (tokens left, closing tokens) at the last search
+        self._candidate: Closing | None = None  # the last closing path known: tried again before a new search
         self.eos_ids = constraint.eos_ids
         self.words = bitmask_width(constraint.vocab_size)
         self.trigger = trigger
@@ -148,8 +154,10 @@ class RequestGrammar:
         if self._closing is None or self._closing[0] != self._consumed:
             if not self.close.search_due(left, self._searched):
                 return
-            found = closing_path(self.matcher, self.token_bytes, self.close.max_bytes, self.close.max_nodes)
-            self._closing = (self._consumed, found)
+            found = self._candidate and reconnect(self.matcher, self.token_bytes, self._candidate, self.eos_ids[0])
+            if found is None:
+                found = closing_path(self.matcher, self.token_bytes, self.close.max_bytes, self.close.max_nodes)
+            self._closing, self._candidate = (self._consumed, found), found
             self._searched = (left, None if found is None else found.tokens)
         closing = self._closing[1]
         if closing is None or left > closing.tokens + self.close.margin:
@@ -228,23 +236,24 @@ class RequestGrammar:
         if not self.active:
             if t == self.trigger:
                 self.active = True
-                return _Taken(consumed=False, activated=True)
-            return _Taken(consumed=False, activated=False)
+                return _ACTIVATED
+            return _PASSED
         if t in self.eos_ids:
             if not (self.matcher.is_stopped() or self.matcher.is_accepting()):
                 return None
             self.ended = True  # EOS is not fed to the matcher: the output ends here
-            return _Taken(consumed=False, activated=False)
+            return _PASSED
         if self.matcher.try_consume_tokens([t]) != 1:
             return None
         self._consumed_one(t)
-        return _Taken(consumed=True, activated=False)
+        return _CONSUMED
 
     def _consumed_one(self, token: int) -> None:
         """Count a token the matcher took; a known closing path carries over when the token follows it."""
         if self._closing is not None and self._closing[0] == self._consumed and self._closing[1] is not None:
             rest = self._closing[1].after(self.token_bytes.of_token[token])
             self._closing = None if rest is None else (self._consumed + 1, rest)
+            self._candidate = rest or self._candidate  # leaving the path: the path from before, to reconnect
         self._consumed += 1
 
     def _rollback(self, n: int) -> None:
@@ -256,11 +265,11 @@ class RequestGrammar:
     def _take_active(self, drafts: list[int]) -> list[_Taken]:
         """`_take` over drafts up to the first refused one, for an active constraint: one matcher call."""
         end = next((j for j, t in enumerate(drafts) if t in self.eos_ids), len(drafts))
-        taken = [_Taken(consumed=True, activated=False)] * self.matcher.try_consume_tokens(drafts[:end])
+        taken = [_CONSUMED] * self.matcher.try_consume_tokens(drafts[:end])
         self._consumed += len(taken)
         self._closing = None
         if len(taken) == end < len(drafts) and self._take(drafts[end]) is not None:
-            taken.append(_Taken(consumed=False, activated=False))
+            taken.append(_PASSED)
         return taken
 
     def _check_settled(self) -> None:
@@ -279,10 +288,40 @@ class RequestGrammar:
             _only(self.eos_ids, row)
 
 
+class MaskFill:
+    """Computes a batch's grammar masks in the calling thread or on llguidance's thread pool, whichever is
+    faster here. Both give the same masks; which is faster depends on the machine (the pool pays with idle cores
+    and masks costly enough for the hand-off, as with a large vocabulary; on a busy CPU waking the pool costs
+    more than a small mask). The first `trials` batches alternate the two and time them per row; the faster
+    median is kept from then on (`serial`: True, False, or None while timing)."""
+
+    def __init__(self, executor: llg.LLExecutor, trials: int = 16):
+        if trials < 2:
+            raise ValueError(f"trials must be >= 2 (one batch each way), got {trials}")
+        self.executor, self.trials = executor, trials
+        self.serial: bool | None = None
+        self._seconds: tuple[list[float], list[float]] = ([], [])  # per row: pool, serial
+
+    def __call__(self, rows: list[tuple[llg.LLMatcher, int]], masks: Int[np.ndarray, "r words"]) -> None:
+        """Write matcher k's mask into `masks[row_k]`, for each (matcher, row_k) in `rows`."""
+        serial = self.serial if self.serial is not None else len(self._seconds[1]) < len(self._seconds[0])
+        start = time.perf_counter()
+        if serial:
+            base, nbytes = masks.ctypes.data, masks[0].nbytes  # rows of a C-contiguous array
+            for matcher, i in rows:
+                matcher.unsafe_compute_mask_ptr(base + i * nbytes, nbytes)
+        else:
+            self.executor.unsafe_compute_mask_ptr(rows, masks.ctypes.data, masks[0].nbytes, masks.shape[0])
+        if self.serial is None:
+            self._seconds[serial].append((time.perf_counter() - start) / len(rows))
+            if len(self._seconds[0]) + len(self._seconds[1]) >= self.trials:
+                self.serial = bool(np.median(self._seconds[1]) < np.median(self._seconds[0]))
+
+
 def fill_masks(grammars: Sequence[RequestGrammar | None], masks: Int[np.ndarray, "r words"],
-               executor: llg.LLExecutor) -> None:
+               executor: llg.LLExecutor | MaskFill) -> None:
     """Fill one mask row per batch row: row i from `grammars[i]` (None: unconstrained, all allowed; rows past
-    the list too). Active matchers run in parallel on `executor`."""
+    the list too). Active matchers run in parallel on `executor`, or as a `MaskFill` chooses."""
     _check_batch(masks, len(grammars))
     masks[len(grammars):] = ALL_ALLOWED
     parallel = []
@@ -295,21 +334,27 @@ def fill_masks(grammars: Sequence[RequestGrammar | None], masks: Int[np.ndarray,
         else:
             g.fill(masks[i])
     if parallel:
-        executor.unsafe_compute_mask_ptr(parallel, masks.ctypes.data, masks[0].nbytes, masks.shape[0])
-        for _, i in parallel:
+        if isinstance(executor, MaskFill):
+            executor(parallel, masks)
+        else:
+            executor.unsafe_compute_mask_ptr(parallel, masks.ctypes.data, masks[0].nbytes, masks.shape[0])
+        empty = ~masks.any(axis=1)
+        for matcher, i in parallel:
             g = grammars[i]
-            g._check_filled(masks[i])
-            if g.error is None and g.closing_due():
+            if empty[i] or matcher.is_error():
+                g._check_filled(masks[i])
+            elif g.closing_due():
                 g._close(masks[i], g.max_tokens - g.emitted)
 
 
 def speculate_masks(grammars: Sequence[RequestGrammar | None], drafts: Sequence[Sequence[int]],
-                    masks: Int[np.ndarray, "r v words"], executor: llg.LLExecutor) -> list[int]:
+                    masks: Int[np.ndarray, "r v words"], executor: llg.LLExecutor | MaskFill) -> list[int]:
     """`RequestGrammar.speculate` for a batch of verify rows: row i's v masks from `grammars[i]` and its
     drafts (None: all allowed). Returns the drafts each row's constraint allows (len(drafts[i]) for an
     unconstrained row). Active matchers compute their masks in parallel on `executor`; a row whose constraint
-    is not yet active (its drafts may cross the trigger) goes token by token."""
+    is not yet active (its drafts may cross the trigger) goes token by token (a `MaskFill`: on its pool)."""
     _check_batch(masks, len(grammars))
+    executor = executor.executor if isinstance(executor, MaskFill) else executor
     if len(drafts) != len(grammars):
         raise ValueError(f"{len(grammars)} grammars but {len(drafts)} draft lists")
     rows, verify, words = masks.shape

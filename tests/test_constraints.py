@@ -20,7 +20,7 @@ from llguidance.numpy import apply_token_bitmask_inplace
 from model.checkpoint import BUNDLED
 from model.tokenizer import TextTokenizer
 from serving.constraints import ConstraintCompiler, ConstraintSpec, constraint_from_body, grammar_tokenizer
-from serving.grammar_mask import (RequestGrammar, apply_token_bitmask, bitmask_width, fill_masks,
+from serving.grammar_mask import (MaskFill, RequestGrammar, apply_token_bitmask, bitmask_width, fill_masks,
                                   speculate_masks)
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
@@ -232,6 +232,12 @@ def test_batch_fills_match_one_request_at_a_time(point, compiler, tokenizer):
             g.fill(g2)
             np.testing.assert_array_equal(row, g2)
     assert batched[3].ended and np.flatnonzero(allowed(plain[3], tokenizer.vocab_size)).tolist() == [EOS]
+    filler = MaskFill(executor, trials=2)  # times one batch each way (serial, pool), then keeps the faster
+    for _ in range(3):
+        again = np.zeros_like(plain)
+        fill_masks(batched, again, filler)
+        np.testing.assert_array_equal(again, plain)
+    assert filler.serial is not None
 
 
 def test_eos_ends_the_output_only_where_the_constraint_is_complete(compiler, tokenizer):
@@ -407,6 +413,43 @@ def test_closing_paths_complete_outputs_from_any_state(compiler, tokenizer):
     g = RequestGrammar(compiler.compile(spec_of(*CLOSE_CASES[-1])))
     assert g.accept(tokenizer.encode("(ab, "))
     assert closing_path(g.matcher, table).path == b" a)"
+
+
+def test_a_closing_path_reconnects_after_tokens_that_leave_it(compiler, tokenizer):
+    """The last closing path, checked again after the model left it: where it still completes the output (the
+    independent parsers agree) it is kept, and equals a new search there; where it does not, None. The matcher
+    is left as it was."""
+    from serving.grammar_budget import closing_path, reconnect
+
+    table = compiler.token_bytes
+    compiled = compiler.compile(spec_of("json", SCHEMAS["nested_objects"]))
+    g = RequestGrammar(compiled)
+    assert g.accept(tokenizer.encode('{"user":{"id":4'))
+    old = closing_path(g.matcher, table)
+    assert old.path.startswith(b",") and not old.needs_eos
+    assert g.accept(tokenizer.encode("2"))  # one more digit: the old path still closes the object
+    before = np.frombuffer(g.matcher.compute_bitmask(), np.uint8).copy()
+    assert reconnect(g.matcher, table, old, EOS) == closing_path(g.matcher, table) == old
+    np.testing.assert_array_equal(np.frombuffer(g.matcher.compute_bitmask(), np.uint8), before)
+    assert valid("json", SCHEMAS["nested_objects"], '{"user":{"id":42' + old.path.decode())
+    assert g.accept(tokenizer.encode(","))  # a comma: ",," cannot follow
+    assert reconnect(g.matcher, table, old, EOS) is None
+    # along random outputs: every path kept completes the output
+    kept = 0
+    for c, (kind, target) in enumerate(CLOSE_CASES):
+        compiled = compiler.compile(spec_of(kind, target))
+        out = sample_until(RequestGrammar(compiled, max_tokens=24), np.zeros(tokenizer.vocab_size), seed=c)
+        out = out[:-1] if out[-1] == EOS else out
+        for k in range(0, len(out), 3):
+            g = RequestGrammar(compiled)
+            assert g.accept(out[:k])
+            old = closing_path(g.matcher, table)
+            assert g.accept([out[k]])
+            again = reconnect(g.matcher, table, old, EOS)
+            if again is not None:
+                kept += 1
+                assert valid(kind, target, tokenizer.decode(out[:k + 1]) + again.path.decode())
+    assert kept >= 10, kept  # 28 of the ~90 states here
 
 
 def test_close_mode_ends_every_output_within_max_tokens(compiler, tokenizer):
