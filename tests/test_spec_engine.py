@@ -12,6 +12,7 @@ from serving.engine import Engine
 from serving.sampling import SamplingParams
 from serving.speculative import admit
 from serving.verify_plan import CostTable, plan_verify, prefix_survival
+from tests.helpers import greedy_full_forward
 from tests.test_dspark import CONFIG, TARGET
 
 V = TARGET.vocab_size
@@ -27,17 +28,20 @@ def model():
 
 
 def run(model, mode, prompts, params, **kw):
+    """Generate with a small engine. DSpark plans with fixed bucket costs under which verifying pays (a
+    profiled table would make whether it speculates at all depend on the machine's timing)."""
     engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
                     speculation=mode, **kw)
     engine.warmup()
+    if mode == "dspark":
+        engine.costs = CostTable({(r, w): 1.0 + 0.02 * max(w - 1, 0) for r in engine.decode_rows
+                                  for w in (0, 1) + engine.verify_widths}, smoothing=0.0)
     return engine, engine.generate(prompts, params)
 
 
 def plain_greedy(model, prompt, steps):
-    tokens = list(prompt)
-    for _ in range(steps):
-        tokens.append(int(np.asarray(model.logits(np.array([tokens])))[0, -1].argmax()))
-    return tokens[len(prompt):]
+    """Greedy decoding by whole-sequence forwards of the plain model (one padded shape: compiled once)."""
+    return greedy_full_forward(model, [prompt], steps)[0][0]
 
 
 @pytest.mark.parametrize("mode,zero_overhead", [("fixed", True), ("dspark", False), ("dspark", True)])
@@ -184,7 +188,7 @@ def test_a_v4_mtp_block_drafts_in_the_engine_what_it_predicts_on_the_whole_seque
     from flax import nnx
 
     from model.config import preset
-    from tests.helpers import greedy_full_forward, random_model
+    from tests.helpers import random_model
 
     v4 = random_model(preset("tiny"), seed=5)
     prompts = [RNG.integers(0, 256, n).tolist() for n in (21, 6)]
