@@ -84,8 +84,9 @@ def for_engine(config, replay: Replay | None, ring: int, drafter_ring: int = 0, 
     DSpark drafter's context ring and `tapped` the target layers it reads: when one of them is a replay layer,
     keep must also cover the drafter's ring, since features of tokens below the floor never pass the replay
     layers. Raises ValueError for an active replay on a model without replay layers or a keep too small."""
-    ced = getattr(config, "n_prefill_layer", config.num_hidden_layers) < config.num_hidden_layers
-    needs_drafter = any(i >= getattr(config, "n_prefill_layer", config.num_hidden_layers) for i in tapped)
+    split = getattr(config, "n_prefill_layer", config.num_hidden_layers)  # the first replay layer, if any
+    ced = split < config.num_hidden_layers
+    needs_drafter = any(i >= split for i in tapped)
     need = max(ring, drafter_ring if needs_drafter else 0)
     if replay is ENGINE_DEFAULT:
         return Replay("compact", max(DEFAULT_KEEP, need)) if ced else None

@@ -48,7 +48,7 @@ from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_toke
 from serving.grammar_budget import ClosePolicy
 from serving.grammar_mask import MaskFill, RequestGrammar, fill_masks, speculate_masks
 from serving.jump_forward import jump_forward
-from serving.kv_cache import CacheLayout, init_engine_cache
+from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
@@ -171,9 +171,7 @@ class Engine:
         draft_module = drafter.module() if drafter is not None else None
         self.cache = (init_engine_cache(module, self.layout, draft_module) if self.data_parallel is None
                       else self.data_parallel.init_cache(module))
-        drafter_ring = max((leaf.shape[1] for leaf in jax.tree.leaves(self.cache.get("drafter", []))
-                            if leaf.ndim == 3), default=0)
-        self.replay = for_engine(self.config, replay, self.layout.ring, drafter_ring,
+        self.replay = for_engine(self.config, replay, self.layout.ring, drafter_ring(self.cache),
                                  drafter.config.target_layer_ids if drafter is not None else ())
         self.scheduler.prefix = self._prefix_cache(prefix_cache, prefix_replay, host_pages, prefix_snapshots)
         # what the compiled steps take (flattened once)

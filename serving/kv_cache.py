@@ -89,6 +89,12 @@ def init_engine_cache(module, layout: CacheLayout, drafter=None) -> dict:
     return cache
 
 
+def drafter_ring(cache: dict) -> int:
+    """Positions in each slot's drafter context ring of the engine `cache` (its widest [slots, ring, d] leaf;
+    0 without a drafter)."""
+    return max((leaf.shape[1] for leaf in jax.tree.leaves(cache.get("drafter", [])) if leaf.ndim == 3), default=0)
+
+
 def gather_slots(tree, slots: Int[Array, " r"], empty, reset) -> dict:
     """Rows `slots` of per-slot state leaves; rows flagged in `reset` start from the one-sequence `empty` state."""
 

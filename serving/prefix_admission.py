@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.kv_cache import PAGED_LEAVES, PageAllocator
+from serving.kv_cache import PAGED_LEAVES, PageAllocator, drafter_ring
 from serving.prefix_cache import PrefixCache, PrefixMatch
 from serving.request import Request
 from serving.window_snapshots import SnapshotStore, prefix_key, put_newest
@@ -51,8 +51,7 @@ def exact_replay_tokens(config, cache: dict) -> int:
     depth, window = config.num_hidden_layers, config.sliding_window
     tokens = ring + (depth - 1) * (window - 1)
     if "drafter" in cache:
-        context = max(leaf.shape[1] for leaf in jax.tree.leaves(cache["drafter"]) if leaf.ndim == 3)
-        tokens = max(tokens, context + depth * (window - 1))
+        tokens = max(tokens, drafter_ring(cache) + depth * (window - 1))
     return tokens
 
 
