@@ -1,13 +1,15 @@
 """Operations the model calls by name, each with a pure-jnp reference and a Pallas kernel of the same signature.
 
 The choice is made when a function is traced: `use(...)` forces `reference` or `pallas` (the `--kernels`
-flag), otherwise the platform decides: NVIDIA GPUs run the Pallas kernels, CPU and Ascend the references.
+flag), otherwise the environment variable `JAXSEEK_KERNELS` if set (e.g. for the benchmark scripts), otherwise
+the platform decides: NVIDIA GPUs run the Pallas kernels, CPU and Ascend the references.
 Pallas on CPU runs in interpret mode (tests). Set the choice before compiling: jitted functions keep what
 they were traced with.
 """
 
 import contextlib
 import importlib
+import os
 from collections.abc import Callable
 
 import jax
@@ -28,7 +30,10 @@ def ops() -> dict[str, tuple[Callable, Callable]]:
 
 
 def default_implementation() -> str:
-    """What the platform runs when nothing is forced: Pallas on an NVIDIA GPU, else the references."""
+    """What runs when nothing is forced: `JAXSEEK_KERNELS` if set, else what the platform runs (Pallas on an
+    NVIDIA GPU, the references elsewhere)."""
+    if os.environ.get("JAXSEEK_KERNELS"):
+        return _check(os.environ["JAXSEEK_KERNELS"])
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 

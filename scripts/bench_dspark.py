@@ -16,7 +16,7 @@ comparisons the issue asks for (`verified_reduction` of DSpark against fixed, `a
 
 Requests: the fixed prompts below, sampled at `--temperature` (default 1.0, what the drafter was trained and
 calibrated for) with per-request seeds, `ignore_eos`, `--max-tokens` new tokens. Batch 1 runs the requests one
-at a time (`max_slots=1`), batch 16 all at once. The bundled model has Engram layers, so the engine reads every
+at a time, batch 16 all at once, on the same 16-slot engine (one compilation per mode). The bundled model has Engram layers, so the engine reads every
 step before dispatching the next (zero-overhead scheduling off) and DSpark plans with fresh confidences.
 """
 
@@ -45,25 +45,47 @@ PROMPTS = ["ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow", "The sea is calm"
            "Why, how now,"]
 
 
-def run(model, mode: str, batch: int, prompts: list[list[int]], args) -> tuple[float, dict]:
-    """(tokens/s of a generation run, the engine's speculation metrics) after compiling and one warm-up run.
-    `dspark-planner` is DSpark without its no-draft fallback: the scheduler's choice of drafts on its own."""
-    speculation, fallback = ("dspark", False) if mode == "dspark-planner" else (mode, True)
-    engine = Engine(model, max_slots=batch, max_len=256, prefill_chunk=32, max_prefill_rows=2,
-                    speculation=speculation, draft_fallback=fallback)
-    engine.warmup()
+def measure(engine: Engine, batches: list[list[int]], prompts: list[list[int]], args) -> tuple[float, dict]:
+    """(generated tokens / s over `batches` (lists of prompt indices; request i samples with seed i) run one
+    after another, the engine's speculation metrics): the median of `--repeats` runs after one warm-up run
+    (which also gives DSpark's cost table its first online corrections)."""
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=i, ignore_eos=True)
               for i in range(len(prompts))]
-    engine.generate(prompts, params)  # warm-up (and the cost table's first online corrections)
+    generate = lambda batch: engine.generate([prompts[i] for i in batch], [params[i] for i in batch])  # noqa: E731
+    for batch in batches:
+        generate(batch)
     rates, stats = [], None
     for _ in range(args.repeats):
         engine.stats = {k: v * 0 for k, v in engine.stats.items()}
-        start = time.perf_counter()
-        outputs = engine.generate(prompts, params)
-        seconds = time.perf_counter() - start
-        rates.append(sum(len(o.token_ids) for o in outputs) / seconds)
+        start, tokens = time.perf_counter(), 0
+        for batch in batches:
+            tokens += sum(len(o.token_ids) for o in generate(batch))
+        rates.append(tokens / (time.perf_counter() - start))
         stats = engine.speculation_metrics()
     return statistics.median(rates), stats
+
+
+def run(model, mode: str, prompts: list[list[int]], b1_requests: int, args) -> dict:
+    """One engine of 16 slots per mode, compiled ahead: batch 16 runs the 16 `prompts` at once, batch 1 runs
+    the first `b1_requests` one at a time. The figures of both, and DSpark's cost table (ms per rows x width
+    bucket: profiled device time, then the observed periods).
+    `dspark-planner` is DSpark without its no-draft fallback: the scheduler's choice of drafts on its own."""
+    speculation, fallback = ("dspark", False) if mode == "dspark-planner" else (mode, True)
+    engine = Engine(model, max_slots=16, max_len=256, prefill_chunk=32, max_prefill_rows=2,
+                    speculation=speculation, draft_fallback=fallback)
+    start = time.perf_counter()
+    engine.warmup()
+    warmup_s = time.perf_counter() - start
+    tok_s_b1, metrics_b1 = measure(engine, [[i] for i in range(b1_requests)], prompts, args)
+    tok_s_b16, metrics = measure(engine, [list(range(len(prompts)))], prompts, args)
+    result = {**{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()},
+              "accepted_per_step_b1": round(metrics_b1["accepted_per_step"], 4),
+              "verified_per_step_b1": round(metrics_b1["verified_per_step"], 4),
+              "tok_s_b1": round(tok_s_b1, 1), "tok_s_b16": round(tok_s_b16, 1), "warmup_s": round(warmup_s, 1)}
+    if engine.costs is not None:
+        result["profiled_ms"] = {f"{r}x{w}": round(t * 1e3, 3) for (r, w), t in sorted(engine.costs.profiled.items())}
+        result["observed_ms"] = {f"{r}x{w}": round(t * 1e3, 3) for (r, w), t in sorted(engine.costs.observed.items())}
+    return result
 
 
 def without_sts(drafter: Drafter) -> Drafter:
@@ -81,48 +103,45 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--modes", default="none,fixed,dspark,dspark-planner",
                         help="comma-separated subset of none,fixed,dspark,dspark-planner")
+    parser.add_argument("--skip-sts", action="store_true",
+                        help="skip the calibration run of the drafter without STS (one more fixed-mode run)")
     args = parser.parse_args()
     if args.quick:
         args.repeats = 1
     model = load_model()
-    prompts16 = [model.tokenizer.encode(p) for p in PROMPTS]
-    prompts1 = prompts16[:2 if args.quick else 4]
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    b1_requests = 2 if args.quick else 4
     result = {"load_avg_start": os.getloadavg()[0], "temperature": args.temperature, "max_tokens": args.max_tokens}
     modes = args.modes.split(",")
     for mode in modes:
-        tok_s_b1, metrics_b1 = run(model, mode, 1, prompts1, args)
-        tok_s_b16, metrics = run(model, mode, 16, prompts16, args)
-        result[mode] = {**{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()},
-                        "accepted_per_step_b1": round(metrics_b1["accepted_per_step"], 4),
-                        "verified_per_step_b1": round(metrics_b1["verified_per_step"], 4),
-                        "tok_s_b1": round(tok_s_b1, 1), "tok_s_b16": round(tok_s_b16, 1)}
-        print(f"{mode:7s} b1 {tok_s_b1:7.1f} tok/s  b16 {tok_s_b16:7.1f} tok/s  accepted/step "
-              f"{metrics['accepted_per_step']:.3f}  verified/step {metrics['verified_per_step']:.3f}", file=sys.stderr)
-    if modes != ["none", "fixed", "dspark", "dspark-planner"]:
-        print(json.dumps(result))
-        return
-    shipped = model.drafter
-    model.drafter = without_sts(shipped)
-    _, before = run(model, "fixed", 16, prompts16, args)
-    model.drafter = shipped
-    fixed, dspark, planner = result["fixed"], result["dspark"], result["dspark-planner"]
+        result[mode] = figures = run(model, mode, prompts, b1_requests, args)
+        print(f"{mode:7s} b1 {figures['tok_s_b1']:7.1f} tok/s  b16 {figures['tok_s_b16']:7.1f} tok/s  accepted/step "
+              f"{figures['accepted_per_step']:.3f}  verified/step {figures['verified_per_step']:.3f}  "
+              f"(compiled in {figures['warmup_s']} s)", file=sys.stderr)
+        print(json.dumps({mode: figures}), file=sys.stderr, flush=True)  # kept if a later mode fails
     ratio = lambda a, b: round(a / b, 4) if b else None  # noqa: E731
-    result |= {
-        "verified_reduction": round(1 - dspark["verified_per_step"] / fixed["verified_per_step"], 4),
-        "accepted_ratio": ratio(dspark["accepted_per_step"], fixed["accepted_per_step"]),
-        "verified_reduction_b1": round(1 - dspark["verified_per_step_b1"] / fixed["verified_per_step_b1"], 4),
-        "accepted_ratio_b1": ratio(dspark["accepted_per_step_b1"], fixed["accepted_per_step_b1"]),
-        "planner_verified_reduction": round(1 - planner["verified_per_step"] / fixed["verified_per_step"], 4),
-        "planner_accepted_ratio": ratio(planner["accepted_per_step"], fixed["accepted_per_step"]),
-        "planner_verified_reduction_b1": round(1 - planner["verified_per_step_b1"] / fixed["verified_per_step_b1"],
-                                               4),
-        "planner_accepted_ratio_b1": ratio(planner["accepted_per_step_b1"], fixed["accepted_per_step_b1"]),
-        "speedup_b1": round(dspark["tok_s_b1"] / result["none"]["tok_s_b1"], 3),
-        "speedup_b1_fixed": round(fixed["tok_s_b1"] / result["none"]["tok_s_b1"], 3),
-        "calibration_error_before_sts": round(before["calibration_error"], 4),
-        "calibration_error_after_sts": fixed["calibration_error"],
-        "load_avg_end": os.getloadavg()[0],
-    }
+    fixed = result.get("fixed")
+    for mode, prefix in (("dspark", ""), ("dspark-planner", "planner_")):
+        if fixed is None or mode not in result:
+            continue
+        ours = result[mode]
+        for suffix in ("", "_b1"):
+            result[f"{prefix}verified_reduction{suffix}"] = round(
+                1 - ours[f"verified_per_step{suffix}"] / fixed[f"verified_per_step{suffix}"], 4)
+            result[f"{prefix}accepted_ratio{suffix}"] = ratio(ours[f"accepted_per_step{suffix}"],
+                                                              fixed[f"accepted_per_step{suffix}"])
+    if "none" in result:
+        for mode, key in (("dspark", "speedup_b1"), ("fixed", "speedup_b1_fixed")):
+            if mode in result:
+                result[key] = ratio(result[mode]["tok_s_b1"], result["none"]["tok_s_b1"])
+    if fixed is not None and not args.skip_sts:
+        shipped = model.drafter
+        model.drafter = without_sts(shipped)
+        before = run(model, "fixed", prompts, 1, args)
+        model.drafter = shipped
+        result["calibration_error_before_sts"] = round(before["calibration_error"], 4)
+        result["calibration_error_after_sts"] = fixed["calibration_error"]
+    result["load_avg_end"] = os.getloadavg()[0]
     print(json.dumps(result))
 
 

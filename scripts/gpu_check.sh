@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Kernel check on a CUDA machine (jax 0.11+ with the CUDA 13 plugin, Python 3.12; installs nothing):
-#   1. the `kernels` tests, compiled for the GPU (Pallas lowers through Triton; no interpret mode there),
-#   2. the kernel microbenchmark at V4-Flash shapes,
-# then one JSON line: {"gpu_check": ..., "tests": ..., "sparse_decode_hbm_fraction": ...}. Budget: < 8 minutes.
+# GPU check on a CUDA machine (jax 0.11+ with the CUDA 13 plugin, Python 3.12; installs nothing):
+#   1. the serving benchmarks on the bundled model, with the reference kernels (XLA-fused jnp):
+#      bench_dspark.py (speculation modes; issue 7) and bench_grammar.py --engine (mask overhead; issue 9),
+#   2. the `kernels` tests, compiled for the GPU (Pallas lowers through Triton; no interpret mode there),
+#   3. the kernel microbenchmark at V4-Flash shapes,
+# then one JSON line: {"gpu_check": ..., "tests": ..., "sparse_decode_hbm_fraction": ...}. Budget: < 9 minutes.
 # Usage: scripts/gpu_check.sh [OUT_DIR]   (PYTHON=... to pick the interpreter; logs go to OUT_DIR, default $OUT or /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,11 +27,20 @@ then
 fi
 cat "$OUT_DIR/gpu_env.json"
 
-timeout 270 "$PY" -m pytest -q -m kernels tests/test_kernels.py -p no:cacheprovider > "$OUT_DIR/gpu_kernel_tests.log" 2>&1
+# Identical step programs of the benchmarks' engines compile once.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxseek_xla} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+JAXSEEK_KERNELS=reference timeout 270 "$PY" scripts/bench_dspark.py \
+    > "$OUT_DIR/gpu_dspark.json" 2> "$OUT_DIR/gpu_dspark.err"
+echo "bench_dspark rc=$?"; tail -n 6 "$OUT_DIR/gpu_dspark.err"
+JAXSEEK_KERNELS=reference timeout 120 "$PY" scripts/bench_grammar.py --engine --repeats 3 \
+    > "$OUT_DIR/gpu_grammar.json" 2> "$OUT_DIR/gpu_grammar.err"
+echo "bench_grammar rc=$?"; tail -n 3 "$OUT_DIR/gpu_grammar.err"
+
+timeout 150 "$PY" -m pytest -q -m kernels tests/test_kernels.py -p no:cacheprovider > "$OUT_DIR/gpu_kernel_tests.log" 2>&1
 tests_rc=$?
 tail -n 15 "$OUT_DIR/gpu_kernel_tests.log"
 
-timeout 180 "$PY" scripts/bench_kernels.py --json --repeats 20 > "$OUT_DIR/gpu_bench.jsonl" 2> "$OUT_DIR/gpu_bench.err"
+timeout 90 "$PY" scripts/bench_kernels.py --json --repeats 20 > "$OUT_DIR/gpu_bench.jsonl" 2> "$OUT_DIR/gpu_bench.err"
 bench_rc=$?
 cat "$OUT_DIR/gpu_bench.jsonl"
 tail -n 5 "$OUT_DIR/gpu_bench.err"

@@ -31,8 +31,10 @@ tokens a constraint forces are appended without sampling (`serving.jump_forward`
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -207,9 +209,13 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile every bucket ahead of time (afterwards no step ever compiles); DSpark also profiles the
-        decode and verify buckets for its cost table."""
-        for bucket in self.buckets():
-            self._executable(bucket)
+        decode and verify buckets for its cost table. On an accelerator the buckets compile in parallel
+        threads, one per host core (XLA releases the GIL while it compiles); XLA:CPU already spreads one
+        compilation over the cores."""
+        missing = [bucket for bucket in self.buckets() if bucket not in self.compiled]
+        workers = 1 if jax.default_backend() == "cpu" else min(len(missing), os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            list(pool.map(self._executable, missing))
         if self.scheduler.prefix is not None:
             self.device_pages.warmup()
         if self.speculation == "dspark" and self.costs is None:
