@@ -417,27 +417,31 @@ class Engine:
             width = self.verify_widths[0]
         else:
             bucket_rows = next(r for r in self.decode_rows if r >= len(rows))
-            known = np.array([(row.request.confidence or [1.0] * self.num_drafts)[:self.num_drafts] for row in rows])
             if self.costs is None:
                 self.costs = self.profile()
-            plan = plan_verify(prefix_survival(known), caps, bucket_rows, (1,) + self.verify_widths, self.costs,
-                               early_stop=not self.zero_overhead)
+            plan = plan_verify(prefix_survival(np.array([self._planning_confidence(row.request) for row in rows])),
+                               caps, bucket_rows, (1,) + self.verify_widths, self.costs)
             if plan.width == 1:
                 return self._dispatch_plain(rows)
             # a block drafted before a step that did not draft is stale: its row verifies nothing
             stale = np.array([not row.request.drafts_fresh for row in rows])
             if stale.all():  # verification pays by the last confidences: draft now, verify next step
                 return self._dispatch_plain(rows, draft=True)
-            width = plan.width
-            if self.zero_overhead:  # old confidences: the device splits the budget by the newest ones
-                budget = plan.budget
-            else:
-                caps = plan.caps
+            width, budget = plan.width, plan.budget  # the device splits the budget by the newest confidences
             caps = np.where(stale, 0, caps)
         for row, cap in zip(rows, caps):
             row.caps = int(min(cap, width - 1))
         self._nodraft_streak, self._probe_interval = 0, self.probe_every
         return self._dispatch(rows, self.decode_rows, width, width, budget)
+
+    def _planning_confidence(self, request: Request) -> list[float]:
+        """The confidences DSpark plans a row's budget with: those of a block older than the one it verifies (a
+        draft's confidence depends on the drafts before it, so planning with the verified block's own would let
+        a draft decide whether it is verified, which biases sampling). With zero-overhead scheduling that is the
+        newest block the host has read (the next one is still in flight), otherwise the block before the
+        slot's current one; 1.0 where the request has no such block yet (its first verification)."""
+        known = request.confidence if self.zero_overhead else request.prior_confidence
+        return (known or [1.0] * self.num_drafts)[:self.num_drafts]
 
     def _dispatch_plain(self, rows: list[Row], draft: bool | None = None):
         """A decode step of one token per row. With the no-draft fallback its drafter only absorbs features,
@@ -562,6 +566,7 @@ class Engine:
                     inputs = [request.output[-1]] + request.drafts[:accepted]
                     request.engram_history = self.engram.advance(np.array([inputs]), request.engram_history)
                 if out.next_drafts.shape[1] and out.drafted:
+                    request.prior_confidence = request.confidence
                     request.drafts, request.confidence = out.next_drafts[i].tolist(), out.next_confidence[i].tolist()
                 complete = request.grammar is not None and self._advance_grammar(request.grammar, out, i, accepted)
                 for j in range(accepted + 1):

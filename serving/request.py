@@ -70,6 +70,7 @@ class Request:
     engram_history: object = None  # V4.1: the canonical ids before the next token (host n-gram hashing)
     drafts: list[int] = dataclasses.field(default_factory=list)  # the slot's drafted block, as last read
     confidence: list[float] = dataclasses.field(default_factory=list)  # and its confidences
+    prior_confidence: list[float] = dataclasses.field(default_factory=list)  # those of the block before it
     drafts_fresh: bool = True  # the slot's block was drafted by the request's last step (not a no-draft one)
     grammar: object = None  # a constrained request's `serving.grammar_mask.RequestGrammar`, following `output`
     constraint: object = None  # and its `serving.constraints.ConstraintSpec`

@@ -14,15 +14,16 @@ the new features: when no verify budget beats its rate the planner picks it (`Pl
 pauses; the engine resumes it with a probing decode step that drafts again every few steps, since the
 confidences it would plan with age meanwhile.
 
-Planning with the confidences of the very drafts it verifies (no zero-overhead scheduling), the search stops at
-the first admitted pair that lowers the rate (DSpark's Algorithm 1): with a Markov-conditioned confidence head,
-a_{r,j+1} depends on the sampled draft x_{r,j}, so a search past the drop would let x_{r,j} decide whether it is
-verified at all, which biases the output distribution (the paper's Appendix A). Stopping at the first drop only
-looks at pairs ranked above, none of which depends on x_{r,j}.
-
-With zero-overhead scheduling the host does not know the confidences of the drafts it is about to verify (the
-step producing them is still running): it plans B and the width from the confidences it read one step earlier,
-and the device splits B over the rows by rank of the newest ones (`serving.speculative.admit`).
+The budget must not depend on the drafts it verifies: with a Markov-conditioned confidence head a_{r,j+1}
+depends on the sampled draft x_{r,j}, so planning with the verified block's own confidences would let x_{r,j}
+decide whether it is verified at all, which biases the output distribution (the paper's Appendix A). The
+paper's Algorithm 1 keeps it lossless by stopping at the first pair that lowers the rate, which gets stuck at
+the first cliff of the cost staircase (from no drafting to the narrowest verify bucket, say). The engine
+instead plans B and the width with a full search over confidences one block older (DeepInfer's production
+variant): with zero-overhead scheduling those the host read while the block to verify was still being drafted,
+otherwise the block before the slots' current one. The device then splits B over the rows by rank of the
+newest confidences (`serving.speculative.admit`): a pair is outranked only by pairs of higher survival, none of
+which depends on its own draft.
 """
 
 from __future__ import annotations
@@ -35,14 +36,12 @@ from jaxtyping import Float, Int
 
 @dataclasses.dataclass
 class Plan:
-    """The next verify step: its bucket width (1 + drafts per row at most), the drafts each row may verify
-    (`caps`, what the device admits from), the total `budget` the device splits by prefix survival, and whether
-    the step drafts the next blocks (False: the no-draft fallback's plain decode)."""
+    """The next verify step: its bucket width (1 + drafts per row at most), the total `budget` of drafts the
+    device splits over the rows by prefix survival, and whether the step drafts the next blocks (False: the
+    no-draft fallback's plain decode)."""
 
     width: int
-    caps: Int[np.ndarray, " r"]
     budget: int
-    expected_tokens: float
     draft: bool = True
 
 
@@ -84,11 +83,11 @@ def prefix_survival(confidence: Float[np.ndarray, "r g"]) -> Float[np.ndarray, "
 
 
 def plan_verify(survival: Float[np.ndarray, "r g"], caps: Int[np.ndarray, " r"], rows_bucket: int,
-                widths: tuple[int, ...], cost: CostTable, early_stop: bool = False) -> Plan:
+                widths: tuple[int, ...], cost: CostTable) -> Plan:
     """The budget maximising expected tokens x steps/s over the compiled `widths` (1 = plain decode, a decode
-    step that does not draft instead where `cost` has width 0); per row the admitted prefix length (at most its
-    cap: drafts past max_tokens / max_len are not worth verifying). `early_stop`: stop at the first pair that
-    lowers the rate (required when `survival` comes from the drafts about to be verified)."""
+    step that does not draft instead where `cost` has width 0), admitting each row's drafts up to its cap
+    (drafts past max_tokens / max_len are not worth verifying). `survival` must not come from the drafts
+    the plan verifies (see the module docstring)."""
     r, g = survival.shape
     caps = np.minimum(np.asarray(caps, np.int64), min(g, max(widths) - 1))
     rows_idx, pos_idx = np.nonzero(np.arange(g)[None, :] < caps[:, None])
@@ -97,12 +96,12 @@ def plan_verify(survival: Float[np.ndarray, "r g"], caps: Int[np.ndarray, " r"],
     rows_idx, pos_idx, values = rows_idx[order], pos_idx[order], values[order]
     need = np.maximum.accumulate(pos_idx + 2) if len(order) else pos_idx  # width after admitting each pair
     fallback = (rows_bucket, 0) in cost
-    best = Plan(1, np.zeros(r, np.int64), 0, float(r), draft=not fallback)
+    best = Plan(1, 0, draft=not fallback)
     best_rate = r / cost(rows_bucket, 0 if fallback else 1)
     verify_costs = [cost(rows_bucket, w) for w in widths if w >= 2]
     if not verify_costs or (r + values.sum()) / min(verify_costs) <= best_rate:
         return best  # not even every draft at the cheapest verify bucket beats plain decoding
-    gained, last_rate = float(r), best_rate
+    gained = float(r)
     for b in range(len(order)):
         gained += values[b]
         fitting = [w for w in widths if w >= need[b]]
@@ -110,10 +109,7 @@ def plan_verify(survival: Float[np.ndarray, "r g"], caps: Int[np.ndarray, " r"],
             break
         width = fitting[0]
         rate = gained / cost(rows_bucket, width)
-        if early_stop and rate < last_rate:
-            break
-        last_rate = rate
         if rate > best_rate:
             best_rate = rate
-            best = Plan(width, np.bincount(rows_idx[:b + 1], minlength=r).astype(np.int64), b + 1, gained)
+            best = Plan(width, b + 1)
     return best
