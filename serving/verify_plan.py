@@ -28,7 +28,9 @@ which depends on its own draft.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import statistics
 
 import numpy as np
 from jaxtyping import Float, Int
@@ -47,15 +49,17 @@ class Plan:
 
 class CostTable:
     """Seconds per step of each compiled (rows, width) decode / verify bucket (width 0: a decode step that does
-    not draft, where the no-draft fallback is on): profiled at start-up, then
-    replaced by an exponential moving average of the observed periods of steady iterations that ran it (host
-    work included); a bucket not yet observed is its profiled time plus the mean gap between observed and
-    profiled times."""
+    not draft, where the no-draft fallback is on): profiled at start-up, then the median of the last `window`
+    observed periods of steady iterations that ran it (host work included; a median, because one slow
+    iteration would otherwise keep a rarely chosen bucket out of the plans, and with it out of the
+    observations); a bucket not yet observed is its profiled time plus the mean gap between observed and
+    profiled times. `window` 0: observations are ignored."""
 
-    def __init__(self, seconds: dict[tuple[int, int], float], smoothing: float = 0.2):
+    def __init__(self, seconds: dict[tuple[int, int], float], window: int = 9):
         if not seconds or min(seconds.values()) <= 0:
             raise ValueError("a cost table needs a positive time for every bucket")
-        self.profiled, self.smoothing = dict(seconds), smoothing
+        self.profiled, self.window = dict(seconds), window
+        self.periods: dict[tuple[int, int], collections.deque] = {}
         self.observed: dict[tuple[int, int], float] = {}
 
     @property
@@ -72,9 +76,10 @@ class CostTable:
 
     def observe(self, rows: int, width: int, period: float) -> None:
         """A steady iteration of bucket (rows, width) took `period` seconds."""
-        if (rows, width) in self.profiled:
-            before = self(rows, width)
-            self.observed[rows, width] = before + self.smoothing * (period - before)
+        if (rows, width) in self.profiled and self.window:
+            periods = self.periods.setdefault((rows, width), collections.deque(maxlen=self.window))
+            periods.append(period)
+            self.observed[rows, width] = statistics.median(periods)
 
 
 def prefix_survival(confidence: Float[np.ndarray, "r g"]) -> Float[np.ndarray, "r g"]:
