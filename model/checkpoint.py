@@ -38,6 +38,7 @@ _HF_RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.we
                "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
 _HF_KV_NORM = re.compile(r"^((?:mtp|layers)\.\d+)\.attn\.norm\.weight$")
 _SHARED_COPY = re.compile(r"mtp\.\d+\.(embed|head)\.weight")
+_DSPARK_PART = re.compile(r"^mtp\.\d+\.(main_proj|main_norm|markov_head|confidence_head)\.")
 
 
 class CheckpointError(ValueError):
@@ -134,9 +135,21 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _drop_missing_mtp(config: ModelConfig, tensors: dict) -> ModelConfig:
-    """HF-saved checkpoints carry no `mtp.*` tensors: load them without MTP blocks (with a warning)."""
+    """Load without MTP blocks (with a warning) a V4 checkpoint that has none: HF-saved checkpoints carry no
+    `mtp.*` tensors, and V4-Flash-0731's `mtp.*` are a DSpark drafter instead (`main_proj`, `markov_head`,
+    `confidence_head`, ...), whose layers' math for a V4 target is not documented; its tensors are dropped
+    from `tensors`, and the target runs without speculation."""
+    drafter = sorted(n for n in tensors if _DSPARK_PART.match(n))
+    if drafter:
+        mtp = [n for n in tensors if n.startswith("mtp.")]
+        warnings.warn(f"skipping the checkpoint's DSpark drafter ({len(mtp)} mtp.* tensors, e.g. {drafter[0]}): "
+                      "DSpark drafters load for V4.1 targets only; this V4 model runs without speculation",
+                      stacklevel=3)
+        for name in mtp:
+            del tensors[name]
     if config.num_nextn_predict_layers and not any(n.startswith("mtp.") for n in tensors):
-        warnings.warn("checkpoint has no mtp.* tensors; loading without MTP blocks", stacklevel=3)
+        if not drafter:
+            warnings.warn("checkpoint has no mtp.* tensors; loading without MTP blocks", stacklevel=3)
         n = config.num_hidden_layers
         return dataclasses.replace(config, num_nextn_predict_layers=0, compress_ratios=config.compress_ratios[:n])
     return config
