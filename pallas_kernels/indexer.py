@@ -28,7 +28,7 @@ def visible_index_scores(
     t = keys.shape[1]
     if t == 0:  # no complete window yet
         return jnp.zeros((b, c, 0), jnp.float32)
-    bt = min(tuning.tiles().index_block_t, t)
+    bt = min(tuning.tiles().index_block_t, tuning.next_pow2(t))  # Triton: blocks of 2^k; the last one is masked
     tq = tuning.fit(QUERY_BLOCK, c)
     kernel = functools.partial(_kernel, queries=tq, block_t=bt, scale=d ** -0.5 * h ** -0.5)
     return pl.pallas_call(

@@ -4,16 +4,105 @@ Unused pool rows, unchosen experts and unread pages hold NaN, so a kernel that r
 shows NaN in its output; the references see zeros there.
 """
 
+import contextlib
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
+from jax.experimental import pallas as pl
+from jax.extend import core as jax_core
 
 from pallas_kernels import hyper, indexer, moe, registry, sparse_attention, tuning
 
 pytestmark = pytest.mark.kernels
 ON_GPU = jax.default_backend() == "gpu"
 TOL = 2e-2 if ON_GPU else 1e-5  # compiled GPU kernels use tensor-core (tf32 / bf16) matmuls
+
+
+@contextlib.contextmanager
+def out_of_bounds_indexing():
+    """Inside: each `pallas_call` (interpret mode) runs under `checkify` index checks and appends to the yielded
+    list every gather or slice its kernel makes outside an array. Interpret mode clamps such an index silently;
+    a GPU reads or writes another buffer, or faults. JAX has no checkify rule for `pallas_call`: the one set here
+    checks the interpreter's own evaluation of the kernel (private JAX modules, test-only)."""
+    from jax._src import checkify as checkify_rules
+    from jax._src.pallas import hlo_interpreter
+    from jax._src.pallas.pallas_call import pallas_call_p
+
+    def rule(ctx, error, enabled_errors, *args, interpret, **params):
+        interpreted = jax.make_jaxpr(functools.partial(hlo_interpreter.pallas_call_hlo_interpret, **params))(*args)
+        return checkify_rules.checkify_jaxpr(ctx, interpreted, enabled_errors, error, *args)
+
+    errors = []
+    pallas_call = pl.pallas_call
+
+    def checked_pallas_call(*args, **kwargs):
+        call = pallas_call(*args, **kwargs)
+
+        def run(*operands):
+            error, out = checkify.checkify(call, errors=checkify.index_checks)(*operands)
+            jax.debug.callback(lambda e: errors.append(f"{kwargs.get('name')}: {e.get()}") if e.get() else None,
+                               error)
+            return out
+
+        return run
+
+    checkify_rules.error_checks[pallas_call_p] = rule
+    pl.pallas_call = checked_pallas_call
+    try:
+        yield errors
+    finally:
+        pl.pallas_call = pallas_call
+        del checkify_rules.error_checks[pallas_call_p]
+
+
+@pytest.fixture
+def in_bounds():
+    """Fails the test if a kernel it runs indexes outside an array (`out_of_bounds_indexing`); on a GPU, where
+    the kernels are compiled, a no-op."""
+    if ON_GPU:
+        yield
+        return
+    with out_of_bounds_indexing() as errors:
+        yield
+    assert not errors, errors
+
+
+def _inner_jaxprs(eqn):
+    for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+            if isinstance(sub, (jax_core.Jaxpr, jax_core.ClosedJaxpr)):
+                yield getattr(sub, "jaxpr", sub)
+
+
+def _kernel_bodies(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn.params["name"], eqn.params["jaxpr"]
+        else:
+            for inner in _inner_jaxprs(eqn):
+                yield from _kernel_bodies(inner)
+
+
+def _values(jaxpr):
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield eqn.primitive.name, var.aval
+        for inner in _inner_jaxprs(eqn):
+            yield from _values(inner)
+
+
+def values_triton_rejects(variant: str, fn, *args) -> list[tuple[str, str, tuple]]:
+    """(kernel, primitive, shape) of every array a kernel body computes (loads, gathers, intermediates, at any
+    depth of control flow) whose size is not a power of two per dimension, traced for GPU variant `variant`.
+    Pallas' Triton lowering rejects such loads / stores, and Triton itself any such tensor."""
+    with tuning.target(variant):
+        traced = jax.make_jaxpr(fn)(*args)
+    return [(name, prim, aval.shape) for name, body in _kernel_bodies(traced.jaxpr) for prim, aval in _values(body)
+            if isinstance(aval, jax.core.ShapedArray) and any(d & (d - 1) for d in aval.shape)]
 
 
 def close(actual, expected, tol=TOL):
@@ -48,14 +137,14 @@ def attention_case(rng, b, c, h, d, n_window, n_entries, k_picks, nan=True):
 
 
 @pytest.mark.parametrize("c", [1, 3, 12])  # decode, decode with MTP (gamma + 1 = 3), prefill
-def test_sparse_attention_equals_reference(c):
+def test_sparse_attention_equals_reference(c, in_bounds):
     rng = np.random.default_rng(c)
     q, pool_nan, pool, ids, valid, sink = attention_case(rng, 2, c, 4, 16, 9, 14, 7)
     expected = sparse_attention.sink_attention_reference(q, pool, ids, valid, sink)
     close(sparse_attention.sink_attention(q, pool_nan, ids, valid, sink), expected)
 
 
-def test_sparse_attention_rows_with_nothing_visible_give_zero():
+def test_sparse_attention_rows_with_nothing_visible_give_zero(in_bounds):
     rng = np.random.default_rng(0)
     q, pool_nan, pool, ids, valid, sink = attention_case(rng, 1, 2, 4, 16, 5, 6, 5)
     valid = valid.at[:, 1].set(False)
@@ -64,7 +153,7 @@ def test_sparse_attention_rows_with_nothing_visible_give_zero():
     assert float(jnp.abs(out[:, 1]).max()) == 0.0
 
 
-def test_sparse_attention_under_vmap_per_row():
+def test_sparse_attention_under_vmap_per_row(in_bounds):
     """The engine runs the attention core per row under vmap: the kernel batches."""
     rng = np.random.default_rng(1)
     q, pool_nan, pool, ids, valid, sink = attention_case(rng, 3, 2, 4, 16, 7, 9, 5)
@@ -76,7 +165,7 @@ def test_sparse_attention_under_vmap_per_row():
 
 
 @pytest.mark.parametrize("c", [1, 12])
-def test_hca_attention_reads_only_visible_entries(c):
+def test_hca_attention_reads_only_visible_entries(c, in_bounds):
     """Window edges and HCA prefixes: 0 visible entries, a partial block, all of them; the rest are NaN."""
     rng = np.random.default_rng(10 + c)
     n_window, n_entries = 9, 11
@@ -96,7 +185,7 @@ def test_hca_attention_reads_only_visible_entries(c):
 
 
 @pytest.mark.parametrize("c", [1, 6])
-def test_index_scores_equal_reference(c):
+def test_index_scores_equal_reference(c, in_bounds):
     rng = np.random.default_rng(20 + c)
     b, h, d, t = 2, 4, 16, 21  # t is not a whole number of key blocks
     q = jnp.asarray(rng.normal(size=(b, c, h, d)), jnp.float32)
@@ -136,7 +225,7 @@ def moe_case(rng, t, k, e, d=32, i=48, unused=()):
 
 
 @pytest.mark.parametrize("t,k,e", [(1, 2, 8), (13, 2, 4), (40, 3, 6)])  # decode, ragged groups, more experts
-def test_routed_experts_equal_reference(t, k, e):
+def test_routed_experts_equal_reference(t, k, e, in_bounds):
     rng = np.random.default_rng(t)
     x, ids, weights, ws = moe_case(rng, t, k, e, unused=(e - 1,))  # one expert gets no token
     expected = moe.routed_experts_reference(x, ids, weights, *map(jnp.asarray, ws), 10.0)
@@ -145,7 +234,7 @@ def test_routed_experts_equal_reference(t, k, e):
     close(moe.routed_experts(x, ids, weights, *map(jnp.asarray, ws_nan), 10.0), expected)
 
 
-def test_routed_experts_all_tokens_on_one_expert():
+def test_routed_experts_all_tokens_on_one_expert(in_bounds):
     rng = np.random.default_rng(5)
     x, _, weights, ws = moe_case(rng, 9, 1, 4)
     ids = jnp.full((9, 1), 2, jnp.int32)
@@ -164,7 +253,7 @@ def test_sort_pairs_tiles_hold_one_expert():
 
 
 @pytest.mark.parametrize("shape,given_pre", [((1, 1), False), ((2, 7), False), ((2, 7), True)])
-def test_hc_site_equals_reference(shape, given_pre):
+def test_hc_site_equals_reference(shape, given_pre, in_bounds):
     rng = np.random.default_rng(len(shape) + given_pre)
     n, d = 4, 32
     streams = jnp.asarray(rng.normal(size=(*shape, n, d)), jnp.float32)
@@ -191,6 +280,57 @@ def test_registry_picks_and_forces_implementations():
         registry.set_implementation("triton")
     with pytest.raises(KeyError, match="no kernel operation"):
         registry.op("dense_attention")
+
+
+def test_out_of_bounds_indexing_is_caught():
+    """The `in_bounds` check fails on a valid id past the pool (interpret mode clamps it to the last row)."""
+    q, _, pool, ids, valid, sink = attention_case(np.random.default_rng(2), 1, 1, 4, 16, 5, 6, 5)
+    with out_of_bounds_indexing() as errors:
+        sparse_attention.sink_attention(q, pool, ids.at[0, 0, 0].set(40), valid.at[0, 0, 0].set(True), sink)
+    assert len(errors) == 1 and "index 40 is out of bounds" in errors[0], errors
+
+
+def _triton_cases():
+    """Each kernel at the shapes of the equality tests above, non-power-of-two sizes included."""
+    z = jnp.zeros
+    attn = lambda c: (z((2, c, 4, 16)), z((2, 23, 16)), z((2, c, 16), jnp.int32), z((2, c, 16), bool), z((4,)))  # noqa: E731
+    mhc = lambda shape, pre: (  # noqa: E731
+        lambda s, f, b, sc: hyper.hc_site(s, f, b, sc, pre, 20, 1e-6, 1e-6), (z((*shape, 4, 32)), z((24, 128)), z((24,)), z((3,))))
+    return {
+        "decode attention": (sparse_attention.sink_attention, attn(3)),
+        "prefill attention": (sparse_attention.sink_attention, attn(12)),
+        "hca": (lambda *a: sparse_attention.hca_attention(*a, 9, jnp.arange(12) % 12), attn(12)),
+        "index scores, t=21": (indexer.visible_index_scores, (z((2, 6, 4, 16)), z((2, 21, 16)), z((2, 6, 4)), jnp.arange(6))),
+        "index scores, t=10": (indexer.visible_index_scores, (z((1, 2, 4, 16)), z((1, 10, 16)), z((1, 2, 4)), jnp.arange(2))),
+        "index scores, t=300": (indexer.visible_index_scores, (z((1, 1, 4, 16)), z((1, 300, 16)), z((1, 1, 4)), jnp.arange(1))),
+        "moe": (lambda *a: moe.routed_experts(*a, 10.0),
+                (z((13, 32)), z((13, 2), jnp.int32), z((13, 2)), z((4, 48, 32)), z((4, 32, 48)), z((4, 48, 32)))),
+        "mhc, 1 token": mhc((1, 1), None),
+        "mhc, 14 tokens": mhc((2, 7), None),
+        "mhc, 14 tokens, given pre": mhc((2, 7), z((2, 7, 4))),
+    }
+
+
+@pytest.mark.parametrize("variant", ["sm90", "sm100"])
+def test_kernel_values_are_powers_of_two_for_triton(variant):
+    """Without a GPU: every array the kernel bodies load, compute or store has power-of-two dimensions (what
+    Pallas' Triton lowering requires) at the GPU tile sizes, for sizes that are not."""
+    for name, (fn, args) in _triton_cases().items():
+        assert values_triton_rejects(variant, fn, *args) == [], name
+
+
+def test_v41_model_kernel_values_are_powers_of_two_for_triton():
+    """The same for every kernel call of one tiny V4.1 step (6 tokens on an empty cache), traced for SM90."""
+    from model.api import init_model
+    from model.config import preset
+
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 6))
+    with registry.use("pallas"):
+        model = init_model(preset("tiny-v41"), seed=1)
+        cache = model.init_cache(2, 16)
+        rows, _ = model.engram.lookup(tokens, np.asarray(cache["engram_history"]))
+        assert values_triton_rejects("sm90", model._forward, model.params, jnp.asarray(tokens, jnp.int32), cache,
+                                     rows) == []
 
 
 def _lower_for(device_kind: str, variant: str, fn, *args) -> str:
