@@ -291,18 +291,26 @@ def test_out_of_bounds_indexing_is_caught():
 
 
 def _triton_cases():
-    """Each kernel at the shapes of the equality tests above, non-power-of-two sizes included."""
+    """Each kernel at the shapes of the equality tests above, sizes that are not powers of two included."""
     z = jnp.zeros
-    attn = lambda c: (z((2, c, 4, 16)), z((2, 23, 16)), z((2, c, 16), jnp.int32), z((2, c, 16), bool), z((4,)))  # noqa: E731
-    mhc = lambda shape, pre: (  # noqa: E731
-        lambda s, f, b, sc: hyper.hc_site(s, f, b, sc, pre, 20, 1e-6, 1e-6), (z((*shape, 4, 32)), z((24, 128)), z((24,)), z((3,))))
+
+    def attn(c):
+        return z((2, c, 4, 16)), z((2, 23, 16)), z((2, c, 16), jnp.int32), z((2, c, 16), bool), z((4,))
+
+    def index(b, c, t):
+        return z((b, c, 4, 16)), z((b, t, 16)), z((b, c, 4)), jnp.arange(c)
+
+    def mhc(shape, pre):
+        return (lambda s, f, b, sc: hyper.hc_site(s, f, b, sc, pre, 20, 1e-6, 1e-6),
+                (z((*shape, 4, 32)), z((24, 128)), z((24,)), z((3,))))
+
     return {
         "decode attention": (sparse_attention.sink_attention, attn(3)),
         "prefill attention": (sparse_attention.sink_attention, attn(12)),
         "hca": (lambda *a: sparse_attention.hca_attention(*a, 9, jnp.arange(12) % 12), attn(12)),
-        "index scores, t=21": (indexer.visible_index_scores, (z((2, 6, 4, 16)), z((2, 21, 16)), z((2, 6, 4)), jnp.arange(6))),
-        "index scores, t=10": (indexer.visible_index_scores, (z((1, 2, 4, 16)), z((1, 10, 16)), z((1, 2, 4)), jnp.arange(2))),
-        "index scores, t=300": (indexer.visible_index_scores, (z((1, 1, 4, 16)), z((1, 300, 16)), z((1, 1, 4)), jnp.arange(1))),
+        "index scores, t=21": (indexer.visible_index_scores, index(2, 6, 21)),
+        "index scores, t=10": (indexer.visible_index_scores, index(1, 2, 10)),
+        "index scores, t=300": (indexer.visible_index_scores, index(1, 1, 300)),
         "moe": (lambda *a: moe.routed_experts(*a, 10.0),
                 (z((13, 32)), z((13, 2), jnp.int32), z((13, 2)), z((4, 48, 32)), z((4, 32, 48)), z((4, 48, 32)))),
         "mhc, 1 token": mhc((1, 1), None),
@@ -346,7 +354,8 @@ def _lower_for(device_kind: str, variant: str, fn, *args) -> str:
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("device_kind,variant", [("NVIDIA H200", "sm90"), ("NVIDIA B200", "sm100")])
 def test_kernels_lower_to_triton_for_nvidia(device_kind, variant):
-    """Without a GPU: each kernel lowers to a Triton kernel for SM90 and SM100 at V4-like (small) shapes."""
+    """Without a GPU: each kernel lowers to a Triton kernel for SM90 and SM100 at V4-like (small) shapes, the
+    index keys also fewer than a block and not a power of two."""
     z, bf16 = jnp.zeros, jnp.bfloat16
     cases = {
         "decode attention": (sparse_attention.sink_attention,
@@ -357,6 +366,8 @@ def test_kernels_lower_to_triton_for_nvidia(device_kind, variant):
                          z((2, 16, 40), bool), z((16,)))),
         "index scores": (lambda q, k, w: indexer.visible_index_scores(q, k, w, jnp.arange(4)),
                          (z((2, 4, 16, 128)), z((2, 300, 128)), z((2, 4, 16)))),
+        "index scores, 21 keys": (lambda q, k, w: indexer.visible_index_scores(q, k, w, jnp.arange(4)),
+                                  (z((2, 4, 16, 128)), z((2, 21, 128)), z((2, 4, 16)))),
         "moe": (lambda *a: moe.routed_experts(*a, 10.0),
                 (z((40, 256), bf16), z((40, 6), jnp.int32), z((40, 6)), z((8, 128, 256), bf16),
                  z((8, 256, 128), bf16), z((8, 128, 256), bf16))),
