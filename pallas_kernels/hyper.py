@@ -26,26 +26,33 @@ def hc_site(
     *lead, n, d = streams.shape
     tokens = math.prod(lead)
     t = tuning.tiles()
-    tt, dc = t.hc_block_t, tuning.fit(t.hc_block_d, d)
+    tt, dc = min(t.hc_block_t, tuning.next_pow2(tokens)), tuning.fit(t.hc_block_d, d)
+    padded = pl.cdiv(tokens, tt) * tt  # whole tiles: no block runs past an array (zero rows, sliced off)
+
+    def whole_tiles(x):
+        x = x.reshape(tokens, *x.shape[len(lead):])
+        return jnp.pad(x, ((0, padded - tokens),) + ((0, 0),) * (x.ndim - 1))
+
     kernel = functools.partial(_kernel, block_d=dc, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
                                given_pre=collapse_pre is not None)
     rows = lambda i: (i, 0)  # noqa: E731
     in_specs = [pl.BlockSpec((tt, n, d), lambda i: (i, 0, 0)), pl.BlockSpec(fn.shape, lambda i: (0, 0)),
                 pl.BlockSpec(base.shape, lambda i: (0,)), pl.BlockSpec(scale.shape, lambda i: (0,))]
-    args = [streams.reshape(tokens, n, d), fn, base, scale]
+    args = [whole_tiles(streams), fn, base, scale]
     if collapse_pre is not None:
         in_specs.append(pl.BlockSpec((tt, n), rows))
-        args.append(collapse_pre.reshape(tokens, n).astype(jnp.float32))
+        args.append(whole_tiles(collapse_pre.astype(jnp.float32)))
     pre, post, comb, h = pl.pallas_call(
-        kernel, grid=(pl.cdiv(tokens, tt),), in_specs=in_specs,
-        out_shape=(jax.ShapeDtypeStruct((tokens, n), jnp.float32), jax.ShapeDtypeStruct((tokens, n), jnp.float32),
-                   jax.ShapeDtypeStruct((tokens, n * n), jnp.float32),
-                   jax.ShapeDtypeStruct((tokens, d), streams.dtype)),
+        kernel, grid=(padded // tt,), in_specs=in_specs,
+        out_shape=(jax.ShapeDtypeStruct((padded, n), jnp.float32), jax.ShapeDtypeStruct((padded, n), jnp.float32),
+                   jax.ShapeDtypeStruct((padded, n * n), jnp.float32),
+                   jax.ShapeDtypeStruct((padded, d), streams.dtype)),
         out_specs=(pl.BlockSpec((tt, n), rows), pl.BlockSpec((tt, n), rows), pl.BlockSpec((tt, n * n), rows),
                    pl.BlockSpec((tt, d), rows)),
         name="mhc_site", **tuning.call_options(),
     )(*args)
-    return (pre.reshape(*lead, n), post.reshape(*lead, n), comb.reshape(*lead, n, n), h.reshape(*lead, d))
+    return (pre[:tokens].reshape(*lead, n), post[:tokens].reshape(*lead, n), comb[:tokens].reshape(*lead, n, n),
+            h[:tokens].reshape(*lead, d))
 
 
 def _kernel(x_ref, fn_ref, base_ref, scale_ref, *refs, block_d: int, iters: int, hc_eps: float, norm_eps: float,

@@ -93,3 +93,9 @@ def fit(block: int, size: int) -> int:
     while b * 2 <= block and size % (b * 2) == 0:
         b *= 2
     return b
+
+
+def next_pow2(size: int) -> int:
+    """The smallest power of two >= `size` (Triton needs every block and value a power of two per dimension;
+    a block past the array's end is masked on load and store)."""
+    return 1 << max(size - 1, 0).bit_length()

@@ -1,19 +1,120 @@
 """Every Pallas kernel equals its reference (interpret mode on CPU; compiled on a GPU by scripts/gpu_check.sh).
 
 Unused pool rows, unchosen experts and unread pages hold NaN, so a kernel that reads past what it may use
-shows NaN in its output; the references see zeros there.
+shows NaN in its output; the references see zeros there. What interpret mode cannot show is checked apart:
+`triton_problems` (traced for the GPU tiles, on any machine) finds arrays Triton rejects (not powers of two) and
+blocks that run past their arrays; the `in_bounds` fixture finds gathers and slices outside an array.
 """
+
+import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
+from jax.experimental import pallas as pl
+from jax.extend import core as jax_core
 
 from pallas_kernels import hyper, indexer, moe, registry, sparse_attention, tuning
 
 pytestmark = pytest.mark.kernels
 ON_GPU = jax.default_backend() == "gpu"
 TOL = 2e-2 if ON_GPU else 1e-5  # compiled GPU kernels use tensor-core (tf32 / bf16) matmuls
+
+
+@contextlib.contextmanager
+def out_of_bounds_indexing():
+    """Inside: each `pallas_call` (interpret mode) runs under `checkify` index checks and appends to the yielded
+    list every gather or slice its kernel makes outside an array. Interpret mode clamps such an index silently;
+    a GPU reads or writes another buffer, or faults. JAX has no checkify rule for `pallas_call`: the one set here
+    checks the interpreter's own evaluation of the kernel (private JAX modules, test-only)."""
+    from jax._src import checkify as checkify_rules
+    from jax._src.pallas import hlo_interpreter
+    from jax._src.pallas.pallas_call import pallas_call_p
+
+    def rule(ctx, error, enabled_errors, *args, interpret, **params):
+        del interpret  # the interpreter is called directly
+        interpreted = jax.make_jaxpr(functools.partial(hlo_interpreter.pallas_call_hlo_interpret, **params))(*args)
+        return checkify_rules.checkify_jaxpr(ctx, interpreted, enabled_errors, error, *args)
+
+    errors = []
+    pallas_call = pl.pallas_call
+
+    def checked_pallas_call(*args, **kwargs):
+        call = pallas_call(*args, **kwargs)
+
+        def run(*operands):
+            error, out = checkify.checkify(call, errors=checkify.index_checks)(*operands)
+            jax.debug.callback(lambda e: errors.append(f"{kwargs.get('name')}: {e.get()}") if e.get() else None,
+                               error)
+            return out
+
+        return run
+
+    checkify_rules.error_checks[pallas_call_p] = rule
+    pl.pallas_call = checked_pallas_call
+    try:
+        yield errors
+    finally:
+        pl.pallas_call = pallas_call
+        del checkify_rules.error_checks[pallas_call_p]
+
+
+@pytest.fixture
+def in_bounds():
+    """Fails the test if a kernel it runs indexes outside an array (`out_of_bounds_indexing`); on a GPU, where
+    the kernels are compiled, a no-op."""
+    if ON_GPU:
+        yield
+        return
+    with out_of_bounds_indexing() as errors:
+        yield
+    assert not errors, errors
+
+
+def _inner_jaxprs(eqn):
+    for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+            if isinstance(sub, (jax_core.Jaxpr, jax_core.ClosedJaxpr)):
+                yield getattr(sub, "jaxpr", sub)
+
+
+def _kernel_calls(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn.params
+        else:
+            for inner in _inner_jaxprs(eqn):
+                yield from _kernel_calls(inner)
+
+
+def _values(jaxpr):
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield eqn.primitive.name, var.aval
+        for inner in _inner_jaxprs(eqn):
+            yield from _values(inner)
+
+
+def triton_problems(variant: str, fn, *args) -> list[tuple]:
+    """What stops `fn`'s kernels, traced for GPU variant `variant`, from lowering to Triton or from staying in
+    their arrays: every array a kernel body computes (loads, gathers, intermediates, at any depth of control
+    flow) whose dimensions are not all powers of two (Pallas' Triton lowering rejects such loads and stores,
+    Triton any such tensor), and every block that does not divide its array (JAX before 0.12 lowers its loads
+    and stores unmasked, past the array; interpret mode pads such blocks, so interpreted tests never see it)."""
+    with tuning.target(variant):
+        traced = jax.make_jaxpr(fn)(*args)
+    problems = []
+    for call in _kernel_calls(traced.jaxpr):
+        problems += [(call["name"], prim, aval.shape) for prim, aval in _values(call["jaxpr"])
+                     if isinstance(aval, jax.core.ShapedArray) and any(d & (d - 1) for d in aval.shape)]
+        for mapping in call["grid_mapping"].block_mappings:
+            block = tuple(getattr(dim, "block_size", 1) for dim in mapping.block_shape)
+            if any(size % b for size, b in zip(mapping.array_aval.shape, block)):
+                problems.append((call["name"], "block", block, mapping.array_aval.shape))
+    return problems
 
 
 def close(actual, expected, tol=TOL):
@@ -55,7 +156,7 @@ def test_sparse_attention_equals_reference(c):
     close(sparse_attention.sink_attention(q, pool_nan, ids, valid, sink), expected)
 
 
-def test_sparse_attention_rows_with_nothing_visible_give_zero():
+def test_sparse_attention_rows_with_nothing_visible_give_zero(in_bounds):
     rng = np.random.default_rng(0)
     q, pool_nan, pool, ids, valid, sink = attention_case(rng, 1, 2, 4, 16, 5, 6, 5)
     valid = valid.at[:, 1].set(False)
@@ -76,7 +177,7 @@ def test_sparse_attention_under_vmap_per_row():
 
 
 @pytest.mark.parametrize("c", [1, 12])
-def test_hca_attention_reads_only_visible_entries(c):
+def test_hca_attention_reads_only_visible_entries(c, in_bounds):
     """Window edges and HCA prefixes: 0 visible entries, a partial block, all of them; the rest are NaN."""
     rng = np.random.default_rng(10 + c)
     n_window, n_entries = 9, 11
@@ -112,7 +213,7 @@ def test_index_scores_equal_reference(c):
     close(jnp.where(jnp.isneginf(out), 0, out), jnp.where(jnp.isneginf(expected), 0, expected))
 
 
-def test_index_top_k_ties_go_to_the_lower_entry():
+def test_index_top_k_ties_go_to_the_lower_entry(in_bounds):
     """Equal keys give equal scores; both implementations pick the lower entries, and -1 past the visible."""
     from model.compressor import top_visible
 
@@ -145,7 +246,7 @@ def test_routed_experts_equal_reference(t, k, e):
     close(moe.routed_experts(x, ids, weights, *map(jnp.asarray, ws_nan), 10.0), expected)
 
 
-def test_routed_experts_all_tokens_on_one_expert():
+def test_routed_experts_all_tokens_on_one_expert(in_bounds):
     rng = np.random.default_rng(5)
     x, _, weights, ws = moe_case(rng, 9, 1, 4)
     ids = jnp.full((9, 1), 2, jnp.int32)
@@ -193,6 +294,53 @@ def test_registry_picks_and_forces_implementations():
         registry.op("dense_attention")
 
 
+@pytest.mark.skipif(ON_GPU, reason="checks the interpret-mode index check")
+def test_out_of_bounds_indexing_is_caught():
+    """The `in_bounds` check fails on a valid id past the pool (interpret mode clamps it to the last row).
+    Shapes as in the test of rows with nothing visible (compiled once)."""
+    q, _, pool, ids, valid, sink = attention_case(np.random.default_rng(2), 1, 2, 4, 16, 5, 6, 5)
+    with out_of_bounds_indexing() as errors:
+        sparse_attention.sink_attention(q, pool, ids.at[0, 0, 0].set(40), valid.at[0, 0, 0].set(True), sink)
+    assert len(errors) == 1 and "index 40 is out of bounds" in errors[0], errors
+
+
+def _triton_cases():
+    """Each kernel at the shapes of the equality tests above, sizes that are not powers of two included."""
+    z = jnp.zeros
+
+    def attn(c):
+        return z((2, c, 4, 16)), z((2, 23, 16)), z((2, c, 16), jnp.int32), z((2, c, 16), bool), z((4,))
+
+    def index(b, c, t):
+        return z((b, c, 4, 16)), z((b, t, 16)), z((b, c, 4)), jnp.arange(c)
+
+    def mhc(shape, pre):
+        return (lambda s, f, b, sc: hyper.hc_site(s, f, b, sc, pre, 20, 1e-6, 1e-6),
+                (z((*shape, 4, 32)), z((24, 128)), z((24,)), z((3,))))
+
+    return {
+        "decode attention": (sparse_attention.sink_attention, attn(3)),
+        "prefill attention": (sparse_attention.sink_attention, attn(12)),
+        "hca": (lambda *a: sparse_attention.hca_attention(*a, 9, jnp.arange(12) % 12), attn(12)),
+        "index scores, t=21": (indexer.visible_index_scores, index(2, 6, 21)),
+        "index scores, t=10": (indexer.visible_index_scores, index(1, 2, 10)),
+        "index scores, t=300": (indexer.visible_index_scores, index(1, 1, 300)),
+        "moe": (lambda *a: moe.routed_experts(*a, 10.0),
+                (z((13, 32)), z((13, 2), jnp.int32), z((13, 2)), z((4, 48, 32)), z((4, 32, 48)), z((4, 48, 32)))),
+        "mhc, 1 token": mhc((1, 1), None),
+        "mhc, 14 tokens": mhc((2, 7), None),
+        "mhc, 14 tokens, given pre": mhc((2, 7), z((2, 7, 4))),
+    }
+
+
+@pytest.mark.parametrize("variant", ["sm90", "sm100"])
+def test_kernels_fit_triton(variant):
+    """On any machine: at the GPU tile sizes, every array the kernel bodies compute has power-of-two dimensions
+    and every block divides its array (`triton_problems`), for problem sizes that are not powers of two."""
+    for name, (fn, args) in _triton_cases().items():
+        assert triton_problems(variant, fn, *args) == [], name
+
+
 def _lower_for(device_kind: str, variant: str, fn, *args) -> str:
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
@@ -206,7 +354,8 @@ def _lower_for(device_kind: str, variant: str, fn, *args) -> str:
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("device_kind,variant", [("NVIDIA H200", "sm90"), ("NVIDIA B200", "sm100")])
 def test_kernels_lower_to_triton_for_nvidia(device_kind, variant):
-    """Without a GPU: each kernel lowers to a Triton kernel for SM90 and SM100 at V4-like (small) shapes."""
+    """Without a GPU: each kernel lowers to a Triton kernel for SM90 and SM100 at V4-like (small) shapes, the
+    index keys also fewer than a block and not a power of two."""
     z, bf16 = jnp.zeros, jnp.bfloat16
     cases = {
         "decode attention": (sparse_attention.sink_attention,
@@ -217,6 +366,8 @@ def test_kernels_lower_to_triton_for_nvidia(device_kind, variant):
                          z((2, 16, 40), bool), z((16,)))),
         "index scores": (lambda q, k, w: indexer.visible_index_scores(q, k, w, jnp.arange(4)),
                          (z((2, 4, 16, 128)), z((2, 300, 128)), z((2, 4, 16)))),
+        "index scores, 21 keys": (lambda q, k, w: indexer.visible_index_scores(q, k, w, jnp.arange(4)),
+                                  (z((2, 4, 16, 128)), z((2, 21, 128)), z((2, 4, 16)))),
         "moe": (lambda *a: moe.routed_experts(*a, 10.0),
                 (z((40, 256), bf16), z((40, 6), jnp.int32), z((40, 6)), z((8, 128, 256), bf16),
                  z((8, 256, 128), bf16), z((8, 128, 256), bf16))),
@@ -229,8 +380,9 @@ def test_kernels_lower_to_triton_for_nvidia(device_kind, variant):
 
 def test_v41_model_with_pallas_kernels_equals_reference():
     """V4.1 (shared KV, two-level selection, single-pass mHC) through the registry: one 6-token step (the
-    decode form, as MTP verification runs it), Pallas in interpret mode == reference. The prefill form runs
-    in the V4 oracle test with `pallas` (tests/test_parity.py)."""
+    decode form, as MTP verification runs it), Pallas in interpret mode == reference; and the same step traced
+    for SM90 has no `triton_problems` (on the H200, 12 tokens in 16-token mHC tiles wrote past the outputs).
+    The prefill form runs in the V4 oracle test with `pallas` (tests/test_parity.py)."""
     from model.api import init_model
     from model.config import preset
 
@@ -241,3 +393,10 @@ def test_v41_model_with_pallas_kernels_equals_reference():
             model = init_model(preset("tiny-v41"), seed=1)
             logits[impl] = model.step(tokens, model.init_cache(2, 16))[0]
     close(logits["pallas"], logits["reference"], 1e-4)
+
+    model = init_model(preset("tiny-v41"), seed=1)  # a fresh jit: traced for SM90, never run
+    cache = model.init_cache(2, 16)
+    rows, _ = model.engram.lookup(tokens, np.asarray(cache["engram_history"]))
+    with registry.use("pallas"):
+        assert triton_problems("sm90", model._forward, model.params, jnp.asarray(tokens, jnp.int32), cache,
+                               rows) == []
