@@ -31,10 +31,9 @@ def run(model, mode, prompts, params, **kw):
     """Generate with a small engine. DSpark plans with fixed bucket costs under which verifying pays (a
     profiled table would make whether it speculates at all depend on the machine's timing) only with enough
     drafts: the narrowest verify bucket is a cliff, where the paper's stop at the first rate drop would never
-    verify (1 draft per row: (rows + 1) / 1.6 < rows / 1)."""
+    verify (1 draft per row: (rows + 1) / 1.6 < rows / 1). Buckets compile when first used (no `warmup`)."""
     engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
                     speculation=mode, **kw)
-    engine.warmup()
     if mode == "dspark":
         engine.costs = CostTable({(r, w): 1.0 if w < 2 else 1.6 for r in engine.decode_rows
                                   for w in (0, 1) + engine.verify_widths}, window=0)
@@ -93,7 +92,6 @@ def test_sampled_speculation_has_the_target_distribution(model, mode):
     prompt, temperature, n = PROMPTS[0], 0.1, 1500
     engine = Engine(model, max_slots=8, max_len=32, page_tokens=16, prefill_chunk=8, max_prefill_rows=4,
                     speculation=mode, num_drafts=2, zero_overhead=mode == "fixed")
-    engine.warmup()
     if mode == "dspark":
         engine.costs = CostTable({(r, w): 1.0 + 0.02 * max(w - 1, 0) for r in engine.decode_rows
                                   for w in (0, 1, 2, 3)}, window=0)
