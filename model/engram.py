@@ -234,16 +234,20 @@ def table_names(layer: int) -> tuple[str, str]:
     return f"layers.{layer}.engram.embed.weight", f"layers.{layer}.engram.embed.scale"
 
 
-@jax.jit
 def dequantize_rows(
     rows: Shaped[Array, "*idx d"], scales: Shaped[Array, "*idx blocks"] | None
 ) -> Float32[Array, "*idx d"]:
-    """Gathered table rows to float32: FP8 value x 2^(scale byte - 127) per 32 channels (rows as-is unscaled)."""
-    values = rows.astype(jnp.float32)
+    """Gathered table rows to float32: FP8 value x 2^(scale byte - 127) per 32 channels (rows as-is unscaled).
+    jax or numpy arrays in, the same kind out (both exact: FP8 to float32 and power-of-two scales); call it
+    inside a jitted function for jax arrays (`_dequantize_on_device`)."""
+    values = rows.astype(np.float32)
     if scales is None:
         return values
     blocks = values.reshape(*values.shape[:-1], scales.shape[-1], SCALE_BLOCK)
-    return (blocks * scales.astype(jnp.float32)[..., None]).reshape(values.shape)
+    return (blocks * scales.astype(np.float32)[..., None]).reshape(values.shape)
+
+
+_dequantize_on_device = jax.jit(dequantize_rows)
 
 
 def _checked_table(weight, scale):
@@ -277,6 +281,10 @@ class EngramTable(abc.ABC):
     def gather(self, indices: Int[Array, "*idx"] | Int[np.ndarray, "*idx"]) -> Float32[Array, "*idx d"]:
         """Rows `indices` (e.g. [b, s, n_lookups] from `NgramHasher`) as float32 [..., head_dim]."""
 
+    def gather_host(self, indices: Int[np.ndarray, "*idx"]) -> Float32[np.ndarray, "*idx d"]:
+        """`gather` into host memory (the serving engine's step inputs)."""
+        return np.asarray(self.gather(indices))
+
 
 class HostEngramTable(EngramTable):
     """Table in host memory (numpy; may be memory-mapped): rows are gathered on the host and only they are
@@ -292,7 +300,12 @@ class HostEngramTable(EngramTable):
         indices = np.asarray(indices)
         rows = jax.device_put(self.weight[indices], self.device)
         scales = None if self.scale is None else jax.device_put(self.scale[indices], self.device)
-        return dequantize_rows(rows, scales)
+        return _dequantize_on_device(rows, scales)
+
+    def gather_host(self, indices: Int[np.ndarray, "*idx"]) -> Float32[np.ndarray, "*idx d"]:
+        """Gathered and dequantised on the host, with no round trip through the device."""
+        indices = np.asarray(indices)
+        return dequantize_rows(self.weight[indices], None if self.scale is None else self.scale[indices])
 
 
 class DeviceEngramTable(EngramTable):
@@ -388,11 +401,12 @@ class EngramMemory:
         """The look-back history of sequences that have not started."""
         return np.full((batch, self.hasher.max_ngram_size - 1), DEAD, np.int64)
 
-    def lookup(self, tokens: Int[np.ndarray, "b c"], history: Int[np.ndarray, "b n1"]):
-        """(rows per Engram layer [b, c, n_lookups, head_dim] on the device, the history after this chunk)."""
+    def lookup(self, tokens: Int[np.ndarray, "b c"], history: Int[np.ndarray, "b n1"], on_host: bool = False):
+        """(rows per Engram layer [b, c, n_lookups, head_dim] on the device, or in host memory with `on_host`,
+        the history after this chunk)."""
         canonical = self.token_map[np.asarray(tokens)]
         indices = self.hasher(canonical, history)
-        rows = tuple(table.gather(idx) for table, idx in zip(self.tables, indices))
+        rows = tuple((table.gather_host if on_host else table.gather)(idx) for table, idx in zip(self.tables, indices))
         return rows, self.hasher.next_history(canonical, history)
 
     def advance(self, tokens: Int[np.ndarray, "b c"], history: Int[np.ndarray, "b n1"]) -> Int[np.ndarray, "b n1"]:

@@ -543,11 +543,11 @@ class Engine:
             request.engram_history = self.engram.advance(np.array([before], np.int64),
                                                          self.engram.empty_history(1))
         tokens = [request.output[-1]] + request.drafts[:row.caps] if row.from_prev else row.tokens
-        rows, history = self.engram.lookup(np.array([tokens]), request.engram_history)
+        rows, history = self.engram.lookup(np.array([tokens]), request.engram_history, on_host=True)
         if not row.from_prev:
             request.engram_history = history
         for layer_rows, looked_up in zip(batch.engram_rows, rows):
-            layer_rows[i, :len(tokens)] = np.asarray(looked_up)[0]
+            layer_rows[i, :len(tokens)] = looked_up[0]
 
     def _read(self, dispatched) -> list[RequestOutput]:
         """Apply the results of dispatched steps to their requests; returns those that finished."""
