@@ -52,8 +52,8 @@ class CostTable:
     not draft, where the no-draft fallback is on): profiled at start-up, then the median of the last `window`
     observed periods of steady iterations that ran it (host work included; a median, because one slow
     iteration would otherwise keep a rarely chosen bucket out of the plans, and with it out of the
-    observations); a bucket not yet observed is its profiled time plus the mean gap between observed and
-    profiled times. `window` 0: observations are ignored."""
+    observations); a bucket observed fewer than 3 times is its profiled time plus the median gap between
+    observed and profiled times. `window` 0: observations are ignored."""
 
     def __init__(self, seconds: dict[tuple[int, int], float], window: int = 9):
         if not seconds or min(seconds.values()) <= 0:
@@ -64,9 +64,9 @@ class CostTable:
 
     @property
     def offset(self) -> float:
-        """Mean observed minus profiled seconds over the observed buckets (0 before any observation)."""
+        """Median observed minus profiled seconds over the observed buckets (0 before any observation)."""
         gaps = [self.observed[b] - self.profiled[b] for b in self.observed]
-        return sum(gaps) / len(gaps) if gaps else 0.0
+        return statistics.median(gaps) if gaps else 0.0
 
     def __contains__(self, bucket: tuple[int, int]) -> bool:
         return bucket in self.profiled
@@ -79,7 +79,8 @@ class CostTable:
         if (rows, width) in self.profiled and self.window:
             periods = self.periods.setdefault((rows, width), collections.deque(maxlen=self.window))
             periods.append(period)
-            self.observed[rows, width] = statistics.median(periods)
+            if len(periods) >= 3:  # the median of 3 rejects one slow iteration
+                self.observed[rows, width] = statistics.median(periods)
 
 
 def prefix_survival(confidence: Float[np.ndarray, "r g"]) -> Float[np.ndarray, "r g"]:

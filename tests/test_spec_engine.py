@@ -134,6 +134,8 @@ def test_planner_trades_expected_tokens_against_bucket_cost():
     assert abs(costly(1, 1) - 21) < 0.01 and abs(costly(1, 6) - 30) < 0.01
     costly.observe(1, 1, 500.0)  # one slow iteration (a pause of the host) does not move the estimate
     assert abs(costly(1, 1) - 21) < 0.01
+    costly.observe(1, 2, 500.0)  # nor a bucket's first observations
+    assert abs(costly(1, 2) - 30) < 0.01
     assert plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), costly).width > 1
 
 
