@@ -16,8 +16,9 @@ comparisons the issue asks for (`verified_reduction` of DSpark against fixed, `a
 
 Requests: the fixed prompts below, sampled at `--temperature` (default 1.0, what the drafter was trained and
 calibrated for) with per-request seeds, `ignore_eos`, `--max-tokens` new tokens. Batch 1 runs the requests one
-at a time, batch 16 all at once, on the same 16-slot engine (one compilation per mode). The bundled model has Engram layers, so the engine reads every
-step before dispatching the next (zero-overhead scheduling off) and DSpark plans with fresh confidences.
+at a time, batch 16 all at once, on the same 16-slot engine (one compilation per mode). The bundled model has
+Engram layers, so the engine reads every step before dispatching the next (zero-overhead scheduling off) and
+DSpark plans its budget with the confidences of the block before the verified one.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def run(model, mode: str, prompts: list[list[int]], b1_requests: int, args) -> d
               "verified_per_step_b1": round(metrics_b1["verified_per_step"], 4),
               "tok_s_b1": round(tok_s_b1, 1), "tok_s_b16": round(tok_s_b16, 1), "warmup_s": round(warmup_s, 1)}
     if engine.costs is not None:
-        result["profiled_ms"] = {f"{r}x{w}": round(t * 1e3, 3) for (r, w), t in sorted(engine.costs.profiled.items())}
-        result["observed_ms"] = {f"{r}x{w}": round(t * 1e3, 3) for (r, w), t in sorted(engine.costs.observed.items())}
+        for name, table in (("profiled_ms", engine.costs.profiled), ("observed_ms", engine.costs.observed)):
+            result[name] = {f"{r}x{w}": round(t * 1e3, 3) for (r, w), t in sorted(table.items())}
     return result
 
 

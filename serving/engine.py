@@ -384,9 +384,9 @@ class Engine:
 
     def _observe_period(self, dispatched, finished: list) -> None:
         """Correct the DSpark cost table with the period of steady decode iterations (no prefill step and no
-        request finishing in this or the previous iteration: a finishing request's bookkeeping, e.g. filing
-        its pages in the prefix cache, is no cost of the bucket, and the narrower buckets often run only in a
-        request's last step): what a decode / verify step really costs, host work included."""
+        request finishing in this or the previous iteration: a finishing request's bookkeeping is no cost of
+        the bucket, and the narrower buckets often run only in a request's last step): what a decode / verify
+        step really costs, host work included."""
         now = time.perf_counter()
         steady = len(dispatched) == 1 and dispatched[0][2][1] == dispatched[0][2][2] and not finished
         if self.costs is not None and steady and self._steady_since is not None:
