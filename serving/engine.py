@@ -17,9 +17,12 @@ before the hit's end, replaying enough tokens to rebuild its window state exactl
 evicted pages may wait in a host-memory tier.
 
 Structured outputs (`add_request(..., constraint=)`): a constrained request's rows carry packed token masks that
-the compiled step applies before sampling and verification. A mask depends on every token before it, so before
-dispatching a step with a constrained request whose tokens are still in flight the host reads them first
-(zero-overhead scheduling pauses while such requests decode). A verify row gets one mask per position; the
+the compiled step applies before sampling and verification. A mask depends on every token before it, so decode
+and verify buckets are compiled in two halves (`serving.step.StepHalves`): a step with constrained rows launches
+its forward half, then the host reads the previous step, fills the masks while the device runs the forward, and
+launches the decide half (sampling, verification, drafting); zero-overhead scheduling carries on. (With
+`jump_forward`, whose forced tokens are scheduled, and on a mesh, which runs whole steps, the host reads a
+constrained request's tokens in flight before scheduling.) A verify row gets one mask per position; the
 matcher takes the drafts tentatively and settles on the number the device accepted. A draft the grammar refuses
 has probability 0 under its mask, so verification rejects it and draws from the residual; its row is not cut
 short before it, since whether a draft is verified must not depend on the draft (a sampled row would then lose
@@ -38,6 +41,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import llguidance as llg
@@ -55,7 +59,7 @@ from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
-from serving.step import DrafterSpec, StepBatch, build_step, compile_step, empty_batch
+from serving.step import CompiledHalves, DrafterSpec, Forwarded, StepBatch, build_step_halves, compile_step, empty_batch
 from serving.verify_plan import CostTable, plan_verify, prefix_survival
 from sharding.engine_dp import DataParallel
 
@@ -67,6 +71,16 @@ def powers_of_two(limit: int) -> tuple[int, ...]:
     """1, 2, 4, ... up to and including `limit` (which is added if not a power of two)."""
     out = [1 << i for i in range(limit.bit_length()) if 1 << i < limit]
     return tuple(out + [limit])
+
+
+class _Forwarding(NamedTuple):
+    """A decode / verify step whose forward half runs on the device, its decide half waiting for token masks."""
+
+    rows: list[Row]
+    bucket: tuple[int, int, int]
+    batch: StepBatch
+    executable: CompiledHalves
+    forwarded: Forwarded
 
 
 class Engine:
@@ -181,8 +195,8 @@ class Engine:
         empty = module.init_cache(1, self.layout.pages_per_slot * self.layout.page_tokens, self.layout.ring)
         spec = None if drafter is None else DrafterSpec(drafter.graphdef, jax.tree.structure(drafter.params),
                                                          draft_module.init_state(1), drafter.config.target_layer_ids)
-        self._step_fn = build_step(model.graphdef, jax.tree.structure(model.params), empty["layers"],
-                                   self.layout.page_tokens, num_top_logprobs, return_logits, spec, self.replay)
+        self._halves = build_step_halves(model.graphdef, jax.tree.structure(model.params), empty["layers"],
+                                         self.layout.page_tokens, num_top_logprobs, return_logits, spec, self.replay)
         self.compiled: dict[tuple[int, int, int], Callable] = {}
         self.costs: CostTable | None = None  # DSpark: seconds per decode / verify bucket (`profile`)
         self._steady_since: float | None = None  # end of the last iteration that ran no prefill step
@@ -198,7 +212,11 @@ class Engine:
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "decode_rows": 0, "verified": 0,
                       "accepted": 0, "verified_at": np.zeros(self.num_drafts, np.int64),
                       "accepted_at": np.zeros(self.num_drafts, np.int64), "calibration_abs": 0.0,
-                      "calibration_n": 0, "grammar_seconds": 0.0, "nodraft_steps": 0}
+                      "calibration_n": 0, "nodraft_steps": 0, "grammar_seconds": 0.0,  # filling masks
+                      "grammar_commit_seconds": 0.0, "grammar_exposed_seconds": 0.0,  # the device may wait for
+                      "masked_during_forward": 0}  # decode steps whose masks were filled while the forward ran
+        self._forward_in_flight = False  # a forward half runs while the host reads the previous step
+        self._overlapped = 0.0  # commit seconds spent while a forward half ran
 
     # ---- compilation --------------------------------------------------------------------------------------
     def buckets(self) -> list[tuple[int, int, int]]:
@@ -246,12 +264,14 @@ class Engine:
         if bucket not in self.compiled:
             rows, width, verify_len = bucket
             if self.data_parallel is not None:
-                self.compiled[bucket] = self.data_parallel.compile(self._step_fn, self.weights, self.cache, rows,
-                                                                   width, verify_len, self._engram_shapes())
+                self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache,
+                                                                   rows, width, verify_len, self._engram_shapes())
                 return self.compiled[bucket]
-            self.compiled[bucket] = compile_step(self._step_fn, self.weights, self.cache,
-                                                 empty_batch(self.layout, rows, width, self._engram_shapes(),
-                                                             verify_len), verify_len)
+            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len)
+            if width == verify_len:  # a decode / verify bucket: in halves, for masks filled during the forward
+                self.compiled[bucket] = CompiledHalves(self._halves, self.weights, self.cache, batch, verify_len)
+            else:
+                self.compiled[bucket] = compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)
         return self.compiled[bucket]
 
     def _prefix_cache(self, enabled: bool | None, replay: int | None, host_pages: int,
@@ -359,8 +379,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: dispatch the next steps, then read the previous ones; returns requests finished."""
         finished = []
-        if any(r.grammar is not None and r.in_flight for r in self.scheduler.running):
-            finished, self.pending = self._read(self.pending), []  # its next masks follow the tokens in flight
+        if (self.jump_forward or self.data_parallel is not None) and any(
+                r.grammar is not None and r.in_flight for r in self.scheduler.running):
+            finished, self.pending = self._read(self.pending), []  # forced tokens / masks need the tokens in flight
         try:
             decode, prefill = self.scheduler.schedule(in_flight=bool(self.pending))
         except NeedsFlush:
@@ -368,14 +389,20 @@ class Engine:
             self.pending = []
             decode, prefill = self.scheduler.schedule(in_flight=False)
         finished, self._cancelled = finished + self._cancelled, []
-        dispatched = [self._dispatch_decode(decode)] if decode else []
+        decoding = self._dispatch_decode(decode) if decode else None
+        dispatched = []
         if prefill:
             width = next(t for t in self.prefill_tokens if t >= max(len(r.tokens) for r in prefill))
             dispatched.append(self._dispatch(prefill, self.prefill_rows, width, 1))
         if self.data_parallel is not None:  # expert loads and EPLB between iterations
             self.weights = self.data_parallel.after_step(self.weights, self.stats)
         if self.zero_overhead:
-            finished += self._read(self.pending)
+            self._forward_in_flight = isinstance(decoding, _Forwarding)
+            finished += self._read(self.pending)  # the constrained rows' previous tokens, for their masks
+            self._forward_in_flight = False
+        if decoding is not None:
+            dispatched.insert(0, self._decide(decoding) if isinstance(decoding, _Forwarding) else decoding)
+        if self.zero_overhead:
             self.pending = dispatched
         else:
             finished += self._read(dispatched)
@@ -434,7 +461,7 @@ class Engine:
         for row, cap in zip(rows, caps):
             row.caps = int(min(cap, width - 1))
         self._nodraft_streak, self._probe_interval = 0, self.probe_every
-        return self._dispatch(rows, self.decode_rows, width, width, budget)
+        return self._dispatch(rows, self.decode_rows, width, width, budget, decoding=True)
 
     def _planning_confidence(self, request: Request) -> list[float]:
         """The confidences DSpark plans a row's budget with: those of a block older than the one it verifies (a
@@ -459,18 +486,22 @@ class Engine:
                 self._probe_interval = min(2 * self._probe_interval, 8 * self.probe_every)
         if draft:
             self._nodraft_streak = 0
-        return self._dispatch(rows, self.decode_rows, 1, 1, draft=draft)
+        return self._dispatch(rows, self.decode_rows, 1, 1, draft=draft, decoding=True)
 
     def _dispatch(self, rows: list[Row], row_buckets: tuple[int, ...], width: int, verify_len: int,
-                  budget: int | None = None, draft: bool = True):
+                  budget: int | None = None, draft: bool = True, decoding: bool = False):
         """Build the batch of a bucket, launch its compiled step (async) and do the host bookkeeping; a verify
         bucket's rows split `budget` drafts (default: every row verifies its cap); `draft` False: a decode
-        step whose drafter does not draft (the no-draft fallback)."""
+        step whose drafter does not draft (the no-draft fallback). A decode / verify step (`decoding`) with
+        constrained rows launches only its forward half: `_decide` fills the masks and launches the rest."""
         dp = self.data_parallel
         per_rank = len(rows) if dp is None else dp.rows_per_rank(rows)
         bucket = (next(r for r in row_buckets if r >= per_rank), width, verify_len)
-        batch = self._batch(rows, bucket[0] if dp is None else len(rows), width, verify_len,
-                            budget)._replace(draft=np.asarray(draft))
+        executable = self._executable(bucket)
+        later = decoding and isinstance(executable, CompiledHalves) and any(
+            row.sample and row.request.grammar is not None for row in rows)
+        batch = self._batch(rows, bucket[0] if dp is None else len(rows), width, verify_len, budget,
+                            masks=not later)._replace(draft=np.asarray(draft))
         if dp is not None:
             batch = dp.place(batch, rows, bucket[0], width, verify_len, self._engram_shapes())
         for row in rows:
@@ -478,7 +509,10 @@ class Engine:
                 if row.restore is not None:
                     self.device_pages.restore(row.request.slot, row.restore)
                 self.device_pages.start_prompt(row.request.slot, row.request.prompt[:row.start])
-        outputs, self.cache = self._executable(bucket)(self.weights, self.cache, batch)
+        if later:
+            forwarded, self.cache = executable.forward(self.weights, self.cache, batch)
+        else:
+            outputs, self.cache = executable(self.weights, self.cache, batch)
         if width == verify_len:
             self._cost_key = (bucket[0], width if draft else 0)
         self.stats["nodraft_steps"] += not draft
@@ -497,12 +531,32 @@ class Engine:
                     request.in_flight.append(1)
                 self.stats["prefill_tokens"] += len(row.tokens)
         self.stats["steps"] += 1
+        if later:
+            return _Forwarding(rows, bucket, batch, executable, forwarded)
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
         return rows, outputs, bucket
 
-    def _batch(self, rows: list[Row], num_rows: int, width: int, verify_len: int, budget: int | None) -> StepBatch:
+    def _decide(self, step: _Forwarding):
+        """Fill the token masks of a step whose forward half runs (its rows' previous tokens are read by now)
+        and launch its decide half. Mask work the device may have waited for counts as exposed
+        (`stats["grammar_exposed_seconds"]`): all of it if the forward had finished when the masks were ready."""
+        filled = self.stats["grammar_seconds"]
+        bitmask = self._bitmask(step.rows, step.batch.bitmask)
+        self.stats["masked_during_forward"] += 1
+        if step.forwarded.picked.is_ready():
+            self.stats["grammar_exposed_seconds"] += self.stats["grammar_seconds"] - filled + self._overlapped
+        self._overlapped = 0.0
+        outputs, self.cache = step.executable.decide(self.weights, self.cache, step.batch._replace(bitmask=bitmask),
+                                                     step.forwarded)
+        jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
+        return step.rows, outputs, step.bucket
+
+    def _batch(self, rows: list[Row], num_rows: int, width: int, verify_len: int, budget: int | None,
+               masks: bool = True) -> StepBatch:
+        """The step's host inputs; `masks` False: the token masks are left all allowed (`_decide` fills them)."""
         b = empty_batch(self.layout, num_rows, width, self._engram_shapes(), verify_len)
-        b = b._replace(bitmask=self._bitmask(rows, b.bitmask))
+        if masks:
+            b = b._replace(bitmask=self._bitmask(rows, b.bitmask))
         for i, row in enumerate(rows):
             n = len(row.tokens)
             if self.engram is not None:
@@ -570,7 +624,7 @@ class Engine:
                 if out.next_drafts.shape[1] and out.drafted:
                     request.prior_confidence = request.confidence
                     request.drafts, request.confidence = out.next_drafts[i].tolist(), out.next_confidence[i].tolist()
-                complete = request.grammar is not None and self._advance_grammar(request.grammar, out, i, accepted)
+                complete = request.grammar is not None and self._commit(request.grammar, out, i, accepted)
                 for j in range(accepted + 1):
                     self._emit(request, out, i, j)
                     if complete and j == accepted and request.status is not Status.FINISHED:
@@ -584,15 +638,22 @@ class Engine:
                     finished.append(request.result(self.detokenize))
         return finished
 
-    @staticmethod
-    def _advance_grammar(grammar: RequestGrammar, out, i: int, accepted: int) -> bool:
+    def _commit(self, grammar: RequestGrammar, out, i: int, accepted: int) -> bool:
         """Move a constrained request's matcher over row i's emitted tokens (settling a verify row's drafts);
-        whether the output is complete (the constraint admits no further token, or it took an EOS)."""
+        whether the output is complete (the constraint admits no further token, or it took an EOS). Its time
+        is exposed unless a forward half runs meanwhile (then `_decide` judges it)."""
+        start = time.perf_counter()
         tokens = out.tokens[i, :accepted + 1].tolist()
         if grammar.speculating:
             grammar.settle(accepted)
             tokens = tokens[accepted:]
         grammar.accept(tokens)
+        spent = time.perf_counter() - start
+        self.stats["grammar_commit_seconds"] += spent
+        if self._forward_in_flight:
+            self._overlapped += spent
+        else:
+            self.stats["grammar_exposed_seconds"] += spent
         return grammar.finished
 
     def _emit(self, request: Request, out, i: int, j: int) -> None:

@@ -10,7 +10,10 @@ host can dispatch step N+1 before it has read step N, however many drafts step N
 
 A constrained request's rows carry packed token masks (`serving.grammar_mask`), one per verify position,
 applied to the picked logits before anything reads them: sampling, verification (a draft the grammar refuses has
-probability 0 and is always rejected) and the reported logprobs all see the masked distribution.
+probability 0 and is always rejected) and the reported logprobs all see the masked distribution. Since a mask
+follows every token before it, the step comes in two halves (`StepHalves`): `forward` runs the model up to the
+verify positions' logits, `decide` masks, samples or verifies, commits and drafts; the host fills the masks of
+a step while the device runs its forward (the engine compiles decode and verify buckets this way).
 
 With a DSpark drafter the step also verifies (`serving.speculative.verify`: greedy matching or rejection
 sampling), commits the accepted drafts and the final token, and drafts the slot's next block from the target's
@@ -19,6 +22,7 @@ features of the committed positions, all on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -109,22 +113,70 @@ class DrafterSpec(NamedTuple):
     target_layers: tuple[int, ...]
 
 
-def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_top: int, return_logits: bool,
-               drafter: DrafterSpec | None = None, replay: Replay | None = None):
-    """The pure step function `step(weights, cache, batch, verify)` (jit it with the cache donated and `verify`
-    static). `weights` is (the target's flat parameter leaves of tree structure `param_tree`, the drafter's
-    leaves or []): flattening nnx state on every call costs host time. `empty_layers` is a fresh one-row
+class Forwarded(NamedTuple):
+    """What the forward half of a step hands the decide half (device arrays): the verify positions' logits and
+    where they lie, the rows' tokens as run (a verify row's from its slot) and the drafter's target features."""
+
+    picked: Float[Array, "r v vocab"]
+    features: Float[Array, "r t f"]  # the drafter's target-layer features ([r, t, 0] without a drafter)
+    tokens: Int[Array, "r t"]
+    kinds: Int[Array, "r t"]
+    starts: Int[Array, " r"]  # the rows' start positions (a decode / verify row's from its slot)
+    counts: Int[Array, " r"]
+    drafted: Int[Array, " r"]
+    at: Int[Array, "r v"]  # the verify positions in the row
+
+
+class DecideBatch(NamedTuple):
+    """The host-built inputs the decide half reads (a subset of `StepBatch`, so its dispatch moves little)."""
+
+    slots: Int[Array, " r"]
+    starts: Int[Array, " r"]
+    reset: Bool[Array, " r"]
+    sample: Bool[Array, " r"]
+    sampling: SamplingBatch
+    bitmask: Int[Array, "r v words"]
+    draft: Bool[Array, ""]
+
+
+def decide_batch(batch: StepBatch) -> DecideBatch:
+    return DecideBatch(batch.slots, batch.starts, batch.reset, batch.sample, batch.sampling, batch.bitmask,
+                       batch.draft)
+
+
+LAYER_STATE = ("layers", "block_tables")  # the cache entries the forward half updates; the decide half the rest
+
+
+class StepHalves(NamedTuple):
+    """A step in two pure halves, so that a constrained batch's token masks can be filled on the host while the
+    device runs the forward: `forward(target_leaves, cache, batch, verify_len) -> (Forwarded, cache)` and
+    `decide(decide_weights, decided_cache, decide_batch, forwarded, verify_len) -> (StepOutput, decided_cache)`,
+    where `decided_cache` is the cache without `LAYER_STATE` and `decide_weights` is (the target leaves at
+    `head_leaves`, the drafter's leaves). `step` is the two in one."""
+
+    forward: Callable
+    decide: Callable
+    head_leaves: tuple[int, ...]  # the target's embedding and head leaves, which a drafter reads ((): none)
+    step: Callable
+
+
+def build_step_halves(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_top: int,
+                      return_logits: bool, drafter: DrafterSpec | None = None, replay: Replay | None = None
+                      ) -> StepHalves:
+    """The pure step `step(weights, cache, batch, verify)` (jit it with the cache donated and `verify` static)
+    and its two halves (`StepHalves`). `weights` is (the target's flat parameter leaves of tree structure
+    `param_tree`, the drafter's leaves or []): flattening nnx state on every call costs host time. `empty_layers` is a fresh one-row
     state, `page_tokens` the cache layout's page size. `verify` is the bucket's verify length: 1 for prefill and
     decode buckets (each emitting row samples after its last real position), the row width for verify buckets
     (a DSpark drafter is required). An active `replay` (V4.1) bounds each prefill row's replay layers to the
     last `replay.keep` tokens before its `prompt_end`."""
+    state = jax.tree.unflatten(param_tree, list(range(param_tree.num_leaves)))  # leaf indices, by parameter
+    head_leaves = () if drafter is None else (state["embed"]["weight"].value, state["head"]["weight"].value)
 
-    def step(weights: tuple, cache: dict, batch: StepBatch, verify_len: int) -> tuple[StepOutput, dict]:
-        target_leaves, drafter_leaves = weights
+    def forward(target_leaves: list, cache: dict, batch: StepBatch, verify_len: int) -> tuple[Forwarded, dict]:
         module = nnx.merge(graphdef, jax.tree.unflatten(param_tree, target_leaves))
         slots = batch.slots
         rows, width = batch.tokens.shape
-        scratch = cache["last_token"].shape[0] - 1
         cache = {**cache, "block_tables": cache["block_tables"].at[slots].set(batch.block_tables)}
         # materialised before use, so the slot buffers are no longer read when they are updated in place
         states = jax.lax.optimization_barrier(gather_rows(cache, slots, empty_layers, batch.reset))
@@ -158,9 +210,18 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
         # the verify positions: the last drafted + 1 real ones (a prefill or decode row: its last)
         at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
         picked = jnp.take_along_axis(logits, at[:, :, None], axis=1)  # [r, v, vocab]
+        features = taps[0] if drafter is not None else jnp.zeros((rows, width, 0), logits.dtype)
+        return Forwarded(picked, features, tokens, kinds, starts, counts, drafted, at), cache
+
+    def decide(weights: tuple, cache: dict, batch: DecideBatch, fwd: Forwarded, verify_len: int
+               ) -> tuple[StepOutput, dict]:
+        head, drafter_leaves = weights
+        slots, tokens, starts, drafted, at = batch.slots, fwd.tokens, fwd.starts, fwd.drafted, fwd.at
+        rows = tokens.shape[0]
+        scratch = cache["last_token"].shape[0] - 1
         constrained = jnp.any(batch.bitmask != ALL_ALLOWED)  # an unconstrained batch skips the masking
-        picked = jax.lax.cond(constrained, apply_token_bitmask, lambda x, _: x, picked, batch.bitmask)
-        cache, processed = _processed(cache, batch, slots, tokens, kinds, counts, at, picked)
+        picked = jax.lax.cond(constrained, apply_token_bitmask, lambda x, _: x, fwd.picked, batch.bitmask)
+        cache, processed = _processed(cache, batch, slots, tokens, fwd.kinds, fwd.counts, at, picked)
         emitted, accepted, accept_prob = _decide(cache, batch, slots, starts, tokens, drafted, at, processed)
 
         # commit: the accepted drafts and the final token count as outputs; the final token is the slot's last
@@ -179,10 +240,9 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
             dmodule = nnx.merge(drafter.graphdef, jax.tree.unflatten(drafter.param_tree, drafter_leaves))
             dstate = jax.lax.optimization_barrier(gather_slots(cache["drafter"], slots, drafter.empty_state,
                                                                batch.reset))
-            absorbed = jnp.where(batch.sample, at[:, 0] + accepted + 1, counts)
-
-            out = dmodule.serve(module.embed.weight[...], module.head.weight[...], taps[0], tokens, starts,
-                                absorbed, dstate, final, batch.sampling.seed, batch.sampling.temperature, batch.draft)
+            absorbed = jnp.where(batch.sample, at[:, 0] + accepted + 1, fwd.counts)
+            out = dmodule.serve(head[0], head[1], fwd.features, tokens, starts, absorbed, dstate, final,
+                                batch.sampling.seed, batch.sampling.temperature, batch.draft)
             drafted_to = jnp.where(batch.draft, emit, scratch)  # not drafting: the slots keep their old blocks
             cache = {**cache, "drafter": jax.tree.map(lambda leaf, row: leaf.at[slots].set(row), cache["drafter"],
                                                       out.state),
@@ -199,45 +259,61 @@ def build_step(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_t
                           accept_prob, confidence, next_drafts, next_confidence,
                           jnp.asarray(batch.draft) & (drafter is not None)), cache
 
-    def _processed(cache, batch, slots, tokens, kinds, counts, at, picked):
-        """Update the slots' prompt masks and replayed output counts; the processed logits of every verify
-        position, whose output counts include the drafts before it."""
-        rows, width = tokens.shape
-        verify_len, vocab = picked.shape[1], picked.shape[2]
-        scratch = cache["last_token"].shape[0] - 1
-        real = jnp.arange(width)[None, :] < counts[:, None]
-        fresh = jnp.where(batch.reset & (batch.starts == 0), slots, scratch)  # a prefix hit: set by the engine
-        prompt_mask = cache["prompt_mask"].at[fresh].set(False)
-        output_counts = cache["output_counts"].at[fresh].set(0)
-        as_prompt = jnp.where(real & (kinds == PROMPT), slots[:, None], scratch)
-        prompt_mask = prompt_mask.at[as_prompt, tokens].set(True)
-        output_counts = output_counts.at[slots[:, None], tokens].add((real & (kinds == RECOMPUTED)).astype(jnp.int32))
-        counts_at = jnp.broadcast_to(output_counts[slots][:, None], (rows, verify_len, vocab))
-        if verify_len > 1:  # drafts up to each verify position count as its outputs
-            drafts = (jnp.arange(width) <= at[:, :, None]) & (real & (kinds == DRAFT))[:, None, :]
-            counts_at = counts_at.at[jnp.arange(rows)[:, None, None], jnp.arange(verify_len)[None, :, None],
-                                     tokens[:, None, :]].add(drafts.astype(jnp.int32))
-        flat = lambda x: x.reshape(rows * verify_len, *x.shape[2:])  # noqa: E731
-        per_position = jax.tree.map(lambda x: jnp.repeat(x, verify_len, axis=0), batch.sampling)
-        processed = processed_logits(flat(picked), per_position, jnp.repeat(prompt_mask[slots], verify_len, axis=0),
-                                     flat(counts_at))
-        cache = {**cache, "prompt_mask": prompt_mask, "output_counts": output_counts}
-        return cache, processed.reshape(rows, verify_len, vocab)
+    def step(weights: tuple, cache: dict, batch: StepBatch, verify_len: int) -> tuple[StepOutput, dict]:
+        target_leaves, drafter_leaves = weights
+        fwd, cache = forward(target_leaves, cache, batch, verify_len)
+        decided, layer_state = split_cache(cache)
+        out, decided = decide(([target_leaves[i] for i in head_leaves], drafter_leaves), decided,
+                              decide_batch(batch), fwd, verify_len)
+        return out, {**layer_state, **decided}
 
-    def _decide(cache, batch, slots, starts, tokens, drafted, at, processed):
-        """(emitted tokens [r, v], accepted drafts [r], acceptance probabilities [r, v - 1]): a verify bucket
-        verifies its drafts, any other samples one token per row."""
-        rows, verify_len = at.shape
-        positions = starts[:, None] + at + 1  # of the token emitted after each verify position
-        if verify_len == 1:
-            token = draw_tokens(processed[:, 0], batch.sampling, positions[:, 0])
-            return token[:, None], jnp.zeros(rows, jnp.int32), jnp.zeros((rows, 0), jnp.float32)
-        greedy = batch.sampling.temperature < GREEDY_BELOW
-        verdict = verify(processed, tokens[:, 1:verify_len], cache["draft_probs"][slots][:, :verify_len - 1],
-                         drafted, greedy, batch.sampling.seed, positions)
-        return verdict.tokens, verdict.accepted, verdict.accept_prob
+    return StepHalves(forward, decide, head_leaves, step)
 
-    return step
+
+def _processed(cache, batch, slots, tokens, kinds, counts, at, picked):
+    """Update the slots' prompt masks and replayed output counts; the processed logits of every verify
+    position, whose output counts include the drafts before it."""
+    rows, width = tokens.shape
+    verify_len, vocab = picked.shape[1], picked.shape[2]
+    scratch = cache["last_token"].shape[0] - 1
+    real = jnp.arange(width)[None, :] < counts[:, None]
+    fresh = jnp.where(batch.reset & (batch.starts == 0), slots, scratch)  # a prefix hit: set by the engine
+    prompt_mask = cache["prompt_mask"].at[fresh].set(False)
+    output_counts = cache["output_counts"].at[fresh].set(0)
+    as_prompt = jnp.where(real & (kinds == PROMPT), slots[:, None], scratch)
+    prompt_mask = prompt_mask.at[as_prompt, tokens].set(True)
+    output_counts = output_counts.at[slots[:, None], tokens].add((real & (kinds == RECOMPUTED)).astype(jnp.int32))
+    counts_at = jnp.broadcast_to(output_counts[slots][:, None], (rows, verify_len, vocab))
+    if verify_len > 1:  # drafts up to each verify position count as its outputs
+        drafts = (jnp.arange(width) <= at[:, :, None]) & (real & (kinds == DRAFT))[:, None, :]
+        counts_at = counts_at.at[jnp.arange(rows)[:, None, None], jnp.arange(verify_len)[None, :, None],
+                                 tokens[:, None, :]].add(drafts.astype(jnp.int32))
+    flat = lambda x: x.reshape(rows * verify_len, *x.shape[2:])  # noqa: E731
+    per_position = jax.tree.map(lambda x: jnp.repeat(x, verify_len, axis=0), batch.sampling)
+    processed = processed_logits(flat(picked), per_position, jnp.repeat(prompt_mask[slots], verify_len, axis=0),
+                                 flat(counts_at))
+    cache = {**cache, "prompt_mask": prompt_mask, "output_counts": output_counts}
+    return cache, processed.reshape(rows, verify_len, vocab)
+
+
+def _decide(cache, batch, slots, starts, tokens, drafted, at, processed):
+    """(emitted tokens [r, v], accepted drafts [r], acceptance probabilities [r, v - 1]): a verify bucket
+    verifies its drafts, any other samples one token per row."""
+    rows, verify_len = at.shape
+    positions = starts[:, None] + at + 1  # of the token emitted after each verify position
+    if verify_len == 1:
+        token = draw_tokens(processed[:, 0], batch.sampling, positions[:, 0])
+        return token[:, None], jnp.zeros(rows, jnp.int32), jnp.zeros((rows, 0), jnp.float32)
+    greedy = batch.sampling.temperature < GREEDY_BELOW
+    verdict = verify(processed, tokens[:, 1:verify_len], cache["draft_probs"][slots][:, :verify_len - 1],
+                     drafted, greedy, batch.sampling.seed, positions)
+    return verdict.tokens, verdict.accepted, verdict.accept_prob
+
+
+def split_cache(cache: dict) -> tuple[dict, dict]:
+    """(the entries the decide half updates, `LAYER_STATE`) of an engine cache."""
+    return ({k: v for k, v in cache.items() if k not in LAYER_STATE},
+            {k: v for k, v in cache.items() if k in LAYER_STATE})
 
 
 def compile_step(step_fn, weights: tuple, cache: dict, batch: StepBatch, verify_len: int):
@@ -245,3 +321,36 @@ def compile_step(step_fn, weights: tuple, cache: dict, batch: StepBatch, verify_
     spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
     return jax.jit(step_fn, donate_argnums=1, static_argnums=3).lower(
         jax.tree.map(spec, weights), jax.tree.map(spec, cache), jax.tree.map(spec, batch), verify_len).compile()
+
+
+class CompiledHalves:
+    """One bucket's step compiled as its two halves (`StepHalves`): `forward` launches the model, `decide` the
+    masking, sampling / verification and drafting, which may follow later (the host fills the batch's token
+    masks in between, while the device runs the forward); calling it runs both. Neither ever recompiles."""
+
+    def __init__(self, halves: StepHalves, weights: tuple, cache: dict, batch: StepBatch, verify_len: int):
+        spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
+        self.head_leaves = halves.head_leaves
+        forward = jax.jit(halves.forward, donate_argnums=1, static_argnums=3)
+        args = jax.tree.map(spec, (weights[0], cache, batch))
+        self._forward = forward.lower(*args, verify_len).compile()
+        fwd = jax.eval_shape(forward, *args, verify_len)[0]
+        decided = split_cache(jax.tree.map(spec, cache))[0]
+        self._decide = jax.jit(halves.decide, donate_argnums=1, static_argnums=4).lower(
+            self._decide_weights(jax.tree.map(spec, weights)), decided, jax.tree.map(spec, decide_batch(batch)),
+            fwd, verify_len).compile()
+
+    def forward(self, weights: tuple, cache: dict, batch: StepBatch) -> tuple[Forwarded, dict]:
+        return self._forward(weights[0], cache, batch)
+
+    def decide(self, weights: tuple, cache: dict, batch: StepBatch, fwd: Forwarded) -> tuple[StepOutput, dict]:
+        decided, layer_state = split_cache(cache)
+        out, decided = self._decide(self._decide_weights(weights), decided, decide_batch(batch), fwd)
+        return out, {**layer_state, **decided}
+
+    def __call__(self, weights: tuple, cache: dict, batch: StepBatch) -> tuple[StepOutput, dict]:
+        fwd, cache = self.forward(weights, cache, batch)
+        return self.decide(weights, cache, batch, fwd)
+
+    def _decide_weights(self, weights: tuple) -> tuple:
+        return [weights[0][i] for i in self.head_leaves], weights[1]

@@ -7,15 +7,14 @@ scratch slot and scratch page. The scheduler places a new request on the rank ru
 (`DataParallelScheduler`), and its page allocator gives a slot pages of its own rank only (`ShardedPages`);
 block tables hold global page ids on the host and rank-local ones on the device.
 
-The compiled step is the single-device step (`serving.step.build_step`) inside one `jax.shard_map` over the
-whole mesh: every rank runs its own rows (a bucket is rows per rank) against its own slots and pages, so the
-cache is never gathered; parameters are replicated except the routed experts, which are split over `ep`.
-With ep > 1 each MoE layer's (token, expert) pairs go to their expert shards by all-to-all inside the rank's
-data-parallel group (`sharding.expert_parallel`), which also counts the pairs per physical expert slot. Those
-counts feed EPLB (`sharding.expert_balance.ExpertSlots`): with `eplb_every` the engine rebalances every that
-many steps, moving expert weights between the `ep` shards (replicas hold identical weights: no output
-changes), and `stats["eplb_balancedness"]` is the mean over max pairs per `ep` shard under the current
-placement.
+The compiled step is the single-device step (`serving.step.StepHalves.step`, both halves in one function) inside one
+`jax.shard_map` over the whole mesh: every rank runs its own rows (a bucket is rows per rank) against its own slots
+and pages, so the cache is never gathered; parameters are replicated except the routed experts, which are split over
+`ep`. With ep > 1 each MoE layer's (token, expert) pairs go to their expert shards by all-to-all inside the rank's
+data-parallel group (`sharding.expert_parallel`), which also counts the pairs per physical expert slot. Those counts
+feed EPLB (`sharding.expert_balance.ExpertSlots`): with `eplb_every` the engine rebalances every that many steps,
+moving expert weights between the `ep` shards (replicas hold identical weights: no output changes), and
+`stats["eplb_balancedness"]` is the mean over max pairs per `ep` shard under the current placement.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from model.api import init_model
 from model.dspark import init_drafter
 from serving.kv_cache import CacheLayout, PageAllocator, init_engine_cache
 from serving.sampling import SamplingBatch, SamplingParams
-from serving.step import COUNTED, PROMPT, DrafterSpec, build_step, empty_batch
+from serving.step import COUNTED, PROMPT, CompiledHalves, DrafterSpec, build_step_halves, empty_batch
 from tests.test_dspark import CONFIG, TARGET
 
 PENALTY = -2.0  # a frequency *bonus*: drafted tokens win the later positions, so miscounting shows
@@ -34,12 +34,17 @@ def setup():
     empty = module.init_cache(1, layout.pages_per_slot * layout.page_tokens, layout.ring)["layers"]
     spec = DrafterSpec(drafter.graphdef, jax.tree.structure(drafter.params), draft_module.init_state(1),
                        CONFIG.target_layer_ids)
-    step = jax.jit(build_step(model.graphdef, jax.tree.structure(model.params), empty, layout.page_tokens, 2,
-                              True, spec), donate_argnums=1, static_argnums=3)
+    halves = build_step_halves(model.graphdef, jax.tree.structure(model.params), empty, layout.page_tokens, 2, True,
+                               spec)
+    step = jax.jit(halves.step, donate_argnums=1, static_argnums=3)
     pages = PageAllocator(layout)
     pages.grow(0, layout.max_len)
     weights = (jax.tree.leaves(model.params), jax.tree.leaves(drafter.params))
-    return model, layout, step, weights, pages.table(0), init_engine_cache(module, layout, draft_module)
+    return model, layout, step, weights, pages.table(0), init_engine_cache(module, layout, draft_module), halves
+
+
+def copied(tree):
+    return jax.tree.map(lambda x: x.copy(), tree)
 
 
 def _row(layout, table, width, tokens, kinds, start, params, caps=0, **flags):
@@ -54,8 +59,8 @@ def _row(layout, table, width, tokens, kinds, start, params, caps=0, **flags):
 
 @pytest.mark.parametrize("caps", [0, 1, 3])
 def test_verify_row_checks_its_drafts_against_the_penalised_argmax(setup, caps):
-    model, layout, step, weights, table, fresh = setup
-    cache = jax.tree.map(lambda x: x.copy(), fresh)
+    model, layout, step, weights, table, fresh, _ = setup
+    cache = copied(fresh)
     prompt = np.random.default_rng(caps).integers(0, TARGET.vocab_size, 11).tolist()
     params = SamplingParams(temperature=0.0, frequency_penalty=PENALTY, seed=0)
     out, cache = step(weights, cache, _row(layout, table, 16, prompt, [PROMPT] * 11, 0, params, reset=True), 1)
@@ -84,3 +89,23 @@ def test_verify_row_checks_its_drafts_against_the_penalised_argmax(setup, caps):
     np.testing.assert_allclose(np.asarray(out.logits[0, 0]), expected, rtol=1e-4, atol=1e-4)
     outputs = np.bincount([first] + emitted, minlength=TARGET.vocab_size)
     assert int(out.tokens[0, 0]) == int(np.argmax(expected - PENALTY * outputs))
+
+
+def test_the_step_in_halves_is_the_step_in_one(setup):
+    """The engine runs decode / verify buckets as a forward half and a decide half, filling token masks in
+    between: a masked, sampled, penalised verify row gives the one-function step's outputs and cache, bit for
+    bit."""
+    model, layout, step, weights, table, fresh, halves = setup
+    params = SamplingParams(temperature=1.0, frequency_penalty=0.5, seed=7)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, TARGET.vocab_size, 9).tolist()
+    _, cache = step(weights, copied(fresh), _row(layout, table, 16, prompt, [PROMPT] * 9, 0, params, reset=True), 1)
+    batch = _row(layout, table, 4, [0], [COUNTED], 0, params, 3, from_prev=True)
+    masks = rng.integers(-2**31, 2**31, batch.bitmask.shape, dtype=np.int64).astype(np.int32)  # half the tokens
+    batch = batch._replace(bitmask=masks)
+    one, one_cache = step(weights, copied(cache), batch, 4)
+    two, two_cache = CompiledHalves(halves, weights, cache, batch, 4)(weights, copied(cache), batch)
+    assert int(one.accepted[0]) < 3  # rejection under the mask: the residual draw and the drafter both ran
+    for name, a, b in [*zip(one._fields, one, two), *((k, one_cache[k], two_cache[k]) for k in one_cache)]:
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
