@@ -163,13 +163,13 @@ class StepHalves(NamedTuple):
 def build_step_halves(graphdef, param_tree, empty_layers: dict, page_tokens: int, num_top: int,
                       return_logits: bool, drafter: DrafterSpec | None = None, replay: Replay | None = None
                       ) -> StepHalves:
-    """The pure step `step(weights, cache, batch, verify)` (jit it with the cache donated and `verify` static)
-    and its two halves (`StepHalves`). `weights` is (the target's flat parameter leaves of tree structure
-    `param_tree`, the drafter's leaves or []): flattening nnx state on every call costs host time. `empty_layers` is a fresh one-row
-    state, `page_tokens` the cache layout's page size. `verify` is the bucket's verify length: 1 for prefill and
-    decode buckets (each emitting row samples after its last real position), the row width for verify buckets
-    (a DSpark drafter is required). An active `replay` (V4.1) bounds each prefill row's replay layers to the
-    last `replay.keep` tokens before its `prompt_end`."""
+    """The pure step `step(weights, cache, batch, verify)` (jit it with the cache donated and `verify` static) and
+    its two halves (`StepHalves`). `weights` is (the target's flat parameter leaves of tree structure `param_tree`,
+    the drafter's leaves or []): flattening nnx state on every call costs host time. `empty_layers` is a fresh
+    one-row state, `page_tokens` the cache layout's page size. `verify` is the bucket's verify length: 1 for prefill
+    and decode buckets (each emitting row samples after its last real position), the row width for verify buckets (a
+    DSpark drafter is required). An active `replay` (V4.1) bounds each prefill row's replay layers to the last
+    `replay.keep` tokens before its `prompt_end`."""
     state = jax.tree.unflatten(param_tree, list(range(param_tree.num_leaves)))  # leaf indices, by parameter
     head_leaves = () if drafter is None else (state["embed"]["weight"].value, state["head"]["weight"].value)
 
