@@ -53,9 +53,12 @@ class ServerMetrics:
                                           "request: its grammar compiled, or found compiled (refusals included).",
                                           buckets=COMPILE_BUCKETS, **label).labels(model_name)
         self.grammar_mask = Counter("jaxseek:grammar_mask_seconds", "Host time filling the token masks of "
-                                    "constrained requests (the matchers' work before each step).",
+                                    "constrained requests (mostly while the device runs the step's forward).",
                                     **label).labels(model_name)
-        self._grammar_seconds = 0.0
+        self.grammar_exposed = Counter("jaxseek:grammar_mask_exposed_seconds", "Grammar work (filling masks, "
+                                       "advancing matchers) the device may have waited for; an upper bound.",
+                                       **label).labels(model_name)
+        self._grammar_seen = {"grammar_seconds": 0.0, "grammar_exposed_seconds": 0.0}
         self._balance = Gauge("jaxseek:eplb_balancedness", "Mean over max (token, expert) pairs per expert shard "
                               "under the current EPLB placement, summed over MoE layers (1: balanced).", **label)
         self.eplb_balancedness = None  # labelled on the first value: engines without expert shards export none
@@ -89,9 +92,11 @@ class ServerMetrics:
         self.kv_usage.set(pages_used / max(pages_total, 1))
 
     def observe_grammar(self, stats: dict) -> None:
-        """The engine's cumulative mask-filling time (`Engine.stats["grammar_seconds"]`) after a step."""
-        self.grammar_mask.inc(max(stats["grammar_seconds"] - self._grammar_seconds, 0.0))
-        self._grammar_seconds = stats["grammar_seconds"]
+        """The engine's cumulative mask-filling and exposed grammar time (`Engine.stats["grammar_seconds"]`,
+        `["grammar_exposed_seconds"]`) after a step."""
+        for counter, key in ((self.grammar_mask, "grammar_seconds"), (self.grammar_exposed, "grammar_exposed_seconds")):
+            counter.inc(max(stats[key] - self._grammar_seen[key], 0.0))
+            self._grammar_seen[key] = stats[key]
 
     def observe_eplb(self, stats: dict) -> None:
         """The engine's expert-shard balancedness (`Engine.stats["eplb_balancedness"]`, present once a step of a

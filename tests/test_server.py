@@ -178,6 +178,7 @@ def test_json_schema_response_format_and_structured_outputs(served, client):
     text = httpx.get(served[2] + "/metrics").text
     assert metric(text, "jaxseek:constraint_setup_seconds_count") == setups + 6  # 2 choices of the last one
     assert metric(text, "jaxseek:grammar_mask_seconds_total") > 0  # the matchers filled masks
+    assert metric(text, "jaxseek:grammar_mask_exposed_seconds_total") > 0  # the commits before a step
 
 
 def test_invalid_schema_refused_while_a_good_request_completes(served, client):
