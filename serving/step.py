@@ -140,6 +140,7 @@ class DecideBatch(NamedTuple):
 
 
 def decide_batch(batch: StepBatch) -> DecideBatch:
+    """The fields of `batch` the decide half reads."""
     return DecideBatch(batch.slots, batch.starts, batch.reset, batch.sample, batch.sampling, batch.bitmask,
                        batch.draft)
 
