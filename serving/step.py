@@ -145,6 +145,12 @@ def decide_batch(batch: StepBatch) -> DecideBatch:
                        batch.draft)
 
 
+def decide_weights(weights: tuple, head_leaves: tuple[int, ...]) -> tuple:
+    """What the decide half takes of a step's `weights` (target leaves, drafter leaves): (the target leaves at
+    `head_leaves`, the drafter's leaves)."""
+    return [weights[0][i] for i in head_leaves], weights[1]
+
+
 LAYER_STATE = ("layers", "block_tables")  # the cache entries the forward half updates; the decide half the rest
 
 
@@ -261,11 +267,9 @@ def build_step_halves(graphdef, param_tree, empty_layers: dict, page_tokens: int
                           jnp.asarray(batch.draft) & (drafter is not None)), cache
 
     def step(weights: tuple, cache: dict, batch: StepBatch, verify_len: int) -> tuple[StepOutput, dict]:
-        target_leaves, drafter_leaves = weights
-        fwd, cache = forward(target_leaves, cache, batch, verify_len)
+        fwd, cache = forward(weights[0], cache, batch, verify_len)
         decided, layer_state = split_cache(cache)
-        out, decided = decide(([target_leaves[i] for i in head_leaves], drafter_leaves), decided,
-                              decide_batch(batch), fwd, verify_len)
+        out, decided = decide(decide_weights(weights, head_leaves), decided, decide_batch(batch), fwd, verify_len)
         return out, {**layer_state, **decided}
 
     return StepHalves(forward, decide, head_leaves, step)
@@ -338,20 +342,17 @@ class CompiledHalves:
         fwd = jax.eval_shape(forward, *args, verify_len)[0]
         decided = split_cache(jax.tree.map(spec, cache))[0]
         self._decide = jax.jit(halves.decide, donate_argnums=1, static_argnums=4).lower(
-            self._decide_weights(jax.tree.map(spec, weights)), decided, jax.tree.map(spec, decide_batch(batch)),
-            fwd, verify_len).compile()
+            decide_weights(jax.tree.map(spec, weights), self.head_leaves), decided,
+            jax.tree.map(spec, decide_batch(batch)), fwd, verify_len).compile()
 
     def forward(self, weights: tuple, cache: dict, batch: StepBatch) -> tuple[Forwarded, dict]:
         return self._forward(weights[0], cache, batch)
 
     def decide(self, weights: tuple, cache: dict, batch: StepBatch, fwd: Forwarded) -> tuple[StepOutput, dict]:
         decided, layer_state = split_cache(cache)
-        out, decided = self._decide(self._decide_weights(weights), decided, decide_batch(batch), fwd)
+        out, decided = self._decide(decide_weights(weights, self.head_leaves), decided, decide_batch(batch), fwd)
         return out, {**layer_state, **decided}
 
     def __call__(self, weights: tuple, cache: dict, batch: StepBatch) -> tuple[StepOutput, dict]:
         fwd, cache = self.forward(weights, cache, batch)
         return self.decide(weights, cache, batch, fwd)
-
-    def _decide_weights(self, weights: tuple) -> tuple:
-        return [weights[0][i] for i in self.head_leaves], weights[1]
