@@ -134,19 +134,10 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def _drop_missing_mtp(config: ModelConfig, tensors: dict) -> ModelConfig:
-    """Load without MTP blocks (with a warning) a V4 checkpoint that has none: HF-saved checkpoints carry no
-    `mtp.*` tensors, and V4-Flash-0731's `mtp.*` are a DSpark drafter instead (`main_proj`, `markov_head`,
-    `confidence_head`, ...), whose layers' math for a V4 target is not documented; its tensors are dropped
-    from `tensors`, and the target runs without speculation."""
-    drafter = sorted(n for n in tensors if _DSPARK_PART.match(n))
-    if drafter:
-        mtp = [n for n in tensors if n.startswith("mtp.")]
-        warnings.warn(f"skipping the checkpoint's DSpark drafter ({len(mtp)} mtp.* tensors, e.g. {drafter[0]}): "
-                      "DSpark drafters load for V4.1 targets only; this V4 model runs without speculation",
-                      stacklevel=3)
-        for name in mtp:
-            del tensors[name]
+def _drop_missing_mtp(config: ModelConfig, tensors: dict, drafter: bool) -> ModelConfig:
+    """The V4 config without MTP blocks when the checkpoint has no `mtp.*` block tensors: HF-saved checkpoints
+    carry none (a warning says so), and V4-Flash-0731's `mtp.*` are a DSpark drafter (`drafter`: loaded
+    apart, its tensors already taken out of `tensors`)."""
     if config.num_nextn_predict_layers and not any(n.startswith("mtp.") for n in tensors):
         if not drafter:
             warnings.warn("checkpoint has no mtp.* tensors; loading without MTP blocks", stacklevel=3)
@@ -179,11 +170,11 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", engram_pl
             tables[layer] = (tensors.pop(names[0]), tensors.pop(names[1], None))
     tensors = _stack_experts(_dequantize(tensors, fp8_block_size(raw_config)))
     drafter = None
+    if isinstance(config, V41Config) or any(_DSPARK_PART.match(n) for n in tensors):
+        drafter = _load_drafter(config, raw_config, path,
+                                {n: tensors.pop(n) for n in list(tensors) if n.startswith("mtp.")}, dtype)
     if isinstance(config, ModelConfig):
-        config = _drop_missing_mtp(config, tensors)
-    else:
-        drafter = _load_drafter(config, path, {n: tensors.pop(n) for n in list(tensors) if n.startswith("mtp.")},
-                                dtype)
+        config = _drop_missing_mtp(config, tensors, drafter is not None)
     model = abstract_model(config, dtype)
     _fill(model.params, _expected(model.params), tensors, path)
     engram = _engram_memory(config, path, tables, engram_placement) if tables else None
@@ -228,13 +219,17 @@ def _drafter_name(config: DSparkConfig):
     return lambda name: checkpoint_name(name, config.num_layers)
 
 
-def _load_drafter(config: V41Config, path: Path, tensors: dict[str, np.ndarray], dtype: str) -> Drafter | None:
+def _load_drafter(config: V41Config | ModelConfig, raw_config: dict, path: Path, tensors: dict[str, np.ndarray],
+                  dtype: str) -> Drafter | None:
     """The checkpoint's DSpark drafter from its `mtp.*` tensors, sized by a `dspark.json` beside config.json
-    (a drafter added to a checkpoint, or STS temperatures) or else by config.json's `dspark_*` fields."""
+    (a drafter added to a checkpoint, or STS temperatures) or else by config.json's `dspark_*` fields (a V4
+    checkpoint's stages counted from its tensors)."""
     if not tensors:
         return None
     if (path / DSPARK_CONFIG).exists():
         dspark = DSparkConfig.from_json(path / DSPARK_CONFIG)
+    elif isinstance(config, ModelConfig):
+        dspark = DSparkConfig.from_v4(raw_config, config, len({n.split(".")[1] for n in tensors}))
     elif config.num_nextn_predict_layers and config.dspark_target_layer_ids:
         dspark = DSparkConfig.from_v41(config)
     else:

@@ -278,9 +278,9 @@ _IGNORED_KEYS = (
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "attention_dropout", "pad_token_id",
     "generation_config", "qk_nope_head_dim", "kv_lora_rank", "rope_interleave", "ep_size", "aux_loss_alpha",
     "seq_aux", "num_key_value_heads_per_layer", "moe_layer_freq",
-    # V4-Flash-0731's built-in DSpark drafter (`mtp.{0,1,2}.*`), which the loader skips (model/checkpoint.py)
+    # V4-Flash-0731's DSpark drafter (`mtp.{0,1,2}.*`), read apart by DSparkConfig.from_v4 (model/dspark.py)
     "dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids",
-    "dspark_n_routed_experts", "dspark_num_experts_per_tok",
+    "dspark_n_routed_experts", "dspark_num_experts_per_tok", "dspark_window_size",
 )
 _FIXED_VALUES: dict[str, tuple[Any, ...]] = {
     "num_key_value_heads": (1,),

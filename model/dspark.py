@@ -14,7 +14,13 @@
 Embedding and LM head are the target's (frozen, passed in). The drafter's context lives in a per-row ring of
 `window + backtrack` slots addressed by position: a draft sees the entries of positions [anchor - window,
 anchor), so restarting at an earlier position (a rejected block, a preemption) needs no other rollback.
-Tensor names follow DeepSeek-V4.1 checkpoints (`mtp.{s}.*`, see `checkpoint_name`).
+Tensor names follow DeepSeek's checkpoints (`mtp.{s}.*`, see `checkpoint_name`).
+
+The draft layers take the target's form. Beside a V4.1 target they are V4.1 layers (single-pass mHC, V4.1's
+gate) and the backbone's output is the streams collapsed by the last site's `pre` weights. Beside a V4 target
+(V4-Flash-0731 / V4-Flash-DSpark) they are V4 layers: each mHC site collapses its own input, the gate is V4's,
+queries are RMS-normalised per head as in V4's attention, and the last stage's own `hc_head` collapses the
+streams; V4's taps are the flattened streams, averaged over the hc copies here.
 """
 
 from __future__ import annotations
@@ -32,13 +38,13 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from model.attention import LatentAttention, push_window, ring_state
-from model.config import ConfigError
+from model.config import ConfigError, ModelConfig
 from model.config_v41 import V41Config
 from model.fake_quant import fake_quant_fp8
-from model.hyper import collapse, expand
+from model.hyper import HyperHead, collapse, expand
 from model.linear import Linear
 from model.moe import MoE
-from model.norms import RMSNorm
+from model.norms import RMSNorm, rms_normalize
 from model.rope import apply_rope, inv_frequencies
 from model.transformer import Embedding, HyperBlock
 from pallas_kernels import registry
@@ -55,7 +61,7 @@ _JSON_KEYS = {  # DSparkConfig field -> its key in a checkpoint's config.json / 
 
 @dataclasses.dataclass(frozen=True)
 class DSparkConfig:
-    """The drafter's own sizes; everything else (widths, heads, norms, RoPE) is the target's V41Config."""
+    """The drafter's own sizes; everything else (widths, heads, norms, RoPE) is the target's config."""
 
     target_layer_ids: tuple[int, ...]
     num_layers: int = 3
@@ -95,6 +101,18 @@ class DSparkConfig:
                    num_experts_per_tok=config.dspark_num_experts_per_tok, window=config.sliding_window)
 
     @classmethod
+    def from_v4(cls, raw: dict[str, Any], target: ModelConfig, num_layers: int) -> DSparkConfig:
+        """The drafter of a V4 checkpoint (V4-Flash-0731): its config.json's `dspark_*` fields (which V4's
+        ModelConfig does not keep) and its `num_layers` stages, counted from its `mtp.*` tensors (its
+        `num_nextn_predict_layers` is MTP's 1); experts and window default to the target's."""
+        fields = {f: raw[k] for f, k in _JSON_KEYS.items() if k in raw and f != "num_layers"}
+        defaults = {"n_routed_experts": target.n_routed_experts, "num_experts_per_tok": target.num_experts_per_tok,
+                    "window": raw.get("dspark_window_size", target.sliding_window)}
+        if "target_layer_ids" not in fields:
+            raise ConfigError("config.json has DSpark tensors (mtp.*.main_proj) but no dspark_target_layer_ids")
+        return cls(num_layers=num_layers, **(defaults | fields))
+
+    @classmethod
     def from_json(cls, path: str | Path) -> DSparkConfig:
         """Read a `dspark.json` (the V4.1 config.json spelling of each field)."""
         raw: dict[str, Any] = json.loads(Path(path).read_text())
@@ -112,8 +130,8 @@ class DSparkConfig:
         Path(path).write_text(json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()},
                                          indent=2) + "\n")
 
-    def stage_config(self, target: V41Config) -> V41Config:
-        """The V41Config the draft layers are built from: the target's widths with the drafter's experts and
+    def stage_config(self, target: V41Config | ModelConfig) -> V41Config | ModelConfig:
+        """The config the draft layers are built from: the target's widths with the drafter's experts and
         window (the draft layers hold no compressed KV)."""
         if self.target_layer_ids[-1] >= target.num_hidden_layers:
             raise ConfigError(f"DSpark target_layer_ids {list(self.target_layer_ids)} exceed the target's "
@@ -125,8 +143,8 @@ class DSparkConfig:
 
 
 def checkpoint_name(name: str, num_layers: int) -> str:
-    """The V4.1 checkpoint name of a drafter parameter: layer s lives under `mtp.{s}`, the context projection
-    under the first layer, the final norm and the Markov and confidence heads under the last."""
+    """The checkpoint name of a drafter parameter: layer s lives under `mtp.{s}`, the context projection under
+    the first layer, the final norm and collapse and the Markov and confidence heads under the last."""
     if name.startswith("layers."):
         return "mtp." + name.removeprefix("layers.")
     return f"mtp.{0 if name.startswith('main_') else num_layers - 1}.{name}"
@@ -178,17 +196,19 @@ def draw_draft(
 
 
 class DraftAttention(LatentAttention):
-    """A draft layer's attention: block queries against the context window and the whole block."""
+    """A draft layer's attention: block queries against the context window and the whole block (queries
+    RMS-normalised per head beside a V4 target, as V4's attention does; not beside a V4.1 one)."""
 
-    def __init__(self, config: V41Config, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: V41Config | ModelConfig, dtype, rngs: nnx.Rngs):
         super().__init__(config, dtype, rngs)
         self.freqs = tuple(inv_frequencies(config.qk_rope_head_dim, config.rope_theta, None).tolist())
         self.config = config
+        self.normalize_q = not isinstance(config, V41Config)
 
     def keys(self, x: Float[Array, "n c d"], positions: Int[Array, "n c"]) -> Float[Array, "n c hd"]:
         """K = V latents of inputs at their positions (context features, or normed block hidden states)."""
         kv = apply_rope(self.kv_norm(self.wkv(x))[:, :, None], positions, np.asarray(self.freqs, np.float32))
-        return fake_quant_fp8(kv[:, :, 0], 32) if self.config.qat_fake_quant else kv[:, :, 0]
+        return fake_quant_fp8(kv[:, :, 0], 32) if getattr(self.config, "qat_fake_quant", False) else kv[:, :, 0]
 
     def __call__(
         self, x: Float[Array, "n g d"], start: Int[Array, " n"], context: Float[Array, "n k hd"],
@@ -200,7 +220,7 @@ class DraftAttention(LatentAttention):
         (n, g, _), k = x.shape, context.shape[1]
         positions = start[:, None] + jnp.arange(g, dtype=jnp.int32)
         q = self.wq_b(self.q_norm(self.wq_a(x))).reshape(n, g, cfg.num_attention_heads, cfg.head_dim)
-        q = apply_rope(q, positions, freqs)
+        q = apply_rope(rms_normalize(q, cfg.rms_norm_eps) if self.normalize_q else q, positions, freqs)
         kv = self.keys(x, positions)
         pool = jnp.concatenate([context.astype(kv.dtype), kv], axis=1)
         ids = jnp.broadcast_to(jnp.arange(k + g), (n, g, k + g))
@@ -210,32 +230,35 @@ class DraftAttention(LatentAttention):
 
 
 class DraftBlock(HyperBlock):
-    """A draft layer: single-pass mHC (as V4.1's layers) around the draft attention and a MoE."""
+    """A draft layer: mHC around the draft attention and a MoE, in the target's form: V4.1's single pass (each
+    site's `pre` weights collapse the next site's input) and gate, or V4's (each site collapses its own input)."""
 
-    def __init__(self, config: V41Config, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: V41Config | ModelConfig, dtype, rngs: nnx.Rngs):
         super().__init__(config, rngs)
+        self.single_pass = isinstance(config, V41Config)
         self.attn = DraftAttention(config, dtype, rngs)
-        self.ffn = MoE(config, False, dtype, rngs, v41=True)
+        self.ffn = MoE(config, False, dtype, rngs, v41=self.single_pass)
 
     def __call__(self, streams, pre_mix, tokens, start, context, visible):
-        """(streams, the `pre` weights for the next site) after attention and MoE."""
+        """(streams, the `pre` weights for the next site: None in V4's form) after attention and MoE."""
         attn_pre, post, comb, h = self.hc_attn.site(streams, pre_mix)
         streams = expand(streams, self.attn(self.attn_norm(h), start, context, visible), post, comb)
-        ffn_pre, post, comb, h = self.hc_ffn.site(streams, attn_pre)
-        return expand(streams, self.ffn(self.ffn_norm(h), tokens), post, comb), ffn_pre
+        ffn_pre, post, comb, h = self.hc_ffn.site(streams, attn_pre if self.single_pass else None)
+        return expand(streams, self.ffn(self.ffn_norm(h), tokens), post, comb), ffn_pre if self.single_pass else None
 
 
 class MarkovHead(nnx.Module):
-    """B(previous token) = head(embed[previous token]): a rank-r bigram bias on the draft logits."""
+    """B(previous token) = W2 W1[previous token]: a rank-r bigram bias on the draft logits (`markov_w1` the
+    embedding [V, r], `markov_w2` the projection [V, r], as DeepSeek's checkpoints name them)."""
 
     def __init__(self, vocab: int, rank: int, dtype, rngs: nnx.Rngs):
-        self.embed = Embedding(vocab, rank, dtype, rngs)
-        self.head = Linear(rank, vocab, dtype, rngs, compute_dtype=jnp.float32)
+        self.markov_w1 = Embedding(vocab, rank, dtype, rngs)
+        self.markov_w2 = Linear(rank, vocab, dtype, rngs, compute_dtype=jnp.float32)
 
     def __call__(self, previous: Int[Array, "..."]) -> tuple[Float[Array, "... V"], Float[Array, "... r"]]:
         """(logit bias, the previous token's Markov embedding)."""
-        e = self.embed(previous)
-        return self.head(e), e
+        e = self.markov_w1(previous)
+        return self.markov_w2(e), e
 
 
 class ConfidenceHead(nnx.Module):
@@ -256,12 +279,15 @@ def lm_head(head: Float[Array, "V d"], x: Float[Array, "... d"]) -> Float[Array,
 class DSparkDrafter(nnx.Module):
     """The drafter module: context projection, draft layers, final norm, Markov and confidence heads."""
 
-    def __init__(self, target: V41Config, config: DSparkConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, target: V41Config | ModelConfig, config: DSparkConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         stage = config.stage_config(target)
         d = target.hidden_size
         self.main_proj = Linear(len(config.target_layer_ids) * d, d, dtype, rngs)
         self.main_norm = RMSNorm(d, target.rms_norm_eps)
         self.layers = nnx.List([DraftBlock(stage, dtype, rngs) for _ in range(config.num_layers)])
+        self.single_pass = isinstance(target, V41Config)
+        if not self.single_pass:
+            self.hc_head = HyperHead(stage.hc_mult, d, stage.hc_eps, stage.rms_norm_eps, rngs)
         self.norm = RMSNorm(d, target.rms_norm_eps)
         self.markov_head = MarkovHead(target.vocab_size, config.markov_rank, dtype, rngs)
         self.confidence_head = ConfidenceHead(d + config.markov_rank, dtype, rngs)
@@ -278,7 +304,7 @@ class DSparkDrafter(nnx.Module):
         self, features: Float[Array, "r c F"], start: Int[Array, " r"], count: Int[Array, " r"], state: list
     ) -> list:
         """Write each row's first `count` context features (positions start..) into its rings."""
-        main_x = self.main_norm(self.main_proj(features))
+        main_x = self.context(features)
         positions = start[:, None] + jnp.arange(features.shape[1], dtype=jnp.int32)
 
         def push(ring_kv, ring_pos, kv, pos, n):
@@ -346,6 +372,15 @@ class DSparkDrafter(nnx.Module):
         return jnp.stack(tokens, 1), jnp.stack(probs, 1), jnp.stack(conf, 1)
 
     # ---- the backbone (serving and training) ---------------------------------------------------------------
+    def context(self, features: Float[Array, "... F"]) -> Float[Array, "... d"]:
+        """main_norm(main_proj(target features)): the context every draft layer's keys are projected from. A V4
+        target's taps are its flattened streams; a V4.1 target's are already averaged over the hc copies."""
+        if not self.single_pass:
+            n, d = self.stage.hc_mult, self.stage.hidden_size
+            streams = features.reshape(*features.shape[:-1], len(self.config.target_layer_ids), n, d)
+            features = jnp.mean(streams.astype(jnp.float32), axis=-2).reshape(*features.shape[:-1], -1)
+        return self.main_norm(self.main_proj(features))
+
     def block_hidden(
         self, embed: Float[Array, "V d"], anchor: Int[Array, " n"], anchor_pos: Int[Array, " n"], contexts: list
     ) -> Float[Array, "n g d"]:
@@ -356,10 +391,11 @@ class DSparkDrafter(nnx.Module):
                                                             jnp.int32)], axis=1).astype(jnp.int32)
         x = embed[tokens]
         streams = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], n_hc, x.shape[-1]))
-        pre_mix = jnp.broadcast_to(jax.nn.one_hot(0, n_hc, dtype=jnp.float32), (*x.shape[:2], n_hc))
+        pre_mix = (jnp.broadcast_to(jax.nn.one_hot(0, n_hc, dtype=jnp.float32), (*x.shape[:2], n_hc))
+                   if self.single_pass else None)
         for blk, (context, visible) in zip(self.layers, contexts):
             streams, pre_mix = blk(streams, pre_mix, tokens, anchor_pos, context, visible)
-        return collapse(streams, pre_mix)
+        return collapse(streams, pre_mix) if self.single_pass else self.hc_head(streams)
 
     def anchored_hidden(
         self, embed: Float[Array, "V d"], features: Float[Array, "b s F"], tokens: Int[Array, "b s"],
@@ -370,7 +406,7 @@ class DSparkDrafter(nnx.Module):
         what `draft` computes for that anchor from a ring holding those features."""
         b, s = tokens.shape
         a, w = anchors.shape[1], self.config.window
-        main_x = self.main_norm(self.main_proj(features))
+        main_x = self.context(features)
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         window = anchors[..., None] - w + jnp.arange(w)  # [b, a, w] context positions of each anchor
         visible = (window >= 0).reshape(b * a, w)
@@ -430,6 +466,6 @@ class Drafter:
                            jnp.asarray(temperature, jnp.float32))
 
 
-def init_drafter(target: V41Config, config: DSparkConfig, seed: int = 0, dtype=jnp.float32) -> Drafter:
+def init_drafter(target: V41Config | ModelConfig, config: DSparkConfig, seed: int = 0, dtype=jnp.float32) -> Drafter:
     """A randomly initialised drafter for a target config (std 0.02 matrices, unit norms, zero sinks)."""
     return Drafter(DSparkDrafter(target, config, nnx.Rngs(seed), dtype))

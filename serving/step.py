@@ -178,7 +178,8 @@ def build_step_halves(graphdef, param_tree, empty_layers: dict, page_tokens: int
     DSpark drafter is required). An active `replay` (V4.1) bounds each prefill row's replay layers to the last
     `replay.keep` tokens before its `prompt_end`."""
     state = jax.tree.unflatten(param_tree, list(range(param_tree.num_leaves)))  # leaf indices, by parameter
-    head_leaves = () if drafter is None else (state["embed"]["weight"].value, state["head"]["weight"].value)
+    head_leaves = () if drafter is None else (state["embed"]["weight"].get_value(),
+                                              state["head"]["weight"].get_value())
 
     def forward(target_leaves: list, cache: dict, batch: StepBatch, verify_len: int) -> tuple[Forwarded, dict]:
         module = nnx.merge(graphdef, jax.tree.unflatten(param_tree, target_leaves))

@@ -145,20 +145,16 @@ def test_checkpoint_without_mtp_loads_without_mtp_blocks(saved, tmp_path, model)
     np.testing.assert_array_equal(np.asarray(loaded.logits(TOKENS)), np.asarray(model.logits(TOKENS)))
 
 
-def test_v4_flash_0731_dspark_drafter_is_skipped_and_the_target_loads(saved, tmp_path, model):
-    """V4-Flash-0731 ships a DSpark drafter under mtp.{0,1,2} (no MTP block), its dspark_* config fields and 3
-    more compress_ratios entries: the target loads without it, with a warning that names it."""
+def test_an_incomplete_v4_dspark_drafter_is_named(saved, tmp_path):
+    """A V4 checkpoint whose mtp.* tensors are a DSpark drafter (V4-Flash-0731's form; loads in
+    tests/test_dspark_v4.py) with tensors missing: the error names one of them with its shape."""
     tensors = {k: v for k, v in _tensors(saved).items() if not k.startswith("mtp.")}
     d, rng = CONFIG.hidden_size, np.random.default_rng(0)
     tensors |= {"mtp.0.main_proj.weight": rng.normal(size=(d, 3 * d)).astype(np.float32),
-                "mtp.1.attn.wkv.weight": rng.normal(size=(8, d)).astype(np.float32),
-                "mtp.2.markov_head.embed.weight": rng.normal(size=(CONFIG.vocab_size, 16)).astype(np.float32),
-                "mtp.2.confidence_head.proj.weight": rng.normal(size=(1, d + 16)).astype(np.float32)}
+                "mtp.2.markov_head.markov_w1.weight": rng.normal(size=(CONFIG.vocab_size, 16)).astype(np.float32)}
     n = CONFIG.num_hidden_layers
     path = _write(tmp_path, tensors, compress_ratios=list(CONFIG.compress_ratios[:n]) + [0, 0, 0],
                   dspark_block_size=5, dspark_markov_rank=16, dspark_noise_token_id=CONFIG.vocab_size - 1,
                   dspark_target_layer_ids=[n - 3, n - 2, n - 1])
-    with pytest.warns(UserWarning, match=r"skipping the checkpoint's DSpark drafter \(4 mtp\.\* tensors"):
-        loaded = load_model(path)
-    assert loaded.config.num_nextn_predict_layers == 0 and loaded.drafter is None
-    np.testing.assert_array_equal(np.asarray(loaded.logits(TOKENS)), np.asarray(model.logits(TOKENS)))
+    with pytest.raises(CheckpointError, match=r"lacks \d+ tensor\(s\), e\.g\. mtp\.0\.attn\.attn_sink with shape"):
+        load_model(path)
