@@ -58,7 +58,9 @@ def _expected(params, rename=lambda name: name) -> dict[str, tuple[tuple, tuple[
 
 def to_native(model: Model | Drafter) -> dict[str, np.ndarray]:
     """The parameters as a dict of checkpoint tensor names to host arrays (experts split per expert)."""
-    rename = _drafter_name(model.config) if isinstance(model, Drafter) else lambda name: name
+    rename = lambda name: name  # noqa: E731
+    if isinstance(model, Drafter):
+        rename = _drafter_name(model.config, model.module().single_pass)
     out = {}
     for path, var in nnx.to_flat_state(model.params):
         name, value = rename(native_name(path)), np.asarray(var.get_value())
@@ -215,8 +217,8 @@ def _drop_unsupported_v41(tensors: dict) -> dict:
     return {n: v for n, v in tensors.items() if n not in set(skipped)}
 
 
-def _drafter_name(config: DSparkConfig):
-    return lambda name: checkpoint_name(name, config.num_layers)
+def _drafter_name(config: DSparkConfig, v41: bool):
+    return lambda name: checkpoint_name(name, config.num_layers, v41)
 
 
 def _load_drafter(config: V41Config | ModelConfig, raw_config: dict, path: Path, tensors: dict[str, np.ndarray],
@@ -240,7 +242,7 @@ def _load_drafter(config: V41Config | ModelConfig, raw_config: dict, path: Path,
     tensors = {n: v for n, v in tensors.items() if not _SHARED_COPY.fullmatch(n)}
     module = nnx.eval_shape(lambda: DSparkDrafter(config, dspark, nnx.Rngs(0), resolve_dtype(dtype)))
     graphdef, params = nnx.split(module)
-    _fill(params, _expected(params, _drafter_name(dspark)), tensors, path)
+    _fill(params, _expected(params, _drafter_name(dspark, isinstance(config, V41Config))), tensors, path)
     return Drafter(nnx.merge(graphdef, params))
 
 

@@ -142,12 +142,17 @@ class DSparkConfig:
                                    num_experts_per_tok=self.num_experts_per_tok, sliding_window=self.window)
 
 
-def checkpoint_name(name: str, num_layers: int) -> str:
+_V4_NAMES = {"markov_head.embed.weight": "markov_head.markov_w1.weight",
+             "markov_head.head.weight": "markov_head.markov_w2.weight"}  # V4-Flash-0731's spelling
+
+
+def checkpoint_name(name: str, num_layers: int, v41: bool = True) -> str:
     """The checkpoint name of a drafter parameter: layer s lives under `mtp.{s}`, the context projection under
-    the first layer, the final norm and collapse and the Markov and confidence heads under the last."""
+    the first layer, the final norm and collapse and the Markov and confidence heads under the last. V4.1
+    checkpoints name the Markov head's tensors `embed` / `head`, V4 ones `markov_w1` / `markov_w2`."""
     if name.startswith("layers."):
         return "mtp." + name.removeprefix("layers.")
-    return f"mtp.{0 if name.startswith('main_') else num_layers - 1}.{name}"
+    return f"mtp.{0 if name.startswith('main_') else num_layers - 1}.{name if v41 else _V4_NAMES.get(name, name)}"
 
 
 class DraftOutput(NamedTuple):
@@ -248,17 +253,17 @@ class DraftBlock(HyperBlock):
 
 
 class MarkovHead(nnx.Module):
-    """B(previous token) = W2 W1[previous token]: a rank-r bigram bias on the draft logits (`markov_w1` the
-    embedding [V, r], `markov_w2` the projection [V, r], as DeepSeek's checkpoints name them)."""
+    """B(previous token) = head(embed[previous token]): a rank-r bigram bias on the draft logits (V4 checkpoints
+    name `embed` / `head` `markov_w1` / `markov_w2`, see `checkpoint_name`)."""
 
     def __init__(self, vocab: int, rank: int, dtype, rngs: nnx.Rngs):
-        self.markov_w1 = Embedding(vocab, rank, dtype, rngs)
-        self.markov_w2 = Linear(rank, vocab, dtype, rngs, compute_dtype=jnp.float32)
+        self.embed = Embedding(vocab, rank, dtype, rngs)
+        self.head = Linear(rank, vocab, dtype, rngs, compute_dtype=jnp.float32)
 
     def __call__(self, previous: Int[Array, "..."]) -> tuple[Float[Array, "... V"], Float[Array, "... r"]]:
         """(logit bias, the previous token's Markov embedding)."""
-        e = self.markov_w1(previous)
-        return self.markov_w2(e), e
+        e = self.embed(previous)
+        return self.head(e), e
 
 
 class ConfidenceHead(nnx.Module):

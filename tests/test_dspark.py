@@ -156,7 +156,7 @@ def upstream_names() -> dict[str, tuple[int, ...]]:
     """Every DSpark tensor of a V4.1 checkpoint with this config, spelled as DeepSeek's checkpoints spell them."""
     d, r, hd, h, e, inter = 32, 8, 16, 2, 4, 32
     names = {"mtp.0.main_proj.weight": (d, 2 * d), "mtp.0.main_norm.weight": (d,), "mtp.1.norm.weight": (d,),
-             "mtp.1.markov_head.markov_w1.weight": (V, r), "mtp.1.markov_head.markov_w2.weight": (V, r),
+             "mtp.1.markov_head.embed.weight": (V, r), "mtp.1.markov_head.head.weight": (V, r),
              "mtp.1.confidence_head.proj.weight": (1, d + r)}
     for s in range(2):
         p = f"mtp.{s}."
@@ -181,8 +181,7 @@ def test_v41_dspark_checkpoint_names_load_and_round_trip(target, tmp_path):
     loaded = load_model(tmp_path / "ckpt")
     assert loaded.drafter is not None and loaded.drafter.config == CONFIG
     params = nnx.to_pure_dict(loaded.drafter.params)
-    np.testing.assert_array_equal(params["markov_head"]["markov_w1"]["weight"],
-                                  tensors["mtp.1.markov_head.markov_w1.weight"])
+    np.testing.assert_array_equal(params["markov_head"]["embed"]["weight"], tensors["mtp.1.markov_head.embed.weight"])
     np.testing.assert_array_equal(params["main_proj"]["weight"], tensors["mtp.0.main_proj.weight"])
     np.testing.assert_array_equal(params["layers"][1]["ffn"]["experts"]["w2"][3],
                                   tensors["mtp.1.ffn.experts.3.w2.weight"])

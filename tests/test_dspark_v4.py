@@ -85,7 +85,7 @@ def test_a_v4_flash_0731_checkpoint_loads_its_dspark_drafter(target, tmp_path):
     assert loaded.config.num_nextn_predict_layers == 0
     params = nnx.to_pure_dict(loaded.drafter.params)
     np.testing.assert_array_equal(params["hc_head"]["fn"], tensors[f"mtp.{STAGES - 1}.hc_head_fn"])
-    np.testing.assert_array_equal(params["markov_head"]["markov_w2"]["weight"],
+    np.testing.assert_array_equal(params["markov_head"]["head"]["weight"],
                                   tensors[f"mtp.{STAGES - 1}.markov_head.markov_w2.weight"])
     np.testing.assert_array_equal(params["layers"][1]["ffn"]["gate"]["bias"], tensors["mtp.1.ffn.gate.bias"])
     tokens = np.random.default_rng(0).integers(0, V, (2, 20))
@@ -152,8 +152,8 @@ def reference_block(module, embed, head, taps, tokens, anchor):
     pre = 1 / (1 + np.exp(-(flat @ hc["fn"].T * hc["scale"][0] + hc["base"]))) + cfg.hc_eps
     hidden = np.einsum("gn,gnd->gd", pre, streams)
     previous = tokens[anchor + np.arange(G)]
-    e = p["markov_head"]["markov_w1"]["weight"][previous]
-    logits = (_rms(hidden) * p["norm"]["weight"]) @ head.T + e @ p["markov_head"]["markov_w2"]["weight"].T
+    e = p["markov_head"]["embed"]["weight"][previous]
+    logits = (_rms(hidden) * p["norm"]["weight"]) @ head.T + e @ p["markov_head"]["head"]["weight"].T
     return logits, np.concatenate([hidden, e], -1) @ p["confidence_head"]["proj"]["weight"][0]
 
 
