@@ -1,6 +1,6 @@
 """A DSpark drafter beside a V4 target (V4-Flash-0731 / V4-Flash-DSpark): its checkpoint names load, its block
-forward is the published one (checked against a NumPy composition of that description), and the engine decodes
-with it losslessly."""
+forward is the published one (checked against a NumPy composition of that description), it trains on the V4
+target's features, and the engine decodes with it losslessly."""
 
 import dataclasses
 import json
@@ -22,6 +22,7 @@ from serving.engine import Engine
 from serving.sampling import SamplingParams
 from serving.verify_plan import CostTable
 from tests.helpers import greedy_full_forward, random_model
+from training.drafter import DrafterSettings, DrafterTrainer, train_drafter
 
 TINY = preset("tiny")
 TARGET = dataclasses.replace(TINY, num_nextn_predict_layers=0,  # V4-Flash-0731 has no MTP block
@@ -30,6 +31,10 @@ V, D, N_HC = TARGET.vocab_size, TARGET.hidden_size, TARGET.hc_mult
 LAYERS, STAGES, G, RANK = (1, 2, 3), 2, 5, 16
 DSPARK_FIELDS = {"dspark_block_size": G, "dspark_markov_rank": RANK, "dspark_noise_token_id": V - 1,
                  "dspark_target_layer_ids": list(LAYERS)}
+
+
+CONFIG = DSparkConfig(target_layer_ids=LAYERS, num_layers=STAGES, block_size=G, noise_token_id=V - 1,
+                      markov_rank=RANK, n_routed_experts=4, num_experts_per_tok=2, window=TARGET.sliding_window)
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +84,7 @@ def test_a_v4_flash_0731_checkpoint_loads_its_dspark_drafter(target, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loaded = load_model(tmp_path / "ckpt")
-    assert loaded.drafter.config == DSparkConfig(target_layer_ids=LAYERS, num_layers=STAGES, block_size=G,
-                                                 noise_token_id=V - 1, markov_rank=RANK, n_routed_experts=4,
-                                                 num_experts_per_tok=2, window=TARGET.sliding_window)
+    assert loaded.drafter.config == CONFIG
     assert loaded.config.num_nextn_predict_layers == 0
     params = nnx.to_pure_dict(loaded.drafter.params)
     np.testing.assert_array_equal(params["hc_head"]["fn"], tensors[f"mtp.{STAGES - 1}.hc_head_fn"])
@@ -158,9 +161,7 @@ def reference_block(module, embed, head, taps, tokens, anchor):
 
 
 def test_the_v4_drafter_block_is_the_published_forward(target):
-    config = DSparkConfig(target_layer_ids=LAYERS, num_layers=STAGES, block_size=G, noise_token_id=V - 1,
-                          markov_rank=RANK, n_routed_experts=4, num_experts_per_tok=2, window=TARGET.sliding_window)
-    graphdef, state = nnx.split(init_drafter(TARGET, config, seed=6).module())
+    graphdef, state = nnx.split(init_drafter(TARGET, CONFIG, seed=6).module())
     wave = lambda x: x + 0.1 * jnp.sin(1.7 * jnp.arange(x.size).reshape(x.shape))  # noqa: E731
     module = nnx.merge(graphdef, jax.tree.map(wave, state))  # no zero biases, sinks or mHC bases
     tokens = np.random.default_rng(7).integers(0, V, 24).astype(np.int32)
@@ -176,15 +177,22 @@ def test_the_v4_drafter_block_is_the_published_forward(target):
         np.testing.assert_allclose(np.asarray(conf[0, i]), ref_conf, rtol=2e-4, atol=2e-4)
 
 
+def test_the_v4_drafter_trains_on_the_targets_features(target):
+    """A few steps on sequences the target's layers see (a repeated cycle): the loss falls."""
+    cycle = np.random.default_rng(9).integers(0, V - 1, 7)
+    sequences = np.stack([np.roll(np.tile(cycle, 6), -i)[:32] for i in range(8)]).astype(np.int32)
+    trainer = DrafterTrainer(target, CONFIG, DrafterSettings(steps=30, batch=4, anchors=4, lr=1e-2, warmup=3))
+    _, losses = train_drafter(trainer, sequences, prompt_len=8)
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+
+
 def test_a_v4_target_decodes_losslessly_with_its_dspark_drafter(target):
     """Greedy outputs equal plain decoding, through prompt chunks, verify steps and zero-overhead reads; the
     untrained drafter's blocks are verified (DSpark on fixed bucket costs under which verifying pays). The
     engine's speculation modes share this path with V4.1 targets (`test_spec_engine`); what a V4 target
     changes is the drafter's input (flattened streams) and layers."""
     model = random_model(TARGET, seed=4)
-    model.drafter = init_drafter(TARGET, DSparkConfig(target_layer_ids=LAYERS, num_layers=STAGES, block_size=G,
-                                                      noise_token_id=V - 1, markov_rank=RANK, n_routed_experts=4,
-                                                      num_experts_per_tok=2, window=TARGET.sliding_window), seed=6)
+    model.drafter = init_drafter(TARGET, CONFIG, seed=6)
     prompts = [np.random.default_rng(8).integers(0, V, n).tolist() for n in (21, 6)]
     engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
                     speculation="dspark", num_drafts=3, verify_widths=(4,))

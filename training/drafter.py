@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from model.api import Model
 from model.dspark import Drafter, DSparkConfig, init_drafter, lm_head
+from model.v41 import DeepseekV41
 from serving.sampling import GREEDY_BELOW
 from training.train import TrainSettings, make_optimizer
 
@@ -87,7 +88,8 @@ class TargetPass:
 
         def forward(params, tokens, rows):
             module = nnx.merge(graphdef, params)
-            logits, _, taps = module(tokens, module.init_cache(*tokens.shape), rows, collect=collect)
+            engram = (rows,) if isinstance(module, DeepseekV41) else ()  # a V4 target has no Engram rows
+            logits, _, taps = module(tokens, module.init_cache(*tokens.shape), *engram, collect=collect)
             return taps, logits
 
         self._forward = jax.jit(forward)
