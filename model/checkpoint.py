@@ -286,6 +286,10 @@ def _show(name: str, expected: dict) -> str:
 def save_checkpoint(model: Model, path: str | Path, max_shard_bytes: int = 4 << 30) -> None:
     """Write config.json and the native-layout safetensors (sharded above `max_shard_bytes`), and the model's
     drafter, if any, beside them (`save_drafter`)."""
+    if model.drafter is not None and isinstance(model.config, ModelConfig) and model.config.num_nextn_predict_layers:
+        raise CheckpointError("a V4 checkpoint names both MTP blocks and a DSpark drafter mtp.*, so it can hold only "
+                              "one of them; this model has both (set model.drafter = None, or load the target "
+                              "without its MTP block)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.config.save_json(path)

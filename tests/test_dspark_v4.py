@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.checkpoint import load_model, save_checkpoint
+from model.checkpoint import CheckpointError, load_model, save_checkpoint
 from model.config import preset
 from model.dspark import DSparkConfig, init_drafter
 from model.hyper import hc_site
@@ -96,6 +96,15 @@ def test_a_v4_flash_0731_checkpoint_loads_its_dspark_drafter(target, tmp_path):
     save_checkpoint(loaded, tmp_path / "again")  # written back beside the target under the same names
     assert set(read_tensors(tmp_path / "again" / "dspark.safetensors")) == set(tensors)
     assert load_model(tmp_path / "again").drafter.config == loaded.drafter.config
+
+
+def test_a_v4_model_with_an_mtp_block_and_a_dspark_drafter_is_not_saved(tmp_path):
+    """Both would be named mtp.*: the save refuses rather than write a checkpoint that cannot load."""
+    model = random_model(TINY, seed=1)
+    model.drafter = init_drafter(TINY, CONFIG)
+    with pytest.raises(CheckpointError, match="both MTP blocks and a DSpark drafter"):
+        save_checkpoint(model, tmp_path / "both")
+    assert not (tmp_path / "both").exists()
 
 
 def _rms(x, eps=TARGET.rms_norm_eps):
