@@ -14,6 +14,14 @@ comparisons the issue asks for (`verified_reduction` of DSpark against fixed, `a
 `planner_...`, `speedup_b1` of DSpark over none) and the calibration error of the shipped drafter before STS
 (every temperature 1) and after.
 
+How many drafts DSpark verifies is the planner's answer to the machine's cost curve (none where a verify step
+costs little more than a decode step, few where it costs much more), so `admission` measures the scheduler's
+trade-off without one: the drafter's blocks at 16 anchors of the model's own continuations of the 16 prompts,
+verified offline (each draft's expected acceptance), a step being one block per prompt. For each cut of the
+verify budget below fixed gamma (10 to 40 %) it gives the share of fixed's expected accepted drafts kept when the
+pairs are admitted by prefix survival of the calibrated confidences (DSpark's rule, the engine's `admit`), by
+position alone, and by the true acceptance (an upper bound).
+
 Requests: the fixed prompts below, sampled at `--temperature` (default 1.0, what the drafter was trained and
 calibrated for) with per-request seeds, `ignore_eos`, `--max-tokens` new tokens. Batch 1 runs the requests one
 at a time, batch 16 all at once, on the same 16-slot engine (one compilation per mode). The bundled model has
@@ -35,10 +43,13 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+import numpy as np  # noqa: E402
+
 from model.checkpoint import load_model  # noqa: E402
 from model.dspark import Drafter  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
+from training.drafter import TargetPass, generate, kept_at_budget, sample_anchors, verify_offline  # noqa: E402
 
 PROMPTS = ["ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow", "The sea is calm", "What say you, my lord?",
            "JULIET:\nO", "Enter a Messenger.\n", "My gracious sovereign,", "HAMLET:\nTo", "Good morrow, sir.",
@@ -87,6 +98,24 @@ def run(model, mode: str, prompts: list[list[int]], b1_requests: int, args) -> d
         for name, table in (("profiled_ms", engine.costs.profiled), ("observed_ms", engine.costs.observed)):
             result[name] = {f"{r}x{w}": round(t * 1e3, 3) for (r, w), t in sorted(table.items())}
     return result
+
+
+def admission(model, prompts: list[list[int]], temperature: float, anchors: int = 16) -> dict:
+    """Share of fixed gamma's expected accepted drafts kept at each verify-budget cut, by admission rule (see
+    the module docstring)."""
+    config = model.drafter.config
+    start = min(len(p) for p in prompts)
+    tokens = generate(model, np.array([p[:start] for p in prompts]), 96, temperature, seed=0)
+    where = sample_anchors((start, tokens.shape[1]), len(prompts), anchors, config.block_size, seed=0, step=0)
+    offline = verify_offline(TargetPass(model, config.target_layer_ids), model.drafter, tokens, where, temperature,
+                             seed=0)
+    steps = lambda x: x.reshape(len(prompts), anchors, -1).transpose(1, 0, 2)  # noqa: E731 [step, row, gamma]
+    accept = steps(offline["accept_prob"])
+    confidence = 1 / (1 + np.exp(-offline["conf_logits"] / config.temperatures))
+    rules = {"confidence": np.cumprod(steps(confidence), axis=2), "oracle": np.cumprod(accept, axis=2),
+             "position": np.broadcast_to(-np.arange(config.block_size, dtype=np.float32), accept.shape)}
+    return {f"{cut:.2f}": {name: round(kept_at_budget(accept, survival, cut), 4) for name, survival in rules.items()}
+            for cut in (0.1, 0.2, 0.25, 0.3, 0.4)}
 
 
 def without_sts(drafter: Drafter) -> Drafter:
@@ -142,6 +171,9 @@ def main() -> None:
         model.drafter = shipped
         result["calibration_error_before_sts"] = round(before["calibration_error"], 4)
         result["calibration_error_after_sts"] = fixed["calibration_error"]
+    result["admission"] = admission(model, prompts, args.temperature)
+    print("admission: share of fixed's expected accepted drafts kept at 25 % fewer verified: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in result["admission"]["0.25"].items()), file=sys.stderr)
     result["load_avg_end"] = os.getloadavg()[0]
     print(json.dumps(result))
 

@@ -12,9 +12,9 @@ from model.api import init_model
 from model.calibration import calibration_error, fit_sts, prefix_ece
 from model.checkpoint import load_model, save_checkpoint
 from model.config_v41 import V41Config
-from model.dspark import DSparkConfig, draw_draft, init_drafter, lm_head
+from model.dspark import DSparkConfig, draw_draft, init_drafter
 from model.safetensors_io import read_tensors, write_tensors
-from training.drafter import DrafterSettings, DrafterTrainer, sample_anchors, train_drafter
+from training.drafter import DrafterSettings, DrafterTrainer, kept_at_budget, sample_anchors, train_drafter
 
 V, G = 64, 4
 TARGET = V41Config(
@@ -150,6 +150,17 @@ def test_sts_lowers_the_calibration_error_on_held_out_drafts():
     assert np.all(prefix_ece(accept[2000:], after) < prefix_ece(accept[2000:], before))
     direct = 1 / (1 + np.exp(-raw[2000:] / np.asarray(fit_sts(raw[:2000], accept[:2000], "abs_error"))))
     assert calibration_error(accept[2000:], direct) < 0.5 * calibration_error(accept[2000:], before)
+
+
+def test_a_smaller_budget_keeps_the_accepted_drafts_of_the_pairs_it_admits():
+    """Hand-computed: expected acceptances 0.9, 0.45, 0.225 (row 0) and 0.2, 0.1, 0.1 (row 1), 1.975 in all."""
+    accept = np.array([[[0.9, 0.5, 0.5], [0.2, 0.5, 1.0]]])
+    by_confidence = np.array([[[0.8, 0.4, 0.2], [0.3, 0.1, 0.05]]])
+    by_position = np.broadcast_to([1.0, 0.5, 0.25], (1, 2, 3))  # ties go to the earlier row
+    assert kept_at_budget(accept, by_confidence, 0.0) == pytest.approx(1.0)
+    assert kept_at_budget(accept, by_confidence, 1 / 3) == pytest.approx(1.775 / 1.975)  # 4 pairs: 3 + 1
+    assert kept_at_budget(accept, by_position, 1 / 3) == pytest.approx(1.65 / 1.975)  # 2 + 2
+    assert kept_at_budget(accept, by_confidence, 0.5) == pytest.approx(1.55 / 1.975)  # 2 + 1
 
 
 def upstream_names() -> dict[str, tuple[int, ...]]:

@@ -26,6 +26,7 @@ from model.api import Model
 from model.dspark import Drafter, DSparkConfig, init_drafter, lm_head
 from model.v41 import DeepseekV41
 from serving.sampling import GREEDY_BELOW
+from serving.speculative import admit
 from training.train import TrainSettings, make_optimizer
 
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
@@ -237,3 +238,18 @@ def expected_accepted(accept_prob: Float[np.ndarray, "n g"]) -> float:
     """Mean expected number of accepted drafts per block, sum_k prod_{i<=k} accept_prob_i (the verifier's
     bonus token comes on top)."""
     return float(np.mean(np.sum(np.cumprod(accept_prob, axis=1), axis=1)))
+
+
+def kept_at_budget(accept_prob: Float[np.ndarray, "s r g"], survival: Float[np.ndarray, "s r g"],
+                   reduction: float) -> float:
+    """The share of fixed-length verification's expected accepted drafts that a smaller verify budget keeps.
+    Each of `s` steps holds `r` blocks of `g` drafts; fixed verifies all r * g, the budget round((1 - reduction)
+    * r * g) pairs admitted by descending `survival` (the engine's `admit`: ties to the earlier position, then
+    row). A draft's expected acceptance is the product of the accept_prob up to it (`expected_accepted`)."""
+    s, r, g = accept_prob.shape
+    reach = np.cumprod(accept_prob, axis=2)  # P(draft j accepted)
+    budget = jnp.asarray(round((1 - reduction) * r * g), jnp.int32)
+    lengths = np.asarray(jax.vmap(admit, in_axes=(0, None, None))(jnp.asarray(survival, jnp.float32),
+                                                                   jnp.full(r, g, jnp.int32), budget))
+    kept = np.where(np.arange(g) < lengths[..., None], reach, 0.0).sum()
+    return float(kept / reach.sum())
