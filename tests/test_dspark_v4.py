@@ -111,9 +111,14 @@ def _rms(x, eps=TARGET.rms_norm_eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _rope(x, positions, inverse=False):
-    freqs = inv_frequencies(TARGET.qk_rope_head_dim, TARGET.rope_theta, None)
-    return np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions), freqs, inverse=inverse))
+FREQS = inv_frequencies(TARGET.qk_rope_head_dim, TARGET.rope_theta, None)
+ROPE = jax.jit(lambda x, positions: apply_rope(x, positions, FREQS))
+SITE = jax.jit(lambda streams, fn, base, scale: hc_site(streams, fn, base, scale, None, TARGET.hc_sinkhorn_iters,
+                                                        TARGET.hc_eps, TARGET.rms_norm_eps))
+
+
+def _rope(x, positions):
+    return np.asarray(ROPE(jnp.asarray(x), jnp.asarray(positions)))
 
 
 def reference_block(module, embed, head, taps, tokens, anchor):
@@ -126,7 +131,7 @@ def reference_block(module, embed, head, taps, tokens, anchor):
     proj . [pre-norm hidden ; W1[previous token]]. mHC sites, RoPE and the MoE are the target's, checked
     against transformers elsewhere."""
     p = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module)))
-    cfg, eps = TARGET, TARGET.rms_norm_eps
+    cfg = TARGET
     h_, hd = cfg.num_attention_heads, cfg.head_dim
     mean_taps = taps.reshape(len(taps), len(LAYERS), N_HC, D).mean(2).reshape(len(taps), -1)
     main_x = _rms(mean_taps @ p["main_proj"]["weight"].T) * p["main_norm"]["weight"]
@@ -139,8 +144,7 @@ def reference_block(module, embed, head, taps, tokens, anchor):
         a = ps["attn"]
 
         def site(streams, hc):
-            _, post, comb, x = hc_site(jnp.asarray(streams[None]), hc["fn"], hc["base"], hc["scale"], None,
-                                       cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+            _, post, comb, x = SITE(jnp.asarray(streams[None]), hc["fn"], hc["base"], hc["scale"])
             return np.asarray(post[0]), np.asarray(comb[0]), np.asarray(x[0])
 
         post, comb, x = site(streams, ps["hc_attn"])
@@ -153,11 +157,12 @@ def reference_block(module, embed, head, taps, tokens, anchor):
         scores = np.concatenate([scores, np.broadcast_to(a["attn_sink"][None, :, None], (G, h_, 1))], -1)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs = probs[..., :-1] / probs.sum(-1, keepdims=True)
-        out = np.asarray(blk.attn.output(jnp.asarray(np.einsum("ghk,kd->ghd", probs, kv)[None]),
-                                         jnp.asarray(block_pos), np.asarray(blk.attn.freqs, np.float32)))[0]
+        output = jax.jit(lambda o, pos: blk.attn.output(o, pos, np.asarray(blk.attn.freqs, np.float32)))
+        out = np.asarray(output(jnp.asarray(np.einsum("ghk,kd->ghd", probs, kv)[None]), jnp.asarray(block_pos)))[0]
         streams = post[..., None] * out[:, None] + np.einsum("gij,gid->gjd", comb, streams)
         post, comb, x = site(streams, ps["hc_ffn"])
-        y = np.asarray(blk.ffn(jnp.asarray(_rms(x) * ps["ffn_norm"]["weight"])[None], jnp.asarray(block_ids)[None]))[0]
+        y = np.asarray(jax.jit(blk.ffn)(jnp.asarray(_rms(x) * ps["ffn_norm"]["weight"])[None],
+                                        jnp.asarray(block_ids)[None]))[0]
         streams = post[..., None] * y[:, None] + np.einsum("gij,gid->gjd", comb, streams)
     hc = p["hc_head"]
     flat = _rms(streams.reshape(G, -1))
@@ -175,11 +180,11 @@ def test_the_v4_drafter_block_is_the_published_forward(target):
     module = nnx.merge(graphdef, jax.tree.map(wave, state))  # no zero biases, sinks or mHC bases
     tokens = np.random.default_rng(7).integers(0, V, 24).astype(np.int32)
     m = target.module()
-    _, _, taps = m.streams(jnp.asarray(tokens[None]), m.init_cache(1, 32), collect=LAYERS)
+    _, _, taps = jax.jit(lambda t: m.streams(t, m.init_cache(1, 32), collect=LAYERS))(jnp.asarray(tokens[None]))
     embed, head = np.asarray(m.embed.weight[...]), np.asarray(m.head.weight[...])
     anchors = np.array([[3, 12, 17]])  # a short context, a full window, the last anchor with G tokens after it
-    logits, conf = module.teacher_forced(jnp.asarray(embed), jnp.asarray(head), taps, jnp.asarray(tokens[None]),
-                                         jnp.asarray(anchors))
+    logits, conf = jax.jit(module.teacher_forced)(jnp.asarray(embed), jnp.asarray(head), taps,
+                                                  jnp.asarray(tokens[None]), jnp.asarray(anchors))
     for i, anchor in enumerate(anchors[0]):
         ref_logits, ref_conf = reference_block(module, embed, head, np.asarray(taps[0]), tokens, anchor)
         np.testing.assert_allclose(np.asarray(logits[0, i]), ref_logits, rtol=2e-4, atol=2e-4)
@@ -204,7 +209,7 @@ def test_a_v4_target_decodes_losslessly_with_its_dspark_drafter(target):
     model.drafter = init_drafter(TARGET, CONFIG, seed=6)
     prompts = [np.random.default_rng(8).integers(0, V, n).tolist() for n in (21, 6)]
     engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
-                    speculation="dspark", num_drafts=3, verify_widths=(4,))
+                    speculation="dspark", num_drafts=3, verify_widths=(4,), batch_invariant=True)
     engine.costs = CostTable({(r, w): 1.0 for r in engine.decode_rows for w in (0, 1) + engine.verify_widths},
                              window=0)
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
