@@ -53,7 +53,8 @@ class CostTable:
     observed periods of steady iterations that ran it (host work included; a median, because one slow
     iteration would otherwise keep a rarely chosen bucket out of the plans, and with it out of the
     observations); a bucket observed fewer than 3 times is its profiled time plus the median gap between
-    observed and profiled times. `window` 0: observations are ignored."""
+    observed and profiled times over the observed buckets of the same rows (the host's work grows with the
+    rows), or over all observed buckets while none of its rows is. `window` 0: observations are ignored."""
 
     def __init__(self, seconds: dict[tuple[int, int], float], window: int = 9):
         if not seconds or min(seconds.values()) <= 0:
@@ -62,17 +63,19 @@ class CostTable:
         self.periods: dict[tuple[int, int], collections.deque] = {}
         self.observed: dict[tuple[int, int], float] = {}
 
-    @property
-    def offset(self) -> float:
-        """Median observed minus profiled seconds over the observed buckets (0 before any observation)."""
-        gaps = [self.observed[b] - self.profiled[b] for b in self.observed]
-        return statistics.median(gaps) if gaps else 0.0
+    def offset(self, rows: int) -> float:
+        """Median observed minus profiled seconds over the observed buckets of `rows` rows, else over all
+        observed buckets (0 before any observation)."""
+        same = [b for b in self.observed if b[0] == rows] or list(self.observed)
+        return statistics.median(self.observed[b] - self.profiled[b] for b in same) if same else 0.0
 
     def __contains__(self, bucket: tuple[int, int]) -> bool:
         return bucket in self.profiled
 
     def __call__(self, rows: int, width: int) -> float:
-        return self.observed.get((rows, width), self.profiled[rows, width] + self.offset)
+        if (rows, width) in self.observed:
+            return self.observed[rows, width]
+        return self.profiled[rows, width] + self.offset(rows)
 
     def observe(self, rows: int, width: int, period: float) -> None:
         """A steady iteration of bucket (rows, width) took `period` seconds."""
@@ -81,6 +84,19 @@ class CostTable:
             periods.append(period)
             if len(periods) >= 3:  # the median of 3 rejects one slow iteration
                 self.observed[rows, width] = statistics.median(periods)
+
+
+def monotone_in_width(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """A profiled table with no bucket costlier than a wider one of the same rows: a wider step does all a
+    narrower one does and more, so a narrower bucket timed slower was disturbed, and its time becomes the
+    wider one's (the running minimum from the widest bucket down)."""
+    out = {}
+    for rows in {r for r, _ in seconds}:
+        lowest = float("inf")
+        for width in sorted((w for r, w in seconds if r == rows), reverse=True):
+            lowest = min(lowest, seconds[rows, width])
+            out[rows, width] = lowest
+    return out
 
 
 def prefix_survival(confidence: Float[np.ndarray, "r g"]) -> Float[np.ndarray, "r g"]:

@@ -11,7 +11,7 @@ from model.dspark import init_drafter
 from serving.engine import Engine
 from serving.sampling import SamplingParams
 from serving.speculative import admit
-from serving.verify_plan import CostTable, plan_verify, prefix_survival
+from serving.verify_plan import CostTable, monotone_in_width, plan_verify, prefix_survival
 from tests.helpers import greedy_full_forward
 from tests.test_dspark import CONFIG, TARGET
 
@@ -137,6 +137,22 @@ def test_planner_trades_expected_tokens_against_bucket_cost():
     costly.observe(1, 2, 500.0)  # nor a bucket's first observations
     assert abs(costly(1, 2) - 30) < 0.01
     assert plan_verify(survival, np.array([5]), 1, (1, 2, 3, 4, 5, 6), costly).width > 1
+
+
+def test_unobserved_buckets_shift_by_the_gap_of_their_rows():
+    """Host work grows with the rows: a b1 bucket takes the b1 gap, a b16 one the b16 gap, and rows never
+    observed the median gap over all."""
+    table = CostTable({(r, w): float(r + w) for r in (1, 4, 16) for w in (1, 6)})
+    for _ in range(3):
+        table.observe(1, 1, 2.0 + 1.0)
+        table.observe(16, 1, 17.0 + 10.0)
+    assert table(1, 6) == 7.0 + 1.0 and table(16, 6) == 22.0 + 10.0 and table(4, 6) == 10.0 + 5.5
+
+
+def test_a_narrower_bucket_is_never_costlier_than_a_wider_one():
+    timed = {(1, 0): 1.0, (1, 1): 3.0, (1, 2): 2.0, (1, 3): 2.5, (4, 1): 5.0, (4, 2): 4.0}
+    assert monotone_in_width(timed) == {(1, 0): 1.0, (1, 1): 2.0, (1, 2): 2.0, (1, 3): 2.5, (4, 1): 4.0,
+                                        (4, 2): 4.0}
 
 
 def test_planner_falls_back_to_decoding_without_drafts():
