@@ -244,9 +244,9 @@ def kept_at_budget(accept_prob: Float[np.ndarray, "s r g"], survival: Float[np.n
                    reduction: float) -> float:
     """The share of fixed-length verification's expected accepted drafts that a smaller verify budget keeps.
     Each of `s` steps holds `r` blocks of `g` drafts; fixed verifies all r * g, the budget round((1 - reduction)
-    * r * g) pairs admitted by descending `survival` (the engine's `admit`: ties to the earlier position, then
-    row). A draft's expected acceptance is the product of the accept_prob up to it (`expected_accepted`)."""
-    s, r, g = accept_prob.shape
+    * r * g) pairs admitted by descending `survival` (the engine's `admit`: equal values in row order). A draft's
+    expected acceptance is the product of the accept_prob up to it (`expected_accepted`)."""
+    _, r, g = accept_prob.shape
     reach = np.cumprod(accept_prob, axis=2)  # P(draft j accepted)
     budget = jnp.asarray(round((1 - reduction) * r * g), jnp.int32)
     lengths = np.asarray(jax.vmap(admit, in_axes=(0, None, None))(jnp.asarray(survival, jnp.float32),
