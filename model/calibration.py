@@ -39,6 +39,11 @@ def prefix_ece(accept_prob: Float[np.ndarray, "n g"], confidence: Float[np.ndarr
     return np.array([binned_ece(predicted[:, k], target[:, k], bins) for k in range(predicted.shape[1])])
 
 
+def sts_confidence(conf_logits: Float[np.ndarray, "*n"], temperatures) -> Float[np.ndarray, "*n"]:
+    """sigmoid(logit / T): the confidence head's raw logits calibrated by STS temperatures (broadcast)."""
+    return 1 / (1 + np.exp(-conf_logits / np.asarray(temperatures)))
+
+
 def fit_sts(conf_logits: Float[np.ndarray, "n g"], accept_prob: Float[np.ndarray, "n g"],
             objective: str = "prefix_ece", bins: int = 10, grid: np.ndarray = STS_GRID) -> tuple[float, ...]:
     """Per-position temperatures T_k (confidence = sigmoid(logit / T_k)), chosen left to right on `grid`.
@@ -51,7 +56,7 @@ def fit_sts(conf_logits: Float[np.ndarray, "n g"], accept_prob: Float[np.ndarray
     temps, product = [], np.ones(conf_logits.shape[0])
     target = np.cumprod(accept_prob, axis=1)
     for k in range(conf_logits.shape[1]):
-        conf = 1 / (1 + np.exp(-conf_logits[None, :, k] / grid[:, None]))  # [grid, n]
+        conf = sts_confidence(conf_logits[None, :, k], grid[:, None])  # [grid, n]
         if objective == "abs_error":
             errors = np.mean(np.abs(conf - accept_prob[None, :, k]), axis=1)
         else:

@@ -46,10 +46,12 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import numpy as np  # noqa: E402
 
+from model.calibration import sts_confidence  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.dspark import Drafter  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
+from serving.verify_plan import prefix_survival  # noqa: E402
 from training.drafter import TargetPass, generate, kept_at_budget, sample_anchors, verify_offline  # noqa: E402
 
 PROMPTS = ["ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow", "The sea is calm", "What say you, my lord?",
@@ -112,8 +114,8 @@ def admission(model, prompts: list[list[int]], temperature: float, anchors: int 
                              seed=0)
     steps = lambda x: x.reshape(len(prompts), anchors, -1).transpose(1, 0, 2)  # noqa: E731 [step, row, gamma]
     accept = steps(offline["accept_prob"])
-    confidence = 1 / (1 + np.exp(-offline["conf_logits"] / config.temperatures))
-    rules = {"confidence": np.cumprod(steps(confidence), axis=2), "oracle": np.cumprod(accept, axis=2),
+    confidence = sts_confidence(offline["conf_logits"], config.temperatures)
+    rules = {"confidence": steps(prefix_survival(confidence)), "oracle": prefix_survival(accept),
              "position": np.broadcast_to(-np.arange(config.block_size, dtype=np.float32), accept.shape)}
     return {f"{cut:.2f}": {name: round(kept_at_budget(accept, survival, cut), 4) for name, survival in rules.items()}
             for cut in (0.1, 0.2, 0.25, 0.3, 0.4)}

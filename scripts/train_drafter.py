@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from model.calibration import calibration_error, fit_sts, prefix_ece
+from model.calibration import calibration_error, fit_sts, prefix_ece, sts_confidence
 from model.checkpoint import load_model, save_drafter
 from model.dspark import DSparkConfig
 from training.corpus import load_corpus
@@ -53,8 +53,7 @@ def acceptance(result: dict) -> dict:
 
 
 def calibration(result: dict, temperatures) -> dict:
-    sigmoid = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
-    conf = sigmoid(result["conf_logits"] / np.asarray(temperatures))
+    conf = sts_confidence(result["conf_logits"], temperatures)
     return {"mean_abs_error": round(calibration_error(result["accept_prob"], conf), 4),
             "mean_abs_error_per_position": np.round(np.abs(result["accept_prob"] - conf).mean(0), 4).tolist(),
             "prefix_ece": np.round(prefix_ece(result["accept_prob"], conf), 4).tolist()}

@@ -99,9 +99,10 @@ def monotone_in_width(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, 
     return out
 
 
-def prefix_survival(confidence: Float[np.ndarray, "r g"]) -> Float[np.ndarray, "r g"]:
-    """a[i, j] = c[i, 0] * ... * c[i, j]: the chance that draft j of row i and all before it are accepted."""
-    return np.cumprod(np.clip(confidence, 0.0, 1.0), axis=1)
+def prefix_survival(confidence: Float[np.ndarray, "*r g"]) -> Float[np.ndarray, "*r g"]:
+    """a[..., j] = c[..., 0] * ... * c[..., j]: the chance that draft j of a block and all before it are
+    accepted."""
+    return np.cumprod(np.clip(confidence, 0.0, 1.0), axis=-1)
 
 
 def plan_verify(survival: Float[np.ndarray, "r g"], caps: Int[np.ndarray, " r"], rows_bucket: int,

@@ -27,6 +27,7 @@ from model.dspark import Drafter, DSparkConfig, init_drafter, lm_head
 from model.v41 import DeepseekV41
 from serving.sampling import GREEDY_BELOW
 from serving.speculative import admit
+from serving.verify_plan import prefix_survival
 from training.train import TrainSettings, make_optimizer
 
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
@@ -247,7 +248,7 @@ def kept_at_budget(accept_prob: Float[np.ndarray, "s r g"], survival: Float[np.n
     * r * g) pairs admitted by descending `survival` (the engine's `admit`: equal values in row order). A draft's
     expected acceptance is the product of the accept_prob up to it (`expected_accepted`)."""
     _, r, g = accept_prob.shape
-    reach = np.cumprod(accept_prob, axis=2)  # P(draft j accepted)
+    reach = prefix_survival(accept_prob)  # P(draft j accepted)
     budget = jnp.asarray(round((1 - reduction) * r * g), jnp.int32)
     lengths = np.asarray(jax.vmap(admit, in_axes=(0, None, None))(jnp.asarray(survival, jnp.float32),
                                                                    jnp.full(r, g, jnp.int32), budget))
