@@ -152,6 +152,7 @@ class SamplingBatch(NamedTuple):
     presence_penalty: Float[Array, " r"]
     frequency_penalty: Float[Array, " r"]
     seed: UInt32[Array, "r 2"]  # (high, low) 32-bit halves of the 63-bit seed: JAX x64 is off
+    logprobs: Int[Array, " r"]  # the top alternatives the row asks for (-1: no logprobs at all)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams | None], num_rows: int) -> SamplingBatch:
@@ -172,7 +173,8 @@ class SamplingBatch(NamedTuple):
             temperature=col("temperature", np.float32), top_k=col("top_k", np.int32), top_p=col("top_p", np.float32),
             min_p=col("min_p", np.float32), repetition_penalty=col("repetition_penalty", np.float32),
             presence_penalty=col("presence_penalty", np.float32),
-            frequency_penalty=col("frequency_penalty", np.float32), seed=seeds)
+            frequency_penalty=col("frequency_penalty", np.float32), seed=seeds,
+            logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in rows], np.int32))
 
 
 class SampleOutput(NamedTuple):
@@ -255,10 +257,22 @@ def _logprobs_row(logits, token, num_top_logprobs: int):
     return SampleOutput(token, logprobs[token], top_ids.astype(jnp.int32), top_logprobs)
 
 
-def token_logprobs(logits: Float[Array, "r v"], tokens: Int[Array, " r"], num_top_logprobs: int) -> SampleOutput:
+def token_logprobs(
+    logits: Float[Array, "r v"], tokens: Int[Array, " r"], num_top_logprobs: int, wanted: Bool[Array, ""] | bool = True
+) -> SampleOutput:
     """Each row's token with its logprob and the `num_top_logprobs` most likely alternatives, all log-softmax of
-    the RAW model logits (vLLM's default); `num_top_logprobs` must be static."""
-    return jax.vmap(functools.partial(_logprobs_row, num_top_logprobs=num_top_logprobs))(logits, tokens)
+    the RAW model logits (vLLM's default); `num_top_logprobs` must be static. A batch in which no row asks for
+    logprobs (`wanted` False) skips the log-softmax and the top-k: zeros, which no reader looks at."""
+
+    def compute():
+        return jax.vmap(functools.partial(_logprobs_row, num_top_logprobs=num_top_logprobs))(logits, tokens)
+
+    def skip():
+        r = tokens.shape[0]
+        return SampleOutput(tokens, jnp.zeros(r, logits.dtype), jnp.zeros((r, num_top_logprobs), jnp.int32),
+                            jnp.zeros((r, num_top_logprobs), logits.dtype))
+
+    return jax.lax.cond(wanted, compute, skip)
 
 
 def sample(
@@ -269,4 +283,4 @@ def sample(
     position the sampled token will occupy; every row is computed on its own (vmap), so a row's outputs are
     bit-identical whatever the batch around it. Pure and jit-able: `num_top_logprobs` must be static."""
     tokens = draw_tokens(processed_logits(logits, batch, prompt_mask, output_counts), batch, positions)
-    return token_logprobs(logits, tokens, num_top_logprobs)
+    return token_logprobs(logits, tokens, num_top_logprobs, jnp.any(batch.logprobs >= 0))

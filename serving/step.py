@@ -260,7 +260,7 @@ def build_step_halves(graphdef, param_tree, empty_layers: dict, page_tokens: int
             next_drafts, next_confidence = out.tokens, out.confidences
 
         flat = lambda x: x.reshape(rows * verify_len, *x.shape[2:])  # noqa: E731
-        lp = token_logprobs(flat(picked), flat(jnp.maximum(emitted, 0)), num_top)
+        lp = token_logprobs(flat(picked), flat(jnp.maximum(emitted, 0)), num_top, jnp.any(batch.sampling.logprobs >= 0))
         lp = jax.tree.map(lambda x: x.reshape(rows, verify_len, *x.shape[1:]), lp)
         kept_logits = picked if return_logits else jnp.zeros((rows, verify_len, 0), picked.dtype)
         return StepOutput(emitted, lp.logprob, lp.top_ids, lp.top_logprobs, kept_logits, accepted, drafted,

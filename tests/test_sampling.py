@@ -1,5 +1,7 @@
 """Sampling: parameter validation, processed logits vs numpy re-derivations, distributions, batch invariance."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,6 +130,8 @@ def test_batch_from_params_pads_and_splits_seed():
     assert b.seed.dtype == np.uint32 and b.seed.tolist() == [[0, 0], [5, 9], [0, 0], [0, 0]]
     assert b.temperature.tolist() == [0, 0.5, 0, 0] and b.top_k.tolist() == [0, 3, 0, 0]
     assert b.repetition_penalty.tolist() == [1] * 4 and b.top_p.tolist() == [1] * 4
+    assert b.logprobs.tolist() == [-1] * 4
+    assert SamplingBatch.from_params([SamplingParams(seed=0, logprobs=3)], 1).logprobs.tolist() == [3]
     with pytest.raises(ValueError, match="seed"):
         SamplingBatch.from_params([SamplingParams()], 2)
     with pytest.raises(ValueError, match="rows"):
@@ -279,7 +283,7 @@ def test_logprobs_are_raw_log_softmax():
     r, v, n = 6, 200, 5
     logits = (rng.standard_normal((r, v)) * 4).astype(np.float32)
     params = [SamplingParams(seed=i, temperature=[0.0, 0.3, 1.0][i % 3], top_k=3, repetition_penalty=1.5,
-                             frequency_penalty=1.0) for i in range(r)]
+                             frequency_penalty=1.0, logprobs=None if i == 1 else n) for i in range(r)]
     counts = (rng.random((r, v)) < 0.3).astype(np.int32)
     out = _sample(logits, params, counts=counts, prompt_mask=rng.random((r, v)) < 0.3, n=n)
     want = _log_softmax(logits)
@@ -288,4 +292,8 @@ def test_logprobs_are_raw_log_softmax():
     np.testing.assert_allclose(out.top_logprobs, np.sort(want, -1)[:, ::-1][:, :n], atol=1e-5)
     none = _sample(logits, params, n=0)
     assert none.top_ids.shape == (r, 0) and none.top_logprobs.shape == (r, 0)
+    # a batch in which no row asks for logprobs skips them: the same tokens, zero logprobs
+    unasked = _sample(logits, [dataclasses.replace(p, logprobs=None) for p in params], counts=counts, n=n)
+    np.testing.assert_array_equal(unasked.tokens, _sample(logits, params, counts=counts, n=n).tokens)
+    assert not unasked.logprob.any() and not unasked.top_logprobs.any()
 
