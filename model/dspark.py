@@ -48,7 +48,7 @@ from model.norms import RMSNorm, rms_normalize
 from model.rope import apply_rope, inv_frequencies
 from model.transformer import Embedding, HyperBlock
 from pallas_kernels import registry
-from serving.sampling import GREEDY_BELOW, PURPOSE_DRAFT, request_key
+from serving.sampling import GREEDY_BELOW, PURPOSE_DRAFT, first_argmax, request_key
 
 _JSON_KEYS = {  # DSparkConfig field -> its key in a checkpoint's config.json / dspark.json
     "num_layers": "num_nextn_predict_layers", "block_size": "dspark_block_size",
@@ -192,7 +192,7 @@ def draw_draft(
     def row(logits, temp, noise):
         greedy = temp < GREEDY_BELOW
         scaled = logits / jnp.where(greedy, 1.0, temp)
-        token = jnp.argmax(jnp.where(greedy, logits, scaled + noise)).astype(jnp.int32)
+        token = first_argmax(jnp.where(greedy, logits, scaled + noise))
         probs = jnp.where(greedy, jax.nn.one_hot(token, logits.shape[-1], dtype=jnp.float32),
                           jax.nn.softmax(scaled))
         return token, probs

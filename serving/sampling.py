@@ -236,10 +236,23 @@ def processed_logits(
     return jax.lax.cond(jnp.any(truncating), rows(True), rows(False))
 
 
+def first_argmax(x: Float[Array, "*b v"]) -> Int[Array, "*b"]:
+    """The first index of the maximum over the last axis, as `jnp.argmax` for NaN-free input. On CPU it is a max
+    and a min: XLA:CPU vectorises those two reductions but not argmax's (value, index) one, which takes 2-4x as
+    long over a vocabulary (0.9 ms against 0.24 ms at 96 x 4096 on a 2-core CPU); elsewhere it is argmax, one
+    kernel."""
+
+    def max_then_min(x):
+        top = jnp.max(x, axis=-1, keepdims=True)
+        return jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1] - 1), axis=-1)
+
+    return jax.lax.platform_dependent(x, cpu=max_then_min, default=lambda x: jnp.argmax(x, -1).astype(jnp.int32))
+
+
 def _noisy_argmax(processed, row: SamplingBatch, position):
     """Gumbel-max draw of one row (greedy rows: the plain argmax)."""
     gumbel = jax.random.gumbel(request_key(row.seed, position, PURPOSE_SAMPLE), processed.shape, jnp.float32)
-    return jnp.argmax(jnp.where(row.temperature < GREEDY_BELOW, processed, processed + gumbel))
+    return first_argmax(jnp.where(row.temperature < GREEDY_BELOW, processed, processed + gumbel))
 
 
 def draw_tokens(processed: Float[Array, "r v"], batch: SamplingBatch, positions: Int[Array, " r"]) -> Int[Array, " r"]:
@@ -248,7 +261,7 @@ def draw_tokens(processed: Float[Array, "r v"], batch: SamplingBatch, positions:
     noise at all (a batch-level `cond` that changes no row's token)."""
     return jax.lax.cond(jnp.any(batch.temperature >= GREEDY_BELOW),
                         lambda: jax.vmap(_noisy_argmax)(processed, batch, positions),
-                        lambda: jnp.argmax(processed, axis=-1)).astype(jnp.int32)
+                        lambda: first_argmax(processed))
 
 
 def _logprobs_row(logits, token, num_top_logprobs: int):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from serving.sampling import PURPOSE_ACCEPT, PURPOSE_RESIDUAL, PURPOSE_SAMPLE, request_key
+from serving.sampling import PURPOSE_ACCEPT, PURPOSE_RESIDUAL, PURPOSE_SAMPLE, first_argmax, request_key
 
 
 class Verdict(NamedTuple):
@@ -40,10 +40,10 @@ def _verify_row(logits, drafts, draft_probs, num_drafts, greedy, seed, positions
     """One row; `sampling` (static) is False when every row of the batch is greedy: then no noise is drawn."""
     v = logits.shape[0]
     j = jnp.arange(v - 1)
-    is_argmax = drafts == jnp.argmax(logits[:-1], axis=-1)
+    is_argmax = drafts == first_argmax(logits[:-1])
     if not sampling:
         accepted = jnp.sum(jnp.cumprod((is_argmax & (j < num_drafts)).astype(jnp.int32)))
-        final = jnp.argmax(logits[accepted]).astype(jnp.int32)
+        final = first_argmax(logits[accepted])
         accept_prob = is_argmax.astype(jnp.float32)
     else:
         target = jax.nn.softmax(logits, axis=-1)  # [v, V]
@@ -60,8 +60,8 @@ def _verify_row(logits, drafts, draft_probs, num_drafts, greedy, seed, positions
         key = jnp.where(rejected, *(jax.random.key_data(request_key(seed, positions[accepted], purpose))
                                     for purpose in (PURPOSE_RESIDUAL, PURPOSE_SAMPLE)))
         gumbel = jax.random.gumbel(jax.random.wrap_key_data(key, impl="threefry2x32"), logits.shape[1:])
-        sampled = jnp.argmax(jnp.where(rejected, jnp.log(residual), logits[accepted]) + gumbel)
-        final = jnp.where(greedy, jnp.argmax(logits[accepted]), sampled).astype(jnp.int32)
+        sampled = first_argmax(jnp.where(rejected, jnp.log(residual), logits[accepted]) + gumbel)
+        final = jnp.where(greedy, first_argmax(logits[accepted]), sampled)
         overlap = jnp.sum(jnp.minimum(target[:-1], draft_probs), axis=-1)
         accept_prob = jnp.where(greedy, is_argmax.astype(jnp.float32), overlap)
     slots = jnp.arange(v)

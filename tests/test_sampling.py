@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from serving.sampling import (
-    PURPOSE_SAMPLE, SamplingBatch, SamplingParams, processed_logits, request_key, sample, sampling_fields,
+    PURPOSE_SAMPLE, SamplingBatch, SamplingParams, first_argmax, processed_logits, request_key, sample,
+    sampling_fields,
 )
 
 run = jax.jit(sample, static_argnums=5)
@@ -276,6 +277,16 @@ def test_seed_and_position_matter():
     assert len(set(by_seed.tolist())) > 40 and len(set(by_position.tolist())) > 40
     assert (by_seed != high_bits).sum() > 40  # the seed's high 32 bits are used
     np.testing.assert_array_equal(by_seed, repeat)
+
+
+def test_first_argmax_is_numpys_argmax():
+    """Ties go to the first index; -inf entries, a row of only -inf and leading batch axes as np.argmax."""
+    rng = np.random.default_rng(5)
+    x = rng.integers(-3, 3, (4, 7, 50)).astype(np.float32)  # many ties
+    x[0, 0] = -np.inf
+    x[1, 2, 10:] = -np.inf
+    x[2, 3, :] = np.float32(7.0)
+    np.testing.assert_array_equal(jax.jit(first_argmax)(x), np.argmax(x, axis=-1))
 
 
 def test_logprobs_are_raw_log_softmax():
