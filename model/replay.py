@@ -131,10 +131,16 @@ def key_positions(ring_pos: Int[Array, "b w"], positions: Int[Array, " c"], wind
                             jnp.broadcast_to(in_chunk, (b, c, window))], axis=2)
 
 
+def take_positions(x: Array, idx: Int[Array, "b v"] | None) -> Array:
+    """x[b, idx[b, i]] along the chunk axis ([b, v, ...]); x itself when `idx` is None."""
+    if idx is None:
+        return x
+    return jnp.take_along_axis(x, idx.reshape(*idx.shape, *(1,) * (x.ndim - 2)), axis=1)
+
+
 def take_rows(x: Array, offset: Int[Array, " b"], width: int) -> Array:
     """x[b, offset_b + i] for i < width ([b, width, ...]); rows past the chunk repeat its last row (padding)."""
-    idx = jnp.minimum(offset[:, None] + jnp.arange(width), x.shape[1] - 1)
-    return jnp.take_along_axis(x, idx.reshape(*idx.shape, *(1,) * (x.ndim - 2)), axis=1)
+    return take_positions(x, jnp.minimum(offset[:, None] + jnp.arange(width), x.shape[1] - 1))
 
 
 def put_rows(x: Array, rows: Array, offset: Int[Array, " b"], length: Int[Array, " b"]) -> Array:

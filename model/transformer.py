@@ -10,6 +10,7 @@ from model.hyper import HyperConnection, HyperHead, expand
 from model.linear import Linear, normal_init
 from model.moe import MoE
 from model.norms import RMSNorm
+from model.replay import take_positions
 
 
 def empty_cache(config, layers, batch: int, max_len: int, ring: int | None = None) -> dict:
@@ -135,10 +136,12 @@ class DeepseekV4(nnx.Module):
         hc_head, norm = hc_head or self.hc_head, norm or self.norm
         return self.head(norm(hc_head(streams)).astype(jnp.float32))
 
-    def __call__(self, tokens: Int[Array, "b c"], cache: dict, count=None, collect=()):
-        """(fp32 logits [b, c, vocab], new cache), plus the taps of `streams` when `collect` names layers."""
+    def __call__(self, tokens: Int[Array, "b c"], cache: dict, count=None, collect=(), at=None):
+        """(fp32 logits [b, c, vocab], new cache), plus the taps of `streams` when `collect` names layers.
+        `at` [b, v] (chunk offsets) gives the logits of those positions only, [b, v, vocab]: the vocabulary
+        projection runs on them alone."""
         streams, cache, *taps = self.streams(tokens, cache, count, collect)
-        return (self.head_logits(streams), cache, *taps)
+        return (self.head_logits(take_positions(streams, at)), cache, *taps)
 
     def mtp_logits(
         self, streams: Float[Array, "b c n d"], next_tokens: Int[Array, "b c"], cache: dict, depth: int = 0

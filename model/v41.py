@@ -23,7 +23,7 @@ from model.hyper import collapse, expand
 from model.linear import Linear
 from model.moe import MoE
 from model.norms import RMSNorm
-from model.replay import Replay, key_positions, kept_span, put_rows, take_rows
+from model.replay import Replay, key_positions, kept_span, put_rows, take_positions, take_rows
 from model.rope import apply_rope, layer_frequencies
 from model.transformer import Embedding, HyperBlock, empty_cache
 from pallas_kernels import registry
@@ -326,8 +326,10 @@ class DeepseekV41(nnx.Module):
         return jax.lax.cond(jnp.any(length > 0), replayed, skipped)
 
     def __call__(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None, collect=(),
-                 replay: Replay | None = None, prompt_end=None):
+                 replay: Replay | None = None, prompt_end=None, at=None):
         """(fp32 logits [b, c, vocab], new cache), plus the taps of `streams` when `collect` names layers.
-        With an active `replay`, positions below each row's floor hold no next-token logits (`model.replay`)."""
+        With an active `replay`, positions below each row's floor hold no next-token logits (`model.replay`).
+        `at` [b, v] (chunk offsets) gives the logits of those positions only, [b, v, vocab]."""
         streams, pre_mix, cache, *taps = self.streams(tokens, cache, engram_rows, count, collect, replay, prompt_end)
-        return self.head(self.norm(collapse(streams, pre_mix)).astype(jnp.float32)), cache, *taps
+        hidden = collapse(take_positions(streams, at), take_positions(pre_mix, at))
+        return self.head(self.norm(hidden).astype(jnp.float32)), cache, *taps

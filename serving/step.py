@@ -210,15 +210,14 @@ def build_step_halves(graphdef, param_tree, empty_layers: dict, page_tokens: int
             unbounded = (batch.prompt_end == 0) & (counts <= replay.keep)
             extra |= {"replay": replay, "prompt_end": jnp.where(unbounded, 0, jnp.maximum(batch.prompt_end,
                                                                                         starts + counts))}
-        logits, new, *taps = module(tokens, {"pos": starts, "layers": states}, count=counts, **extra)
+        # the verify positions: the last drafted + 1 real ones (a prefill or decode row: its last); the model
+        # projects only them onto the vocabulary
+        at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
+        picked, new, *taps = module(tokens, {"pos": starts, "layers": states}, count=counts, at=at, **extra)
         pages = min(batch.block_tables.shape[1], (width - 1) // page_tokens + 2)  # a chunk spans at most these
         first = jnp.maximum(starts, batch.frozen) // page_tokens  # shared pages are read-only
         cache = scatter_rows(cache, slots, thaw(new["layers"]), first, pages)
-
-        # the verify positions: the last drafted + 1 real ones (a prefill or decode row: its last)
-        at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
-        picked = jnp.take_along_axis(logits, at[:, :, None], axis=1)  # [r, v, vocab]
-        features = taps[0] if drafter is not None else jnp.zeros((rows, width, 0), logits.dtype)
+        features = taps[0] if drafter is not None else jnp.zeros((rows, width, 0), picked.dtype)
         return Forwarded(picked, features, tokens, kinds, starts, counts, drafted, at), cache
 
     def decide(weights: tuple, cache: dict, batch: DecideBatch, fwd: Forwarded, verify_len: int

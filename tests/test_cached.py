@@ -83,3 +83,19 @@ def test_rolling_back_rejected_drafts_keeps_the_cache_exact(model, accepted):
         logits, cache = model.step(tokens[:, start:start + 5], cache)
         pieces.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full[:, 30 + accepted:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-v41"])
+def test_logits_at_chosen_positions_are_those_of_the_full_forward(model, name):
+    """`at` projects only the chosen chunk offsets onto the vocabulary (the engine's step asks for the verify
+    positions alone): the same numbers as the gathered logits of every position."""
+    m = model if name == "tiny" else random_model(preset(name), seed=2)
+    module = m.module()
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, m.config.vocab_size, (2, 12)), jnp.int32)
+    extra = {"engram_rows": m.engram.lookup(np.asarray(tokens), m.engram.empty_history(2))[0]} if m.engram else {}
+    at = jnp.array([[11, 3, 3], [0, 7, 10]], jnp.int32)
+    full = module(tokens, module.init_cache(2, 12), **extra)[0]
+    picked = module(tokens, module.init_cache(2, 12), at=at, **extra)[0]
+    assert picked.shape == (2, 3, m.config.vocab_size)
+    np.testing.assert_allclose(picked, np.take_along_axis(np.asarray(full), np.asarray(at)[:, :, None], axis=1),
+                               atol=1e-5, rtol=0)
