@@ -559,10 +559,10 @@ class Engine:
         b = empty_batch(self.layout, num_rows, width, self._engram_shapes(), verify_len)
         if masks:
             b = b._replace(bitmask=self._bitmask(rows, b.bitmask))
+        if self.engram is not None:
+            self._engram_rows(b, rows)
         for i, row in enumerate(rows):
             n = len(row.tokens)
-            if self.engram is not None:
-                self._engram_row(b, i, row)
             b.tokens[i, :n], b.kinds[i, :n] = row.tokens, row.kinds
             b.slots[i], b.starts[i], b.counts[i], b.caps[i] = row.request.slot, row.start, n, row.caps
             b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset and row.restore is None, row.sample
@@ -591,21 +591,37 @@ class Engine:
         self.stats["grammar_seconds"] += time.perf_counter() - start
         return masks
 
-    def _engram_row(self, batch: StepBatch, i: int, row: Row) -> None:
-        """Hash the row's tokens with its request's n-gram history (host) and gather its table rows. A decode /
-        verify row's tokens are the last token and the drafts the host read (zero-overhead is off for Engram
-        models); its history advances only when the host reads which of them were committed."""
+    def _engram_rows(self, batch: StepBatch, rows: list[Row]) -> None:
+        """Hash the rows' tokens with their requests' n-gram histories (host) and gather their table rows: each
+        prefill row on its own (its history advances by the chunk), the decode / verify rows in one lookup. A
+        decode / verify row's tokens are the last token and the drafts the host read (zero-overhead is off for
+        Engram models); its history advances only when the host reads which of them were committed."""
+        continuing = [(i, row) for i, row in enumerate(rows) if row.from_prev]
+        for i, row in enumerate(rows):
+            if not row.from_prev:
+                self._engram_prefill_row(batch, i, row)
+        if not continuing:
+            return
+        tokens = [[row.request.output[-1]] + row.request.drafts[:row.caps] for _, row in continuing]
+        width = max(map(len, tokens))
+        padded = np.array([t + t[-1:] * (width - len(t)) for t in tokens])  # padding positions are dropped
+        histories = np.concatenate([row.request.engram_history for _, row in continuing])
+        looked_up, _ = self.engram.lookup(padded, histories, on_host=True)
+        for layer_rows, layer in zip(batch.engram_rows, looked_up):
+            for k, (i, _) in enumerate(continuing):
+                layer_rows[i, :len(tokens[k])] = layer[k, :len(tokens[k])]
+
+    def _engram_prefill_row(self, batch: StepBatch, i: int, row: Row) -> None:
+        """`_engram_rows` for one prefill row: its history first (a prefix hit replays from a later start), then
+        the chunk's lookup, which advances it."""
         request = row.request
-        if row.reset:  # the history before the row (a prefix hit replays from a later start)
+        if row.reset:
             before = request.sequence[max(0, row.start - request.engram_history.shape[1]):row.start]
             request.engram_history = self.engram.advance(np.array([before], np.int64),
                                                          self.engram.empty_history(1))
-        tokens = [request.output[-1]] + request.drafts[:row.caps] if row.from_prev else row.tokens
-        rows, history = self.engram.lookup(np.array([tokens]), request.engram_history, on_host=True)
-        if not row.from_prev:
-            request.engram_history = history
+        rows, request.engram_history = self.engram.lookup(np.array([row.tokens]), request.engram_history, on_host=True)
         for layer_rows, looked_up in zip(batch.engram_rows, rows):
-            layer_rows[i, :len(tokens)] = looked_up[0]
+            layer_rows[i, :len(row.tokens)] = looked_up[0]
 
     def _read(self, dispatched) -> list[RequestOutput]:
         """Apply the results of dispatched steps to their requests; returns those that finished."""
