@@ -68,7 +68,7 @@ PROMPT, RECOMPUTED, COUNTED, DRAFT = 0, 1, 2, 3
 
 class StepOutput(NamedTuple):
     """Per row and verify position j: the emitted token (-1 past the row's last), its logprob and the top
-    alternatives; per row the drafts accepted and verified; per verified draft its acceptance probability given
+    alternatives (zeros in a step in which no row asks for logprobs); per row the drafts accepted and verified; per verified draft its acceptance probability given
     its prefix survived and the confidence it was scheduled with; the slot's next block of drafts and their
     confidences (drafter steps only: [r, 0] otherwise), and whether this step drafted them (a step that did not
     leaves the slots' previous, now stale, drafts in place)."""
