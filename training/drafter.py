@@ -238,7 +238,7 @@ def verify_offline(target: TargetPass, drafter: Drafter, tokens: Int[np.ndarray,
 def expected_accepted(accept_prob: Float[np.ndarray, "n g"]) -> float:
     """Mean expected number of accepted drafts per block, sum_k prod_{i<=k} accept_prob_i (the verifier's
     bonus token comes on top)."""
-    return float(np.mean(np.sum(np.cumprod(accept_prob, axis=1), axis=1)))
+    return float(np.mean(np.sum(prefix_survival(accept_prob), axis=1)))
 
 
 def kept_at_budget(accept_prob: Float[np.ndarray, "s r g"], survival: Float[np.ndarray, "s r g"],
