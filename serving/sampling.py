@@ -271,7 +271,7 @@ def _logprobs_row(logits, token, num_top_logprobs: int):
 
 
 def token_logprobs(
-    logits: Float[Array, "r v"], tokens: Int[Array, " r"], num_top_logprobs: int, wanted: Bool[Array, ""] | bool = True
+    logits: Float[Array, "r v"], tokens: Int[Array, " r"], num_top_logprobs: int, wanted: Bool[Array, ""]
 ) -> SampleOutput:
     """Each row's token with its logprob and the `num_top_logprobs` most likely alternatives, all log-softmax of
     the RAW model logits (vLLM's default); `num_top_logprobs` must be static. A batch in which no row asks for
