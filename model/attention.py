@@ -18,32 +18,6 @@ from model.rope import apply_rope, layer_frequencies
 from pallas_kernels import registry
 
 
-def sink_attention(
-    q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
-    valid: Bool[Array, "b c k"], sink: Float[Array, " h"],
-) -> Float[Array, "b c h d"]:
-    """softmax over the gathered keys plus a per-head sink logit (denominator only), weighted sum of values."""
-    keys = jnp.take_along_axis(pool[:, None], jnp.where(valid, ids, 0)[..., None], axis=2)  # [b, c, k, d]
-    scores = jnp.einsum("bchd,bckd->bchk", q, keys).astype(jnp.float32) * q.shape[-1] ** -0.5
-    scores = jnp.where(valid[:, :, None, :], scores, -jnp.inf)
-    sink_logit = jnp.broadcast_to(sink[:, None], (*scores.shape[:-1], 1))
-    probs = jax.nn.softmax(jnp.concatenate([scores, sink_logit], axis=-1), axis=-1)[..., :-1]
-    return jnp.einsum("bchk,bckd->bchd", probs.astype(keys.dtype), keys)
-
-
-def hca_attention(
-    q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
-    valid: Bool[Array, "b c k"], sink: Float[Array, " h"], tail_start: int, tail_len: Int[Array, " c"],
-) -> Float[Array, "b c h d"]:
-    """`sink_attention` over the given keys plus pool rows tail_start.. (the HCA entries), of which each
-    query sees its first `tail_len`."""
-    (b, c), n = ids.shape[:2], pool.shape[1] - tail_start
-    tail_ok = jnp.broadcast_to(jnp.arange(n)[None, :] < tail_len[:, None], (b, c, n))
-    tail_ids = jnp.broadcast_to(tail_start + jnp.arange(n), (b, c, n))
-    return sink_attention(q, pool, jnp.concatenate([ids, tail_ids], -1), jnp.concatenate([valid, tail_ok], -1),
-                          sink)
-
-
 def window_ids(
     ring_pos: Int[Array, "b w"], positions: Int[Array, " c"], window: int
 ) -> tuple[Int[Array, "b c k"], Bool[Array, "b c k"]]:

@@ -142,23 +142,6 @@ class Indexer(nnx.Module):
         return top_visible(registry.op("index_scores")(q, keys, self.weights_proj(x), visible), self.topk)
 
 
-def index_scores(
-    q: Float[Array, "b c h d"], keys: Float[Array, "b t d"], head_weights: Float[Array, "b c h"]
-) -> Float[Array, "b c t"]:
-    """Lightning-indexer score: sum over heads of w_h * h^-1/2 * d^-1/2 * ReLU(q_h . k)."""
-    per_head = jax.nn.relu(jnp.einsum("bchd,btd->bcht", q, keys)) * q.shape[-1] ** -0.5
-    return jnp.einsum("bcht,bch->bct", per_head, head_weights * q.shape[-2] ** -0.5)
-
-
-def visible_index_scores(
-    q: Float[Array, "b c h d"], keys: Float[Array, "b t d"], head_weights: Float[Array, "b c h"],
-    visible: Int[Array, " c"],
-) -> Float[Array, "b c t"]:
-    """`index_scores` where each query sees its first `visible` keys; -inf for the rest."""
-    scores = index_scores(q, keys, head_weights)
-    return jnp.where(jnp.arange(keys.shape[1]) < visible[:, None], scores, -jnp.inf)
-
-
 def top_visible(scores: Float[Array, "b c t"], k: int) -> Int[Array, "b c k"]:
     """Top-k entry indices of scores where invisible entries hold -inf; -1 for picks that are not visible.
 

@@ -9,27 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
+from model.config_base import SCORING_FUNCS, ConfigError, YarnScaling, read_config_json, read_rope
+from model.config_v41 import V41Config, tiny_v41, v41_flash
+
 SLIDING, CSA, HCA = "sliding", "csa", "hca"
-SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 CSA_RATIO = 4  # the ratio whose layers get overlapping windows and an indexer (DeepSeek-V4 `inference/model.py`)
-
-
-class ConfigError(ValueError):
-    """A config.json or preset that cannot describe a DeepSeek-V4 model."""
-
-
-@dataclasses.dataclass(frozen=True)
-class YarnScaling:
-    """YaRN frequency interpolation used by the compressed layers (no attention mscale, as in V4)."""
-
-    factor: float = 16.0
-    original_max_position_embeddings: int = 65536
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +196,7 @@ class ModelConfig:
                 raise ConfigError(f"num_hash_layers={d['num_hash_layers']} disagrees with mlp_layer_types")
             d["num_hash_layers"] = n_hash
         d.setdefault("num_hash_layers", 3)
-        _read_rope(d)
+        read_rope(d)
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ConfigError(f"unknown config fields {unknown}")
@@ -229,46 +216,6 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         path.write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
-
-
-def _read_rope(d: dict[str, Any]) -> None:
-    """Normalise the RoPE / YaRN keys of a config dict in place to our `rope_scaling` and `qk_rope_head_dim`."""
-    prf = d.pop("partial_rotary_factor", None)
-    if prf is not None:
-        rope_dim = int(d["head_dim"] * prf)
-        if d.setdefault("qk_rope_head_dim", rope_dim) != rope_dim:
-            raise ConfigError(f"partial_rotary_factor={prf} disagrees with qk_rope_head_dim={d['qk_rope_head_dim']}")
-    params = d.pop("rope_parameters", None)
-    scaling = d.pop("rope_scaling", None)
-    if isinstance(params, dict) and isinstance(params.get("compress"), dict):
-        main, compress = params["main"], params["compress"]
-        d.setdefault("rope_theta", main.get("rope_theta", 10000.0))
-        d.setdefault("compress_rope_theta", compress.get("rope_theta", 160000.0))
-        if main.get("rope_type", "default") != "default":
-            raise ConfigError("rope_parameters.main must be plain RoPE (sliding layers use no YaRN)")
-        scaling = scaling or (compress if compress.get("rope_type", compress.get("type")) == "yarn" else None)
-    elif isinstance(params, dict) and scaling is None:
-        scaling = params if params.get("rope_type", params.get("type")) == "yarn" else None
-    if scaling is None:
-        d["rope_scaling"] = None
-        return
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "yarn":
-        raise ConfigError(f"rope_scaling type {kind!r} is not supported (DeepSeek-V4 uses yarn)")
-    attention_factor = scaling.get("attention_factor", 1.0)
-    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    if attention_factor != 1.0 or (mscale and mscale_all and mscale != mscale_all):
-        raise ConfigError("YaRN attention scaling (mscale) is not used by DeepSeek-V4; got "
-                          f"attention_factor={attention_factor}, mscale={mscale}, mscale_all_dim={mscale_all}")
-    factor = scaling.get("factor")
-    if factor is None or not math.isfinite(factor) or factor < 1:
-        raise ConfigError(f"rope_scaling.factor must be >= 1, got {factor!r}")
-    d["rope_scaling"] = YarnScaling(
-        factor=float(factor),
-        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 65536)),
-        beta_fast=float(scaling.get("beta_fast") or 32.0),
-        beta_slow=float(scaling.get("beta_slow") or 1.0),
-    )
 
 
 # Keys of released / transformers configs that do not change the math (or are fixed below).
@@ -344,25 +291,11 @@ V41_PRESETS = ("tiny-v41", "v41-flash")
 def preset(name: str):
     """A named configuration: `tiny`, `small`, `v4-flash`, `v4-pro` (ModelConfig) or `tiny-v41`, `v41-flash`."""
     if name in V41_PRESETS:
-        from model.config_v41 import tiny_v41, v41_flash
-
         return {"tiny-v41": tiny_v41, "v41-flash": v41_flash}[name]()
     try:
         return PRESETS[name]()
     except KeyError:
         raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS) + list(V41_PRESETS)}") from None
-
-
-def read_config_json(path: str | Path) -> dict[str, Any]:
-    """The dict in `config.json` (a file, or the checkpoint directory holding it), with clear errors."""
-    path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        return json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no config.json at {file}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file} is not valid JSON: {e}") from None
 
 
 def load_config(path: str | Path):
@@ -373,7 +306,5 @@ def load_config(path: str | Path):
 def config_from_dict(raw: dict[str, Any]):
     """ModelConfig (V4) or V41Config (V4.1, composite or text config) from a config.json dict."""
     if raw.get("model_type", "").startswith("deepseek_v41") or "text_config" in raw:
-        from model.config_v41 import V41Config
-
         return V41Config.from_hf_dict(raw)
     return ModelConfig.from_hf_dict(raw)

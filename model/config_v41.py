@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from model.config import SCORING_FUNCS, ConfigError, YarnScaling, _read_rope, read_config_json
+from model.config_base import SCORING_FUNCS, ConfigError, YarnScaling, read_config_json, read_rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +192,7 @@ class V41Config:
         d.setdefault("candidate_source_layer_id", max(d.get("kv_source_layer_ids") or [-1]))
         n_prefill = d.pop("n_prefill_layer", None)
         layer_types = d.pop("layer_types", None)
-        _read_rope(d)
+        read_rope(d)
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ConfigError(f"unknown config fields {unknown}")

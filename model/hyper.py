@@ -7,21 +7,7 @@ from jaxtyping import Array, Float
 
 from model.norms import rms_normalize
 from pallas_kernels import registry
-
-
-def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float) -> Float[Array, "... n n"]:
-    """Near doubly-stochastic matrix: row softmax + eps, then alternate column / row normalisation.
-
-    The first and last steps are column normalisations (`iters` column steps in all).
-    """
-    m = jax.nn.softmax(logits, axis=-1) + eps
-    m = m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
-
-    def row_then_column(_, m):
-        m = m / (jnp.sum(m, axis=-1, keepdims=True) + eps)
-        return m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
-
-    return jax.lax.fori_loop(0, iters - 1, row_then_column, m)
+from pallas_kernels.hyper import collapse
 
 
 class HyperConnection(nnx.Module):
@@ -39,27 +25,6 @@ class HyperConnection(nnx.Module):
         `collapse_pre`, V4.1's weights from the previous site), through the kernel registry's `hc_site`."""
         return registry.op("hc_site")(streams, self.fn[...], self.base[...], self.scale[...], collapse_pre,
                                       self.iters, self.hc_eps, self.norm_eps)
-
-
-def hc_site(
-    streams: Float[Array, "b s n d"], fn: Float[Array, "w nd"], base: Float[Array, " w"], scale: Float[Array, " 3"],
-    collapse_pre: Float[Array, "b s n"] | None, iters: int, hc_eps: float, norm_eps: float,
-):
-    """(pre [b,s,n], post [b,s,n], comb [b,s,n,n], block input [b,s,d]) of one mHC site: the weights from
-    the normalised flattened streams, and the streams collapsed by `pre` (or by `collapse_pre` if given)."""
-    n = streams.shape[-2]
-    flat = rms_normalize(streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32), norm_eps)
-    mix = jnp.einsum("...k,ok->...o", flat, fn)
-    pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
-    post = 2 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
-    comb_logits = mix[..., 2 * n:] * scale[2] + base[2 * n:]
-    comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), iters, hc_eps)
-    return pre, post, comb, collapse(streams, pre if collapse_pre is None else collapse_pre)
-
-
-def collapse(streams: Float[Array, "b s n d"], pre: Float[Array, "b s n"]) -> Float[Array, "b s d"]:
-    """Weighted sum of the streams (the block input)."""
-    return jnp.einsum("bsn,bsnd->bsd", pre, streams.astype(jnp.float32)).astype(streams.dtype)
 
 
 def expand(

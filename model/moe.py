@@ -4,13 +4,13 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from model.config import ModelConfig
 from model.linear import Linear, normal_init
 from pallas_kernels import registry
+from pallas_kernels.moe import clamped_swiglu
 
 
 _dispatch: list = []  # an expert-parallel `routed_experts` (sharding.expert_parallel), innermost last
@@ -24,11 +24,6 @@ def expert_dispatch(routed):
         yield
     finally:
         _dispatch.pop()
-
-
-def clamped_swiglu(gate: Float[Array, "..."], up: Float[Array, "..."], limit: float) -> Float[Array, "..."]:
-    """silu(min(gate, limit)) * clip(up, -limit, limit)."""
-    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
 def route_scores(logits: Float[Array, "t e"], scoring_func: str) -> Float[Array, "t e"]:
@@ -123,35 +118,6 @@ class Experts(nnx.Module):
             first = routed.first_token(ids.shape[0]) if hasattr(routed, "first_token") else 0
             ids = replica_slots(ids, self.log2phy[...], self.logcnt[...], first)
         return routed(x, ids, weights, self.w1[...], self.w2[...], self.w3[...], self.limit)
-
-
-def routed_experts(
-    x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Float[Array, "e i d"],
-    w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float,
-) -> Float[Array, "t d"]:
-    """Sum over each token's chosen experts of weight * expert(x).
-
-    With fewer (token, expert) pairs than experts (decode of a few tokens), each pair switches to its
-    expert's branch, which reads only that expert's weights (XLA:CPU copies the slice once, where a gather
-    of expert weights made a transposed copy at a tenth of the speed); otherwise every expert runs on every
-    token and a dense combine keeps each token's share (on CPU this beats sorting pairs into
-    `lax.ragged_dot`, which measured 2x slower), contracting the stacked weights on their stored last axis
-    (no transposed copies). The Pallas form is
-    `pallas_kernels.moe.routed_experts` (grouped matmul over pairs sorted by expert)."""
-    n_exp, inter, dim = w1.shape
-    xc = x.astype(w1.dtype)
-    if ids.size < n_exp:
-        experts = [lambda v, e=e: w2[e] @ clamped_swiglu(w1[e] @ v, w3[e] @ v, limit)
-                   for e in range(n_exp)]
-        out = jnp.zeros(x.shape, jnp.float32)
-        for t, k in np.ndindex(ids.shape):
-            out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, xc[t]).astype(jnp.float32))
-        return out
-    combine = jnp.sum(jax.nn.one_hot(ids, n_exp, dtype=jnp.float32) * weights[..., None], axis=1)
-    flat = lambda w: jnp.einsum("td,od->to", xc, w.reshape(-1, dim)).reshape(-1, n_exp, inter)  # noqa: E731
-    h = clamped_swiglu(flat(w1), flat(w3), limit)
-    y = jnp.einsum("tei,edi->etd", h, w2).astype(jnp.float32)
-    return jnp.einsum("te,etd->td", combine, y)
 
 
 class MoE(nnx.Module):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from model.config import YarnScaling
+from model.config_base import YarnScaling
 
 
 def inv_frequencies(rope_dim: int, theta: float, yarn: YarnScaling | None) -> np.ndarray:

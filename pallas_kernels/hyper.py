@@ -1,6 +1,6 @@
 """One mHC site fused: unweighted RMS norm of the flattened streams, the (2+n)*n-wide projection, sigmoids,
 Sinkhorn, and the collapse of the streams into the block input, in one pass over tiles of tokens (the
-normalised streams and the projection are never written). Reference: `model.hyper.hc_site`.
+normalised streams and the projection are never written). Reference: `hc_site_reference` below.
 
 Glossary: T tokens (rows x sequence), n streams, d hidden, w = (2+n)*n projection width.
 """
@@ -13,16 +13,51 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
-from model.hyper import hc_site as hc_site_reference
-from model.hyper import sinkhorn
 from pallas_kernels import tuning
+
+
+def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float) -> Float[Array, "... n n"]:
+    """Near doubly-stochastic matrix: row softmax + eps, then alternate column / row normalisation.
+
+    The first and last steps are column normalisations (`iters` column steps in all).
+    """
+    m = jax.nn.softmax(logits, axis=-1) + eps
+    m = m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
+
+    def row_then_column(_, m):
+        m = m / (jnp.sum(m, axis=-1, keepdims=True) + eps)
+        return m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
+
+    return jax.lax.fori_loop(0, iters - 1, row_then_column, m)
+
+
+def collapse(streams: Float[Array, "b s n d"], pre: Float[Array, "b s n"]) -> Float[Array, "b s d"]:
+    """Weighted sum of the streams (the block input)."""
+    return jnp.einsum("bsn,bsnd->bsd", pre, streams.astype(jnp.float32)).astype(streams.dtype)
+
+
+def hc_site_reference(
+    streams: Float[Array, "b s n d"], fn: Float[Array, "w nd"], base: Float[Array, " w"], scale: Float[Array, " 3"],
+    collapse_pre: Float[Array, "b s n"] | None, iters: int, hc_eps: float, norm_eps: float,
+):
+    """(pre [b,s,n], post [b,s,n], comb [b,s,n,n], block input [b,s,d]) of one mHC site: the weights from
+    the normalised flattened streams, and the streams collapsed by `pre` (or by `collapse_pre` if given)."""
+    n = streams.shape[-2]
+    flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
+    flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)  # unweighted RMS norm
+    mix = jnp.einsum("...k,ok->...o", flat, fn)
+    pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb_logits = mix[..., 2 * n:] * scale[2] + base[2 * n:]
+    comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], n, n), iters, hc_eps)
+    return pre, post, comb, collapse(streams, pre if collapse_pre is None else collapse_pre)
 
 
 def hc_site(
     streams: Float[Array, "b s n d"], fn: Float[Array, "w nd"], base: Float[Array, " w"], scale: Float[Array, " 3"],
     collapse_pre: Float[Array, "b s n"] | None, iters: int, hc_eps: float, norm_eps: float,
 ):
-    """Pallas form of `model.hyper.hc_site`: (pre, post, comb, block input)."""
+    """Pallas form of `hc_site_reference`: (pre, post, comb, block input)."""
     *lead, n, d = streams.shape
     tokens = math.prod(lead)
     t = tuning.tiles()

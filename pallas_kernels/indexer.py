@@ -1,6 +1,6 @@
 """Lightning-indexer scores with causal visibility, tiled over (query block, key block): the per-head ReLU
 products never leave the kernel, and key blocks no query of the tile can see are skipped (written as -inf).
-Reference: `model.compressor.visible_index_scores`. Top-k selection stays `model.compressor.top_visible`
+Reference: `visible_index_scores_reference` below. Top-k selection stays `model.compressor.top_visible`
 (XLA's stable `top_k`: ties go to the lower entry) for both implementations.
 
 Glossary: b rows, c queries, h index heads, d index head dim, t index keys.
@@ -14,17 +14,33 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from model.compressor import visible_index_scores as visible_index_scores_reference
 from pallas_kernels import tuning
 
 QUERY_BLOCK = 8  # queries sharing one key block read
+
+
+def index_scores(
+    q: Float[Array, "b c h d"], keys: Float[Array, "b t d"], head_weights: Float[Array, "b c h"]
+) -> Float[Array, "b c t"]:
+    """Lightning-indexer score: sum over heads of w_h * h^-1/2 * d^-1/2 * ReLU(q_h . k)."""
+    per_head = jax.nn.relu(jnp.einsum("bchd,btd->bcht", q, keys)) * q.shape[-1] ** -0.5
+    return jnp.einsum("bcht,bch->bct", per_head, head_weights * q.shape[-2] ** -0.5)
+
+
+def visible_index_scores_reference(
+    q: Float[Array, "b c h d"], keys: Float[Array, "b t d"], head_weights: Float[Array, "b c h"],
+    visible: Int[Array, " c"],
+) -> Float[Array, "b c t"]:
+    """`index_scores` where each query sees its first `visible` keys; -inf for the rest."""
+    scores = index_scores(q, keys, head_weights)
+    return jnp.where(jnp.arange(keys.shape[1]) < visible[:, None], scores, -jnp.inf)
 
 
 def visible_index_scores(
     q: Float[Array, "b c h d"], keys: Float[Array, "b t d"], head_weights: Float[Array, "b c h"],
     visible: Int[Array, " c"],
 ) -> Float[Array, "b c t"]:
-    """Pallas form of `model.compressor.visible_index_scores`."""
+    """Pallas form of `visible_index_scores_reference`."""
     b, c, h, d = q.shape
     t = keys.shape[1]
     if t == 0:  # no complete window yet

@@ -8,25 +8,21 @@ they were traced with.
 """
 
 import contextlib
-import importlib
 import os
 from collections.abc import Callable
 
 import jax
 
+from pallas_kernels import hyper, indexer, moe, sparse_attention
+
 IMPLEMENTATIONS = ("reference", "pallas")
-KERNEL_MODULES = ("pallas_kernels.sparse_attention", "pallas_kernels.indexer", "pallas_kernels.moe",
-                  "pallas_kernels.hyper")
 _chosen: list[str] = []
 _wrappers: list[tuple[str, Callable[[Callable], Callable]]] = []
 
 
 def ops() -> dict[str, tuple[Callable, Callable]]:
     """Every operation: name -> (reference, pallas)."""
-    table = {}
-    for name in KERNEL_MODULES:  # imported on first use: the kernel modules import the model's references
-        table.update(importlib.import_module(name).OPS)
-    return table
+    return {**sparse_attention.OPS, **indexer.OPS, **moe.OPS, **hyper.OPS}
 
 
 def default_implementation() -> str:

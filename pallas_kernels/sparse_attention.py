@@ -1,6 +1,6 @@
 """Sparse sink attention: each query reads only its own key rows (window ids, CSA picks) or, for HCA, the
 visible prefix of the compressed entries; one online softmax per query with the head's sink in the
-denominator. References: `model.attention.sink_attention` and `model.attention.hca_attention`.
+denominator. References: `sink_attention_reference` and `hca_attention_reference` below.
 
 Glossary: b rows, c queries per row, h heads, d head dim (K = V), n pool rows, k key ids per query.
 Decode form (c <= DECODE_MAX_QUERIES): programs over (row, query, head block, key split); a long key list is
@@ -17,18 +17,42 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Int
 
-from model.attention import hca_attention as hca_attention_reference
-from model.attention import sink_attention as sink_attention_reference
 from pallas_kernels import tuning
 
 SPLIT_MIN_BLOCKS = 4  # a split's partial output costs about as much traffic as this many key blocks
+
+
+def sink_attention_reference(
+    q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
+    valid: Bool[Array, "b c k"], sink: Float[Array, " h"],
+) -> Float[Array, "b c h d"]:
+    """softmax over the gathered keys plus a per-head sink logit (denominator only), weighted sum of values."""
+    keys = jnp.take_along_axis(pool[:, None], jnp.where(valid, ids, 0)[..., None], axis=2)  # [b, c, k, d]
+    scores = jnp.einsum("bchd,bckd->bchk", q, keys).astype(jnp.float32) * q.shape[-1] ** -0.5
+    scores = jnp.where(valid[:, :, None, :], scores, -jnp.inf)
+    sink_logit = jnp.broadcast_to(sink[:, None], (*scores.shape[:-1], 1))
+    probs = jax.nn.softmax(jnp.concatenate([scores, sink_logit], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bchk,bckd->bchd", probs.astype(keys.dtype), keys)
+
+
+def hca_attention_reference(
+    q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
+    valid: Bool[Array, "b c k"], sink: Float[Array, " h"], tail_start: int, tail_len: Int[Array, " c"],
+) -> Float[Array, "b c h d"]:
+    """`sink_attention` over the given keys plus pool rows tail_start.. (the HCA entries), of which each
+    query sees its first `tail_len`."""
+    (b, c), n = ids.shape[:2], pool.shape[1] - tail_start
+    tail_ok = jnp.broadcast_to(jnp.arange(n)[None, :] < tail_len[:, None], (b, c, n))
+    tail_ids = jnp.broadcast_to(tail_start + jnp.arange(n), (b, c, n))
+    return sink_attention_reference(q, pool, jnp.concatenate([ids, tail_ids], -1), jnp.concatenate([valid, tail_ok], -1),
+                          sink)
 
 
 def sink_attention(
     q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
     valid: Bool[Array, "b c k"], sink: Float[Array, " h"],
 ) -> Float[Array, "b c h d"]:
-    """Pallas form of `model.attention.sink_attention`: the keys are gathered rows of `pool`."""
+    """Pallas form of `sink_attention_reference`: the keys are gathered rows of `pool`."""
     return _attend(q, pool, jnp.where(valid, ids, -1), sink, 0, None)
 
 
@@ -36,7 +60,7 @@ def hca_attention(
     q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
     valid: Bool[Array, "b c k"], sink: Float[Array, " h"], tail_start: int, tail_len: Int[Array, " c"],
 ) -> Float[Array, "b c h d"]:
-    """Pallas form of `model.attention.hca_attention`: gathered window rows plus pool rows
+    """Pallas form of `hca_attention_reference`: gathered window rows plus pool rows
     tail_start .. tail_start + tail_len[query] - 1, read block by block up to each query's visible count."""
     return _attend(q, pool, jnp.where(valid, ids, -1), sink, tail_start, tail_len.astype(jnp.int32))
 

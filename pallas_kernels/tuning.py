@@ -46,12 +46,15 @@ DECODE_MAX_QUERIES = 8  # calls with at most this many queries per row use the d
 _forced: list[str] = []
 
 
+def compute_capability() -> tuple[int, int]:
+    """(major, minor) of the first GPU."""
+    return tuple(int(part) for part in jax.devices()[0].compute_capability.split("."))
+
+
 @functools.cache
 def _detected() -> str:
     if jax.default_backend() != "gpu":
         return "interpret"
-    from sharding.platform import compute_capability
-
     return "sm100" if compute_capability() >= (10, 0) else "sm90"
 
 

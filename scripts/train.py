@@ -9,7 +9,7 @@ Running the same command again resumes from the latest checkpoint in runs/bundle
 
 import sys
 
-from model.cli import main
+from jaxseek.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -61,7 +61,7 @@ from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
 from serving.step import CompiledHalves, DrafterSpec, Forwarded, StepBatch, build_step_halves, compile_step, empty_batch
 from serving.verify_plan import CostTable, monotone_in_width, plan_verify, prefix_survival
-from sharding.engine_dp import DataParallel
+from serving.engine_dp import DataParallel
 
 MAX_TOP_LOGPROBS = 20
 SPECULATION = ("none", "fixed", "dspark")
@@ -111,7 +111,7 @@ class Engine:
     them mid-structure); `jump_forward`: a constrained request takes the tokens its grammar forces in one
     prefill row instead of sampling them one per step. `mesh` (a spec like "dp=4,ep=2", a MeshSpec or a mesh of
     `sharding.mesh.make_mesh`) splits the slots, pages and steps over attention data-parallel ranks, with the
-    experts over `ep` (`sharding.engine_dp`; no speculation or prefix cache); there `redundant_experts` EPLB
+    experts over `ep` (`serving.engine_dp`; no speculation or prefix cache); there `redundant_experts` EPLB
     slots per MoE layer and `eplb_every` (steps between rebalances, 0: never) balance the expert shards over
     a window of `eplb_window` steps.
     """

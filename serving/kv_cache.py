@@ -206,7 +206,7 @@ class PageAllocator:
         return new
 
     def free_pages(self, slot: int) -> list[int]:
-        """The free list `slot` takes pages from: the one pool (`sharding.engine_dp` keeps one per rank)."""
+        """The free list `slot` takes pages from: the one pool (`serving.engine_dp` keeps one per rank)."""
         return self.free
 
     def home(self, page: int) -> list[int]:

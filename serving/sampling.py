@@ -17,12 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-PURPOSE_SAMPLE = 0  # the token a request emits (also a speculative bonus token)
-PURPOSE_DRAFT = 1  # a speculative draft token
-PURPOSE_ACCEPT = 2  # the uniform of a speculative accept / reject test
-PURPOSE_RESIDUAL = 3  # the token drawn from the residual after a rejected draft
+from model.sampling_keys import GREEDY_BELOW, PURPOSE_SAMPLE, first_argmax, request_key
 
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 MAX_STOP = 16
 MAX_LOGPROBS = 20
 SEED_LIMIT = 2**63
@@ -186,13 +182,6 @@ class SampleOutput(NamedTuple):
     top_logprobs: Float[Array, "r n"]
 
 
-def request_key(seed: UInt32[Array, "2"], position: Int[Array, ""], purpose: int) -> jax.Array:
-    """The PRNG key of one (request seed, token position, purpose): `jax.random.key(seed)` (threefry, as with
-    x64 on) folded with the position, then the purpose."""
-    key = jax.random.wrap_key_data(seed, impl="threefry2x32")
-    return jax.random.fold_in(jax.random.fold_in(key, position), purpose)
-
-
 def _processed_row(logits, row: SamplingBatch, prompt_mask, counts, truncate: bool):
     """One row: penalties, temperature, top-k, top-p, min-p; dropped tokens are -inf. Greedy rows keep the
     penalised logits unscaled and untruncated. `truncate=False` skips the top-k / top-p sort: the same result
@@ -234,19 +223,6 @@ def processed_logits(
             logits, batch, prompt_mask, output_counts)
 
     return jax.lax.cond(jnp.any(truncating), rows(True), rows(False))
-
-
-def first_argmax(x: Float[Array, "*b v"]) -> Int[Array, "*b"]:
-    """The first index of the maximum over the last axis, as `jnp.argmax` for NaN-free input. On CPU it is a max
-    and a min: XLA:CPU vectorises those two reductions but not argmax's (value, index) one, which takes 2-4x as
-    long over a vocabulary (0.9 ms against 0.24 ms at 96 x 4096 on a 2-core CPU); elsewhere it is argmax, one
-    kernel."""
-
-    def max_then_min(x):
-        top = jnp.max(x, axis=-1, keepdims=True)
-        return jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1] - 1), axis=-1)
-
-    return jax.lax.platform_dependent(x, cpu=max_then_min, default=lambda x: jnp.argmax(x, -1).astype(jnp.int32))
 
 
 def _noisy_argmax(processed, row: SamplingBatch, position):

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from serving.sampling import PURPOSE_ACCEPT, PURPOSE_RESIDUAL, PURPOSE_SAMPLE, first_argmax, request_key
+from model.sampling_keys import PURPOSE_ACCEPT, PURPOSE_RESIDUAL, PURPOSE_SAMPLE, first_argmax, request_key
 
 
 class Verdict(NamedTuple):

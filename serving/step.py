@@ -34,7 +34,8 @@ from jaxtyping import Array, Bool, Float, Int
 from model.replay import Replay
 from serving.grammar_mask import ALL_ALLOWED, apply_token_bitmask, bitmask_width
 from serving.kv_cache import CacheLayout, freeze, gather_rows, gather_slots, scatter_rows, thaw
-from serving.sampling import GREEDY_BELOW, SamplingBatch, draw_tokens, processed_logits, token_logprobs
+from model.sampling_keys import GREEDY_BELOW
+from serving.sampling import SamplingBatch, draw_tokens, processed_logits, token_logprobs
 from serving.speculative import admit, verify
 
 

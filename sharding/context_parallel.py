@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from model.attention import sink_attention
+from pallas_kernels.sparse_attention import sink_attention_reference as sink_attention
 from pallas_kernels import registry
 
 BATCH = ("dp", "ep")  # the mesh axes requests are split over (sharding.mesh.RULES["batch"])

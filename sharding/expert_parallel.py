@@ -1,6 +1,6 @@
 """Expert parallelism: routed experts split over the mesh's `ep` axis, tokens sent to them by all-to-all.
 
-`ep_routed_experts(mesh)` has the signature of `model.moe.routed_experts`. Inside `jax.shard_map` every
+`ep_routed_experts(mesh)` has the signature of `pallas_kernels.moe.routed_experts_reference`. Inside `jax.shard_map` every
 device holds its own tokens and E/ep experts: each (token, expert) pair is written into the bucket of the
 shard owning that expert (buckets sized for the worst case, so nothing is ever dropped), one all-to-all
 over `ep` delivers the buckets, the shard runs its local experts (the kernel registry's `routed_experts`
@@ -91,7 +91,7 @@ def local_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[A
 
 
 def ep_routed_experts(mesh: Mesh):
-    """`model.moe.routed_experts` with experts split over `mesh`'s `ep` axis (see the module docstring).
+    """`pallas_kernels.moe.routed_experts_reference` with experts split over `mesh`'s `ep` axis (see the module docstring).
 
     Weights are stacked per expert, or per physical slot with ids already mapped to slots (EPLB)."""
     n_shards = mesh.shape["ep"]

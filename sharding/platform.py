@@ -16,6 +16,8 @@ import os
 
 import jax
 
+from pallas_kernels.tuning import compute_capability
+
 DEVICES = ("cpu", "cuda", "ascend")
 PLUGIN_ENV = "JAXSEEK_PJRT_PLUGIN"
 MIN_CUBLAS_SM100 = 130200  # cuBLAS 13.2.0, as cublasGetVersion encodes it
@@ -73,11 +75,6 @@ def setup(device: str = "cpu", pjrt_plugin: str | None = None) -> Platform:
         return _setup_ascend(pjrt_plugin or os.environ.get(PLUGIN_ENV))
     jax.config.update("jax_platforms", "cpu")
     return Platform("cpu", "cpu", None, "reference", None)
-
-
-def compute_capability() -> tuple[int, int]:
-    """(major, minor) of the first GPU."""
-    return tuple(int(part) for part in jax.devices()[0].compute_capability.split("."))
 
 
 def profile_for(device_kind: str) -> DeviceProfile | None:

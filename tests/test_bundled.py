@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from model.checkpoint import BUNDLED, load_model
-from model.cli import main
+from jaxseek.cli import main
 from model.config_v41 import V41Config
 from tests.helpers import greedy_full_forward
 from training.data import held_out_windows, model_loss

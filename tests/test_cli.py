@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from model.cli import main
+from jaxseek.cli import main
 
 
 def _info(capsys, *args):

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.attention import sink_attention, window_ids
+from model.attention import window_ids
+from pallas_kernels.sparse_attention import sink_attention_reference as sink_attention
 from model.config import preset
 from sharding.context_parallel import causal_work_per_rank, cp_attention, zigzag_order
 from sharding.mesh import MeshSpec, logits_on_mesh, make_mesh

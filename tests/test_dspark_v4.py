@@ -15,7 +15,7 @@ from flax import nnx
 from model.checkpoint import CheckpointError, load_model, save_checkpoint
 from model.config import preset
 from model.dspark import DSparkConfig, init_drafter
-from model.hyper import hc_site
+from pallas_kernels.hyper import hc_site_reference as hc_site
 from model.rope import apply_rope, inv_frequencies
 from model.safetensors_io import read_tensors, write_tensors
 from serving.engine import Engine

@@ -13,7 +13,7 @@ from serving.kv_cache import CacheLayout
 from serving.metrics import ServerMetrics
 from serving.request import Request
 from serving.sampling import SamplingParams
-from sharding.engine_dp import DataParallelScheduler
+from serving.engine_dp import DataParallelScheduler
 from tests.helpers import greedy_full_forward, random_model
 
 CONFIG = preset("tiny")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from model.api import init_model
-from model.cli import main
+from jaxseek.cli import main
 from model.config import preset
 from serving.batch import encode_prompts, merge_sampling, read_jsonl, read_txt, request_seed
 from serving.chat_format import DeepSeekV4Format, PlainFormat

@@ -279,7 +279,7 @@ def test_hc_site_equals_reference(shape, given_pre):
 
 
 def test_registry_picks_and_forces_implementations():
-    from model.attention import sink_attention as model_sink_attention
+    from pallas_kernels.sparse_attention import sink_attention_reference as model_sink_attention
 
     assert registry.default_implementation() == ("pallas" if ON_GPU else "reference")
     with registry.use("reference"):

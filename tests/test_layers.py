@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.attention import sink_attention, window_ids
+from model.attention import window_ids
+from pallas_kernels.sparse_attention import sink_attention_reference as sink_attention
 from model.compressor import Compressor, Indexer
 from model.config import preset
-from model.hyper import expand, sinkhorn
+from model.hyper import expand
+from pallas_kernels.hyper import sinkhorn
 from model.rope import apply_rope, inv_frequencies
 
 

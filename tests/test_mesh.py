@@ -13,7 +13,7 @@ import pytest
 from model.api import Model, init_model
 from model.config import preset
 from model.engram import HostEngramTable
-from model.moe import routed_experts
+from pallas_kernels.moe import routed_experts_reference as routed_experts
 from sharding.engram_shards import ShardedEngramTable, shard_engram
 from sharding.eplb import ExpertLoadWindow, rebalance_experts
 from sharding.expert_parallel import ExpertPlacement, ep_routed_experts

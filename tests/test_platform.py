@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from model import cli
+from jaxseek import cli
 from sharding import platform
 
 REPO = __import__("pathlib").Path(__file__).parent.parent

@@ -40,7 +40,7 @@ def replicas(tmp_path_factory):
     log = tmp_path_factory.mktemp("replica") / "replica1.log"
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "model.cli", "serve", "--port", str(port), "--served-model-name", MODEL,
+        [sys.executable, "-m", "jaxseek.cli", "serve", "--port", str(port), "--served-model-name", MODEL,
          "--max-slots", "2", "--max-len", "96", "--prefill-chunk", "8", "--batch-invariant"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     local = Server(load_model(), ServerConfig(model_name=MODEL), max_slots=2, max_len=96, prefill_chunk=8,

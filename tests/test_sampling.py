@@ -7,10 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.sampling import (
-    PURPOSE_SAMPLE, SamplingBatch, SamplingParams, first_argmax, processed_logits, request_key, sample,
-    sampling_fields,
-)
+from model.sampling_keys import PURPOSE_SAMPLE, first_argmax, request_key
+from serving.sampling import SamplingBatch, SamplingParams, processed_logits, sample, sampling_fields
 
 run = jax.jit(sample, static_argnums=5)
 process = jax.jit(processed_logits)

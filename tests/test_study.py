@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from model.cli import main
+from jaxseek.cli import main
 from model.config import load_config, preset
 from sharding.mesh import MeshSpec, MeshSpecError
 from sharding.storage import kv_figures, v32

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from model.checkpoint import load_model, save_checkpoint
-from model.cli import main
+from jaxseek.cli import main
 from model.config import ConfigError, load_config, preset
 from model.config_v41 import V41Config
 from model.v41 import candidate_pool

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int
 from model.api import Model
 from model.dspark import Drafter, DSparkConfig, init_drafter, lm_head
 from model.v41 import DeepseekV41
-from serving.sampling import GREEDY_BELOW
+from model.sampling_keys import GREEDY_BELOW
 from serving.speculative import admit
 from serving.verify_plan import prefix_survival
 from training.train import TrainSettings, make_optimizer

@@ -287,7 +287,7 @@ def _in_order(outputs: StepOutput, order: Int[Array, " rows"]) -> StepOutput:
 
 
 class _RankExperts:
-    """`model.moe.routed_experts` inside the step's shard_map: this rank's pairs go to their expert shards by
+    """`pallas_kernels.moe.routed_experts_reference` inside the step's shard_map: this rank's pairs go to their expert shards by
     all-to-all over `ep` (`sharding.expert_parallel`) and their count per physical slot is appended to `loads`
     (one entry per MoE layer). Every rank runs the same number of tokens, so its first token's index in the
     whole batch is rank x tokens: replicas share a busy expert's tokens across the ranks as in one batch."""

@@ -1,0 +1,1 @@
+"""The `jaxseek` command: the entry point above every other package."""
