@@ -125,7 +125,11 @@ def main(argv=None) -> int:
                    "(default: the attached GPU's)")
     p.add_argument("--only", help="comma-separated case names")
     p.add_argument("--json", action="store_true", help="JSON lines only")
+    p.add_argument("--list", action="store_true", help="print the case names and exit")
     args = p.parse_args(argv)
+    if args.list:
+        print(" ".join(case[0] for case in cases(SMALL, np.random.default_rng(0))))
+        return 0
 
     device = jax.devices()[0]
     profile = PROFILES[args.profile] if args.profile else profile_for(device.device_kind)
