@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from model.axes import param
 from model.compressor import Compressor, Indexer
 from model.config import CSA, HCA, ModelConfig
 from model.linear import GroupedLinear, Linear
@@ -79,7 +80,7 @@ class LatentAttention(nnx.Module):
         self.kv_norm = RMSNorm(hd, config.rms_norm_eps)
         self.wo_a = GroupedLinear(h * hd // g, config.o_lora_rank, g, dtype, rngs)
         self.wo_b = Linear(g * config.o_lora_rank, d, dtype, rngs)
-        self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32))
+        self.attn_sink = param(jnp.zeros((h,), jnp.float32), "heads")
 
     def output(self, out: Float[Array, "b c h d"], positions: Int[Array, " c"], freqs) -> Float[Array, "b c D"]:
         """Inverse RoPE at the query positions, then the grouped low-rank output projection."""

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from model.axes import param
 from model.config import CSA_RATIO, ModelConfig
 from model.linear import Linear
 from model.norms import RMSNorm
@@ -27,7 +28,7 @@ class Compressor(nnx.Module):
         width = 2 * dim if overlap else dim
         self.wkv = Linear(config.hidden_size, width, dtype, rngs, compute_dtype=jnp.float32)
         self.wgate = Linear(config.hidden_size, width, dtype, rngs, compute_dtype=jnp.float32)
-        self.ape = nnx.Param(jnp.zeros((ratio, width), jnp.float32))
+        self.ape = param(jnp.zeros((ratio, width), jnp.float32), "window", "out")
         self.norm = RMSNorm(dim, config.rms_norm_eps)
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
 

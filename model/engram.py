@@ -28,6 +28,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Float32, Int, Int32, Int64, Shaped
 from tokenizers import Regex, Tokenizer, normalizers
 
+from model.axes import param
 from model.linear import Linear
 
 SCALE_BLOCK = 32  # channels per UE8M0 scale in a table row
@@ -276,6 +277,7 @@ class EngramTable(abc.ABC):
 
     num_rows: int
     head_dim: int
+    axes = ("table_rows", None)  # logical axes of `weight` and `scale`: rows, then channels or scale blocks
 
     @abc.abstractmethod
     def gather(self, indices: Int[Array, "*idx"] | Int[np.ndarray, "*idx"]) -> Float32[Array, "*idx d"]:
@@ -349,8 +351,8 @@ class Engram(nnx.Module):
     def __init__(self, hidden_size: int, hc_mult: int, n_lookups: int, head_dim: int, eps: float, dtype,
                  rngs: nnx.Rngs):
         self.wkv = Linear(n_lookups * head_dim, hidden_size * (hc_mult + 1), dtype, rngs)
-        self.q_weight = nnx.Param(jnp.ones((hc_mult, hidden_size), jnp.float32))
-        self.k_weight = nnx.Param(jnp.ones((hc_mult, hidden_size), jnp.float32))
+        self.q_weight = param(jnp.ones((hc_mult, hidden_size), jnp.float32), "hc", "embed")
+        self.k_weight = param(jnp.ones((hc_mult, hidden_size), jnp.float32), "hc", "embed")
         self.hidden_size, self.hc_mult, self.eps = hidden_size, hc_mult, eps
 
     def __call__(

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from model.axes import param
 from model.norms import rms_normalize
 from pallas_kernels import registry
 from pallas_kernels.hyper import collapse
@@ -15,9 +16,9 @@ class HyperConnection(nnx.Module):
 
     def __init__(self, n: int, dim: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float, rngs: nnx.Rngs):
         width = (2 + n) * n
-        self.fn = nnx.Param(0.02 * jax.random.normal(rngs.params(), (width, n * dim), jnp.float32))
-        self.base = nnx.Param(jnp.zeros((width,), jnp.float32))
-        self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
+        self.fn = param(0.02 * jax.random.normal(rngs.params(), (width, n * dim), jnp.float32), "hc", "embed")
+        self.base = param(jnp.zeros((width,), jnp.float32), "hc")
+        self.scale = param(jnp.ones((3,), jnp.float32), "hc_scale")
         self.n, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
 
     def site(self, streams: Float[Array, "b s n d"], collapse_pre: Float[Array, "b s n"] | None = None):
@@ -40,9 +41,9 @@ class HyperHead(nnx.Module):
     """Final collapse of the streams before the output norm and head (sigmoid weights, no Sinkhorn)."""
 
     def __init__(self, n: int, dim: int, hc_eps: float, norm_eps: float, rngs: nnx.Rngs):
-        self.fn = nnx.Param(0.02 * jax.random.normal(rngs.params(), (n, n * dim), jnp.float32))
-        self.base = nnx.Param(jnp.zeros((n,), jnp.float32))
-        self.scale = nnx.Param(jnp.ones((1,), jnp.float32))
+        self.fn = param(0.02 * jax.random.normal(rngs.params(), (n, n * dim), jnp.float32), "hc", "embed")
+        self.base = param(jnp.zeros((n,), jnp.float32), "hc")
+        self.scale = param(jnp.ones((1,), jnp.float32), "hc_scale")
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
 
     def __call__(self, streams: Float[Array, "b s n d"]) -> Float[Array, "b s d"]:

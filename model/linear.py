@@ -5,6 +5,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from model.axes import param
+
 
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
     """The initialisation of every random matrix of a fresh model (truncation-free normal, std 0.02)."""
@@ -15,7 +17,7 @@ class Linear(nnx.Module):
     """y = x W^T with W [out, in]; computed in the weight's dtype unless `compute_dtype` is given."""
 
     def __init__(self, in_dim: int, out_dim: int, dtype, rngs: nnx.Rngs, compute_dtype=None):
-        self.weight = nnx.Param(normal_init(rngs, (out_dim, in_dim), dtype))
+        self.weight = param(normal_init(rngs, (out_dim, in_dim), dtype), "out", "in")
         self.compute_dtype = compute_dtype
 
     def __call__(self, x: Float[Array, "... i"]) -> Float[Array, "... o"]:
@@ -28,7 +30,7 @@ class GroupedLinear(nnx.Module):
     """Block-diagonal projection: group g of the input maps through its own [out, in/groups] slice."""
 
     def __init__(self, in_per_group: int, out_per_group: int, groups: int, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(normal_init(rngs, (groups * out_per_group, in_per_group), dtype))
+        self.weight = param(normal_init(rngs, (groups * out_per_group, in_per_group), dtype), "out", "in")
         self.groups = groups
 
     def __call__(self, x: Float[Array, "... g i"]) -> Float[Array, "... g o"]:

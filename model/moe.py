@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from model.axes import param
 from model.config import ModelConfig
 from model.linear import Linear, normal_init
 from pallas_kernels import registry
@@ -57,13 +58,13 @@ class Gate(nnx.Module):
 
     def __init__(self, config: ModelConfig, hash_routed: bool, dtype, rngs: nnx.Rngs, v41: bool = False):
         e, k = config.n_routed_experts, config.num_experts_per_tok
-        self.weight = nnx.Param(normal_init(rngs, (e, config.hidden_size), dtype))
+        self.weight = param(normal_init(rngs, (e, config.hidden_size), dtype), "router", "embed")
         if hash_routed:
-            self.tid2eid = nnx.Param(jnp.arange(config.vocab_size * k, dtype=jnp.int32).reshape(-1, k) % e)
+            self.tid2eid = param(jnp.arange(config.vocab_size * k, dtype=jnp.int32).reshape(-1, k) % e, "vocab", "topk")
         else:
-            self.bias = nnx.Param(jnp.zeros((e,), jnp.float32))
+            self.bias = param(jnp.zeros((e,), jnp.float32), "router")
         if v41:
-            self.bias_vl = nnx.Param(jnp.zeros((e,), jnp.float32))
+            self.bias_vl = param(jnp.zeros((e,), jnp.float32), "router")
         self.hash_routed = hash_routed
         self.k, self.scale = k, config.routed_scaling_factor
         self.norm = config.norm_topk_prob and (k > 1 or not v41)
@@ -106,9 +107,9 @@ class Experts(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.w1 = nnx.Param(normal_init(rngs, (e, i, d), dtype))
-        self.w2 = nnx.Param(normal_init(rngs, (e, d, i), dtype))
-        self.w3 = nnx.Param(normal_init(rngs, (e, i, d), dtype))
+        self.w1 = param(normal_init(rngs, (e, i, d), dtype), "expert", "mlp", "embed")
+        self.w2 = param(normal_init(rngs, (e, d, i), dtype), "expert", "embed", "mlp")
+        self.w3 = param(normal_init(rngs, (e, i, d), dtype), "expert", "mlp", "embed")
         self.limit = config.swiglu_limit
 
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"]):

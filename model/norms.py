@@ -5,6 +5,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from model.axes import param
+
 
 def rms_normalize(x: Float[Array, "... d"], eps: float) -> Float[Array, "... d"]:
     """Scale the last axis to unit root-mean-square (computed in fp32, returned in x's dtype)."""
@@ -16,7 +18,7 @@ class RMSNorm(nnx.Module):
     """Weighted RMSNorm; the weight is kept in fp32 as in the reference checkpoints."""
 
     def __init__(self, dim: int, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.weight = param(jnp.ones((dim,), jnp.float32), "norm")
         self.eps = eps
 
     def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:

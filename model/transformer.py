@@ -5,6 +5,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from model.attention import Attention, attend_rows
+from model.axes import param
 from model.config import ModelConfig
 from model.hyper import HyperConnection, HyperHead, expand
 from model.linear import Linear, normal_init
@@ -25,7 +26,7 @@ class Embedding(nnx.Module):
     """Token embedding table [vocab, hidden]."""
 
     def __init__(self, vocab: int, dim: int, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(normal_init(rngs, (vocab, dim), dtype))
+        self.weight = param(normal_init(rngs, (vocab, dim), dtype), "vocab", "embed")
 
     def __call__(self, tokens: Int[Array, "b s"]) -> Float[Array, "b s d"]:
         return self.weight[...][tokens]

@@ -31,15 +31,15 @@ from jaxtyping import Array, Float, Int
 
 from model import moe
 from model.api import Model
-from serving.kv_cache import CacheLayout, PageAllocator, init_engine_cache
+from serving.kv_cache import CacheLayout, PageAllocator, cache_axes, init_engine_cache
 from serving.request import Request
 from serving.scheduler import Scheduler
 from serving.step import StepBatch, StepOutput, empty_batch
 from sharding.expert_balance import ExpertSlots, shard_balancedness
 from sharding.expert_parallel import TOKEN_AXES, local_pairs
-from sharding.mesh import MeshSpec, make_mesh, param_shardings, shard_model
+from sharding.mesh import MeshSpec, logical_spec, make_mesh, param_shardings, shard_model
 
-RANKS = P(TOKEN_AXES)  # a leading axis split over the attention ranks
+RANKS = logical_spec("batch")  # a leading axis split over the attention ranks
 
 
 def rank_of(index: int, per_rank: int) -> int:
@@ -147,8 +147,8 @@ class DataParallel:
             local = init_engine_cache(module, self.layout, drafter)
             return jax.tree.map(lambda leaf: jnp.concatenate([leaf] * self.ranks), local)
 
-        shapes = jax.eval_shape(stacked)
-        return jax.jit(stacked, out_shardings=jax.tree.map(lambda _: NamedSharding(self.mesh, RANKS), shapes))()
+        specs = _cache_specs(jax.eval_shape(stacked))
+        return jax.jit(stacked, out_shardings=jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs))()
 
     def weights(self) -> tuple[list, list]:
         """The step's weights: the target's parameter leaves placed by the rules (experts over `ep`)."""
@@ -163,7 +163,7 @@ class DataParallel:
         """The step of bucket (`rows` per rank, `width`, `verify_len`) as one shard_map over the mesh, ahead of
         time; its call takes a `_Placed` batch and returns (outputs in scheduled-row order, cache)."""
         batch = empty_batch(self.layout, rows * self.ranks, width, engram_shapes, verify_len)
-        specs = (self._param_specs(), []), jax.tree.map(lambda _: RANKS, cache), _batch_specs(batch)
+        specs = (self._param_specs(), []), _cache_specs(cache), _batch_specs(batch)
         counting = self.ep > 1
 
         def body(weights, cache, batch):
@@ -305,6 +305,11 @@ class _RankExperts:
         self.loads.append(jnp.zeros((slots,), jnp.int32).at[ids.reshape(-1)].add(1))
         return local_pairs(x, ids, weights.astype(jnp.float32), w1, w2, w3, limit, axis="ep",
                             n_shards=self.n_shards)
+
+
+def _cache_specs(cache: dict) -> dict:
+    """PartitionSpecs of an engine cache's leaves from their logical axes (slots and pages over the ranks)."""
+    return jax.tree.map(lambda axes: logical_spec(*axes), cache_axes(cache), is_leaf=lambda x: isinstance(x, tuple))
 
 
 def _batch_specs(batch: StepBatch) -> StepBatch:

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
+from model.axes import batch_axes
+
 PAGED_LEAVES = ("entries", "index_keys")  # state leaves [b, n, d] that grow with the sequence
 
 
@@ -87,6 +89,15 @@ def init_engine_cache(module, layout: CacheLayout, drafter=None) -> dict:
                   "draft_probs": jnp.zeros((slots, g, layout.vocab_size), jnp.float32),
                   "confidence": jnp.zeros((slots, g), jnp.float32)}
     return cache
+
+
+def cache_axes(cache: dict) -> dict:
+    """Logical axes of every leaf of an engine cache (arrays or shapes): the page pools of `layers` lead with
+    `pages`, every other leaf with its slot (`batch`), so the rules split both over the attention ranks."""
+    def layer_leaf(path, leaf) -> tuple[str | None, ...]:
+        return ("pages",) + (None,) * (len(leaf.shape) - 1) if _paged(path) else batch_axes(leaf)
+
+    return {**jax.tree.map(batch_axes, cache), "layers": jax.tree.map_with_path(layer_leaf, cache["layers"])}
 
 
 def drafter_ring(cache: dict) -> int:

@@ -1,10 +1,10 @@
 """Engram tables with their rows split over every device of a mesh, read by an owner gather.
 
-Each device owns one contiguous range of rows (the `table_rows` rule of `sharding.mesh`; the table is
-padded to a multiple of the device count). A lookup gives every device all the indices; each reads the
-rows it owns, writes zeros elsewhere, and one sum over the devices assembles the rows (exact: every
-element has one non-zero term). This is SGLang's `lookup=collective` mode; the HBM each device spends on
-the table is 1/devices of it.
+Each device owns one contiguous range of rows (the table's logical `table_rows` axis, `EngramTable.axes`,
+under `sharding.mesh.RULES`; the table is padded to a multiple of the device count). A lookup gives every
+device all the indices; each reads the rows it owns, writes zeros elsewhere, and one sum over the devices
+assembles the rows (exact: every element has one non-zero term). This is SGLang's `lookup=collective` mode;
+the HBM each device spends on the table is 1/devices of it.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float32, Int, Shaped
 
 from model.engram import EngramTable, _checked_table, dequantize_rows
-from sharding.mesh import RULES
+from sharding.mesh import RULES, logical_spec
 
-ROW_AXES = RULES["table_rows"]
+ROW_AXES = RULES[EngramTable.axes[0]]  # the mesh axes a table's rows are split over
+TABLE = logical_spec(*EngramTable.axes)
 
 
 class ShardedEngramTable(EngramTable):
@@ -33,7 +34,7 @@ class ShardedEngramTable(EngramTable):
         self.num_rows, self.head_dim = weight.shape
         n = int(np.prod([mesh.shape[a] for a in ROW_AXES]))
         pad = ((0, -self.num_rows % n), (0, 0))
-        rows = NamedSharding(mesh, P(ROW_AXES, None))
+        rows = NamedSharding(mesh, TABLE)
         self.weight = jax.device_put(np.pad(weight, pad), rows)
         self.scale = None if scale is None else jax.device_put(np.pad(scale, pad), rows)
         self.mesh, self.rows_per_device = mesh, self.weight.shape[0] // n
@@ -53,8 +54,7 @@ def _owner_gather(mesh: Mesh, rows_per_device: int, weight, scale, indices):
                                None if scale is None else jnp.take(scale, at, axis=0))
         return jax.lax.psum(jnp.where(own[..., None], rows, 0.0), ROW_AXES)
 
-    table = P(ROW_AXES, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(table, None if scale is None else table, P()),
+    return jax.shard_map(local, mesh=mesh, in_specs=(TABLE, None if scale is None else TABLE, P()),
                          out_specs=P())(weight, scale, indices)
 
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Float, Int
 
 from model.api import Model
+from model.axes import logical_axes, param
 from model.moe import ExpertMap
 from sharding.eplb import ExpertLoadWindow, rebalance_experts
-from sharding.mesh import shard_model
+from sharding.mesh import logical_spec, shard_model
 
 
 class ExpertSlots:
@@ -61,16 +60,15 @@ class ExpertSlots:
         placement) or from the slots holding each expert under the previous maps (`moved_from` log2phy)."""
         phy2log, log2phy, logcnt = maps
         module = self.model.module()
-        by_slot = NamedSharding(self.mesh, P("ep"))
-        replicated = NamedSharding(self.mesh, P())
         for i, blk in enumerate(module.layers):
             experts = blk.ffn.experts
-            source = phy2log[i] if moved_from is None else moved_from[i][phy2log[i], 0]
+            source = jnp.asarray(phy2log[i] if moved_from is None else moved_from[i][phy2log[i], 0], jnp.int32)
             for name in ("w1", "w2", "w3"):
-                moved = _take_slots(getattr(experts, name)[...], jnp.asarray(source, jnp.int32), by_slot)
-                setattr(experts, name, nnx.Param(moved))
-            experts.log2phy = ExpertMap(jax.device_put(log2phy[i], replicated))
-            experts.logcnt = ExpertMap(jax.device_put(logcnt[i], replicated))
+                axes = logical_axes(getattr(experts, name))  # `expert` first: the slots split over `ep`
+                moved = _take_slots(getattr(experts, name)[...], source, NamedSharding(self.mesh, logical_spec(*axes)))
+                setattr(experts, name, param(moved, *axes))
+            experts.log2phy = _expert_map(log2phy[i], self.mesh, "router", "replica")
+            experts.logcnt = _expert_map(logcnt[i], self.mesh, "router")
         self.model = Model(module, tokenizer=self.model.tokenizer, engram=self.model.engram,
                            drafter=self.model.drafter)
         self.phy2log, self.log2phy, self.logcnt = phy2log, log2phy, logcnt
@@ -102,6 +100,11 @@ def shard_balancedness(slot_load: Int[np.ndarray, "layers slots"], shards: int) 
     """Mean over max pairs per shard (slots split into `shards` consecutive groups), summed over layers."""
     per_shard = slot_load.reshape(slot_load.shape[0], shards, -1).sum(-1)
     return float(per_shard.mean(axis=1).sum() / max(per_shard.max(axis=1).sum(), 1))
+
+
+def _expert_map(table: Int[np.ndarray, "experts *r"], mesh: Mesh, *axes: str) -> ExpertMap:
+    """An EPLB table on `mesh` as an `ExpertMap` carrying its logical `axes` (replicated: every shard reads it)."""
+    return param(jax.device_put(table, NamedSharding(mesh, logical_spec(*axes))), *axes, variable=ExpertMap)
 
 
 def _rows(weights, source):

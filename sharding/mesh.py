@@ -7,8 +7,10 @@ data-parallel group and are replicated dp/ep times), so `dp=64,ep=64` is DeepInf
 an attention rank holding 1/64 of the experts. The mesh has three axes `cp`, `dp`, `ep` of sizes
 cp, dp/ep, ep: attention's batch is sharded over (`dp`, `ep`) together, experts over `ep` alone.
 
-Every array carries logical axis names (`batch`, `seq`, `expert`, `table_rows`, or None); `RULES` maps
-them to mesh axes and `PARAM_AXES` names the parameters' axes by their path in the model.
+Every array carries logical axis names: a parameter in the NNX metadata the model gives it where it creates
+it (`model.axes.param`), a cache or batch leaf by its layout (`model.axes.batch_axes`; an engine cache's pages
+by `serving.kv_cache.cache_axes`), an Engram table by `EngramTable.axes`. `RULES`, the one table, maps them
+to mesh axes.
 """
 
 from __future__ import annotations
@@ -24,24 +26,24 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from model.axes import batch_axes, logical_axes
+
 class MeshSpecError(ValueError):
     """A mesh spec that names unknown axes, bad sizes, or a layout the devices cannot hold."""
 
 
 AXES = ("cp", "dp", "ep")  # physical mesh axes, outermost first
 
-# logical axis -> mesh axes (one table for parameters, caches and activations)
+# logical axis (model.axes names them) -> mesh axes, () replicated; one table for parameters, caches, activations
 RULES: dict[str, tuple[str, ...]] = {
     "batch": ("dp", "ep"),           # requests: attention data parallel over every rank of a context group
+    "pages": ("dp", "ep"),           # an engine's page pool: each attention rank owns a range of pages
     "seq": ("cp",),                  # sequence chunks of a long prefill (zigzag)
     "expert": ("ep",),               # routed experts (physical slots when EPLB adds replicas)
     "table_rows": ("cp", "dp", "ep"),  # Engram table rows: each device owns a contiguous range
+    **dict.fromkeys(("vocab", "embed", "mlp", "out", "in", "router", "topk", "replica", "heads", "norm",
+                     "window", "hc", "hc_scale"), ()),  # the backbone: replicated over every rank
 }
-
-# parameter path pattern (dot-joined path in the model's state) -> logical axes of its dimensions
-PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"(^|\.)experts\.w[123]$", ("expert", None, None)),
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +110,7 @@ def abstract_mesh(spec: MeshSpec) -> AbstractMesh:
 
 
 def logical_spec(*names: str | None) -> P:
-    """The PartitionSpec of logical axis names under `RULES` (None: replicated dimension)."""
+    """The PartitionSpec of logical axis names under `RULES` (None, or a name ruled (): replicated dimension)."""
     out = []
     for name in names:
         if name is None:
@@ -117,18 +119,8 @@ def logical_spec(*names: str | None) -> P:
             raise KeyError(f"no sharding rule for logical axis {name!r}; rules: {sorted(RULES)}")
         else:
             axes = RULES[name]
-            out.append(axes[0] if len(axes) == 1 else axes)
+            out.append(axes[0] if len(axes) == 1 else axes or None)
     return P(*out)
-
-
-def param_logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of the parameter at dot-joined `path` (replicated unless `PARAM_AXES` names it)."""
-    for pattern, axes in PARAM_AXES:
-        if re.search(pattern, path):
-            if len(axes) != ndim:
-                raise ValueError(f"parameter {path} has {ndim} dims; PARAM_AXES gives {axes}")
-            return axes
-    return (None,) * ndim
 
 
 def _path_name(path) -> str:
@@ -138,11 +130,12 @@ def _path_name(path) -> str:
 
 
 def param_shardings(params, mesh: Mesh | AbstractMesh):
-    """NamedShardings for every leaf of a parameter state (concrete or abstract), by `PARAM_AXES`."""
-    def one(path, leaf):
-        return NamedSharding(mesh, logical_spec(*param_logical_axes(_path_name(path), len(leaf.shape))))
+    """NamedShardings for every Variable of a parameter state (concrete or abstract), by the logical axes it
+    was created with (`model.axes.logical_axes`) under `RULES`."""
+    def one(variable):
+        return variable.replace(NamedSharding(mesh, logical_spec(*logical_axes(variable))))
 
-    return jax.tree.map_with_path(one, params)
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def check_divisible(tree, shardings) -> None:
@@ -197,8 +190,7 @@ def model_forward(model, layers=None):
 def batch_sharded(mesh: Mesh | AbstractMesh, tree):
     """Shardings for a tree of batch-first arrays (cache leaves, tokens): leading axis over `batch`,
     scalars replicated."""
-    return jax.tree.map(lambda leaf: NamedSharding(mesh, logical_spec("batch", *[None] * (len(leaf.shape) - 1))
-                                                   if leaf.shape else P()), tree)
+    return jax.tree.map(lambda leaf: NamedSharding(mesh, logical_spec(*batch_axes(leaf))), tree)
 
 
 def logits_on_mesh(model, tokens, mesh: Mesh):

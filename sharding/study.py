@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.axes import logical_axes
 from sharding.expert_parallel import expert_parallel
-from sharding.mesh import (MeshSpec, MeshSpecError, batch_sharded, make_mesh, model_forward, param_logical_axes,
-                           param_shardings)
+from sharding.mesh import MeshSpec, MeshSpecError, batch_sharded, make_mesh, model_forward, param_shardings
 from sharding.platform import PROFILES, DeviceProfile
 from sharding.storage import PARAM_FORMATS, KV_FORMATS, kv_figures, param_element_bytes, v32
 
@@ -100,7 +100,7 @@ def parameter_bytes(model, config, spec: MeshSpec, options: StudyOptions) -> dic
     for path, var in nnx.to_flat_state(model.params):
         name = ".".join(map(str, path))
         size = math.prod(var.shape) * param_element_bytes(name, var.shape, var.dtype, options.param_format)
-        if "expert" in param_logical_axes(name, len(var.shape)):
+        if "expert" in logical_axes(var):
             experts += size * slots / n_experts / spec.ep
         else:
             backbone += size

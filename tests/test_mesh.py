@@ -10,14 +10,22 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from model.api import Model, init_model
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from model.api import Model, abstract_model, init_model
+from model.axes import logical_axes
 from model.config import preset
+from model.dspark import DSparkConfig, DSparkDrafter
 from model.engram import HostEngramTable
 from pallas_kernels.moe import routed_experts_reference as routed_experts
+from serving.kv_cache import PAGED_LEAVES, CacheLayout, cache_axes, init_engine_cache
+from sharding.context_parallel import BATCH
 from sharding.engram_shards import ShardedEngramTable, shard_engram
 from sharding.eplb import ExpertLoadWindow, rebalance_experts
-from sharding.expert_parallel import ExpertPlacement, ep_routed_experts
-from sharding.mesh import MeshSpec, MeshSpecError, logits_on_mesh, make_mesh, shard_model
+from sharding.expert_parallel import TOKEN_AXES, ExpertPlacement, ep_routed_experts
+from sharding.mesh import (MeshSpec, MeshSpecError, batch_sharded, logical_spec, logits_on_mesh, make_mesh,
+                           param_shardings, shard_model)
 from sharding.reshard import restore_params, save_params
 from tests.helpers import random_model
 
@@ -97,6 +105,56 @@ def test_shard_model_places_experts_over_ep():
     assert model.params["embed"]["weight"][...].sharding.is_fully_replicated
     with pytest.raises(MeshSpecError, match="do not divide"):
         shard_model(init_model(preset("tiny")), make_mesh(MeshSpec.parse("ep=8")))
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-v41", "dspark-drafter"])
+def test_every_parameter_carries_logical_axes_that_place_it_as_before(name):
+    """Every parameter leaf (V4, V4.1, the DSpark drafter) names one logical axis per dimension where it is
+    created, and the rules place it on the dp=8,ep=4 mesh (mesh axes dp=2, ep=4) as the path table did: routed
+    experts' w1 / w2 / w3 over `ep` on their expert axis, everything else replicated."""
+    if name == "dspark-drafter":
+        target = preset("tiny-v41")
+        config = DSparkConfig(target_layer_ids=(0, 1), num_layers=2, block_size=4, noise_token_id=0, markov_rank=8,
+                              n_routed_experts=4, num_experts_per_tok=2, window=target.sliding_window)
+        params = nnx.state(nnx.eval_shape(lambda: DSparkDrafter(target, config, nnx.Rngs(0))))
+    else:
+        params = abstract_model(preset(name)).params
+    mesh = make_mesh(MeshSpec.parse("dp=8,ep=4"))
+    assert dict(mesh.shape) == {"cp": 1, "dp": 2, "ep": 4}
+    specs = dict(nnx.to_flat_state(param_shardings(params, mesh)))
+    for path, variable in nnx.to_flat_state(params):
+        assert len(logical_axes(variable)) == len(variable.shape), path
+        routed = path[-3:-1] == ("ffn", "experts") and path[-1] in ("w1", "w2", "w3")
+        before = P("ep", None, None) if routed else P(*[None] * len(variable.shape))
+        assert specs[path].get_value().spec == before, path
+    named = {("embed", "weight"): P(None, None), ("head", "weight"): P(None, None), ("norm", "weight"): P(None),
+             ("layers", 0, "ffn", "gate", "weight"): P(None, None),
+             ("layers", 0, "ffn", "experts", "w1"): P("ep", None, None),
+             ("layers", 0, "ffn", "experts", "w2"): P("ep", None, None),
+             ("layers", 1, "attn", "attn_sink"): P(None)}
+    present = [path for path in named if path in specs]  # the drafter has no embedding or head of its own
+    assert len(present) == len(named) or name == "dspark-drafter" and ("layers", 0, "ffn", "experts", "w1") in present
+    for path in present:
+        assert specs[path].get_value().spec == named[path], path
+
+
+def test_cache_leaves_place_rows_and_pages_over_the_attention_ranks():
+    """Reference cache leaves lead with `batch`, an engine cache's page pools with `pages`; both split over the
+    attention ranks (`dp` and `ep` together), as the engine's cache always was; the token-axis constants of the
+    expert- and context-parallel paths are the `batch` rule."""
+    model = abstract_model(preset("tiny"))
+    cache = jax.eval_shape(lambda: model.module().init_cache(2, 64))
+    mesh = make_mesh(MeshSpec.parse("dp=8,ep=4"))
+    for leaf, sharding in zip(jax.tree.leaves(cache), jax.tree.leaves(batch_sharded(mesh, cache)), strict=True):
+        assert sharding.spec == (P(("dp", "ep"), *[None] * (leaf.ndim - 1)) if leaf.ndim else P())
+    layout = CacheLayout.for_model(model.config, max_slots=2, max_len=64)
+    engine = jax.eval_shape(lambda: init_engine_cache(model.module(), layout))
+    axes = cache_axes(engine)
+    assert axes["layers"][0]["ring_kv"][0] == "batch" and axes["block_tables"] == ("batch", None)
+    leaves = jax.tree.leaves_with_path(axes["layers"], is_leaf=lambda x: isinstance(x, tuple))
+    paged = [a for path, a in leaves if path[-1].key in PAGED_LEAVES]
+    assert paged and all(a[0] == "pages" for a in paged)
+    assert logical_spec("batch") == logical_spec("pages") == P(("dp", "ep")) == P(TOKEN_AXES) == P(BATCH)
 
 
 def test_checkpoint_saved_on_one_mesh_restores_onto_another(tmp_path):
