@@ -64,7 +64,7 @@ def cmd_forward(args) -> int:
 
 def cmd_generate(args) -> int:
     """Offline batch inference: prompts in, one JSON result per request out (in input order)."""
-    from serving.batch import (encode_prompts, engine_shape, from_prompts, read_input, resolve_params, run_batch,
+    from serving.batch import (encode_prompts, fitted_config, from_prompts, read_input, resolve_params, run_batch,
                                submit, summary_lines)
     from serving.chat_format import format_for
     from serving.engine import Engine
@@ -82,6 +82,8 @@ def cmd_generate(args) -> int:
         args.parser.error(f"invalid sampling flag: {e}")
     requests = read_input(args.input) if args.input else from_prompts(args.prompt)
     resolve_params(requests, defaults, args.seed)
+    num_top = max([r.params.logprobs for r in requests if r.params and r.params.logprobs] + [1])
+    config = _engine_config(args, zero_overhead=not args.no_zero_overhead, num_top_logprobs=num_top)
     try:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     except OSError as e:
@@ -93,15 +95,7 @@ def cmd_generate(args) -> int:
     model = _load(args)
     tokenizer = tokenizer_for(model)
     encode_prompts(tokenizer, requests, format_for(tokenizer, args.chat_format, args.model))
-    num_top = max([r.params.logprobs for r in requests if r.params and r.params.logprobs] + [1])
-    # batch-invariant runs keep the flags' shapes (a request's numbers must not depend on the batch's size), and
-    # so do mesh runs (the slots split evenly over the attention ranks)
-    slots, chunk = ((args.max_slots, args.prefill_chunk) if args.batch_invariant or args.mesh
-                    else engine_shape(requests, args.max_slots, args.prefill_chunk))
-    engine = Engine(model, max_slots=slots, max_len=args.max_len, prefill_chunk=chunk,
-                    batch_invariant=args.batch_invariant, zero_overhead=not args.no_zero_overhead,
-                    num_top_logprobs=num_top, seed=args.seed, detokenize=tokenizer.decode,
-                    speculation=args.speculation, num_drafts=args.num_drafts, **_engine_cache_and_grammar(args))
+    engine = Engine(model, fitted_config(requests, config), detokenize=tokenizer.decode)
     submit(engine, requests)
     loaded = time.perf_counter()
     if not args.no_warmup and engine.has_work:
@@ -130,7 +124,8 @@ def cmd_serve(args) -> int:
 
     if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
-    return serve(args, _load(args), **_engine_cache_and_grammar(args))
+    config = _engine_config(args, num_top_logprobs=args.max_logprobs)
+    return serve(args, _load(args), config)
 
 
 def cmd_train(args) -> int:
@@ -255,18 +250,20 @@ def _add_cache_and_grammar_flags(e) -> None:
                    help="prompt tokens the replay layers see (default 140, at least window + backtracking)")
 
 
-def _engine_cache_and_grammar(args) -> dict:
-    """The Engine keyword arguments of `_add_cache_and_grammar_flags`."""
+def _engine_config(args, **settings):
+    """The `EngineConfig` of the engine flags `generate` and `serve` share, with `settings` (what the command
+    decides itself) over them. Raises ValueError for settings that do not go together."""
     from model.replay import DEFAULT_KEEP, Replay
+    from serving.engine_config import EngineConfig
 
-    prefix = False if args.no_prefix_cache else None
-    mesh = {"mesh": args.mesh, "redundant_experts": args.redundant_experts, "eplb_every": args.eplb_every}
     replay = {} if args.replay is None and args.replay_keep is None else {
         "replay": Replay(args.replay or "compact", args.replay_keep or DEFAULT_KEEP)}
-    return {"prefix_cache": prefix, "jump_forward": args.jump_forward, **replay,
-            **({"host_pages": args.host_pages} if args.host_pages else {}),
-            **({"prefix_snapshots": args.prefix_snapshots} if args.prefix_snapshots is not None else {}),
-            **(mesh if args.mesh else {})}
+    mesh = {"mesh": args.mesh, "redundant_experts": args.redundant_experts, "eplb_every": args.eplb_every}
+    return EngineConfig(max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
+                        batch_invariant=args.batch_invariant, seed=args.seed, speculation=args.speculation,
+                        num_drafts=args.num_drafts, prefix_cache=False if args.no_prefix_cache else None,
+                        host_pages=args.host_pages, prefix_snapshots=args.prefix_snapshots,
+                        jump_forward=args.jump_forward, **replay, **(mesh if args.mesh else {}), **settings)
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:

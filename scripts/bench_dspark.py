@@ -50,6 +50,7 @@ from model.calibration import sts_confidence  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from model.dspark import Drafter  # noqa: E402
 from serving.engine import Engine  # noqa: E402
+from serving.engine_config import EngineConfig  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
 from serving.verify_plan import prefix_survival  # noqa: E402
 from training.drafter import TargetPass, generate, kept_at_budget, sample_anchors, verify_offline  # noqa: E402
@@ -86,8 +87,8 @@ def run(model, mode: str, prompts: list[list[int]], b1_requests: int, args) -> d
     bucket: profiled device time, then the observed periods).
     `dspark-planner` is DSpark without its no-draft fallback: the scheduler's choice of drafts on its own."""
     speculation, fallback = ("dspark", False) if mode == "dspark-planner" else (mode, True)
-    engine = Engine(model, max_slots=16, max_len=256, prefill_chunk=32, max_prefill_rows=2,
-                    speculation=speculation, draft_fallback=fallback)
+    engine = Engine(model, EngineConfig(max_slots=16, max_len=256, prefill_chunk=32, max_prefill_rows=2,
+                                        speculation=speculation, draft_fallback=fallback))
     start = time.perf_counter()
     engine.warmup()
     warmup_s = time.perf_counter() - start
@@ -97,8 +98,9 @@ def run(model, mode: str, prompts: list[list[int]], b1_requests: int, args) -> d
               "accepted_per_step_b1": round(metrics_b1["accepted_per_step"], 4),
               "verified_per_step_b1": round(metrics_b1["verified_per_step"], 4),
               "tok_s_b1": round(tok_s_b1, 1), "tok_s_b16": round(tok_s_b16, 1), "warmup_s": round(warmup_s, 1)}
-    if engine.costs is not None:
-        for name, table in (("profiled_ms", engine.costs.profiled), ("observed_ms", engine.costs.observed)):
+    costs = engine.speculation.costs
+    if costs is not None:
+        for name, table in (("profiled_ms", costs.profiled), ("observed_ms", costs.observed)):
             result[name] = {f"{r}x{w}": round(t * 1e3, 3) for (r, w), t in sorted(table.items())}
     return result
 

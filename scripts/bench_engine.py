@@ -89,10 +89,12 @@ from model.api import init_model  # noqa: E402
 from model.checkpoint import load_model, save_checkpoint  # noqa: E402
 from model.config import preset  # noqa: E402
 from serving.engine import Engine  # noqa: E402
+from serving.engine_config import EngineConfig  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
 
 HF_SCRIPT = Path(__file__).resolve().parent / "hf_bench.py"
 MAX_SLOTS, PREFILL_CHUNK, MAX_PREFILL_ROWS = 16, 256, 2
+ENGINE = EngineConfig(max_slots=MAX_SLOTS, prefill_chunk=PREFILL_CHUNK, max_prefill_rows=MAX_PREFILL_ROWS)
 BUSY_CORES = 0.25  # background load above which the result carries a warning
 HEADLINE = ("benchmark", "decode_speedup_b1", "decode_speedup_b16", "prefill_speedup", "host_overhead_fraction",
             "jaxseek_decode_tps_b1", "hf_decode_tps_b1", "jaxseek_decode_tps_b16", "hf_decode_tps_b16",
@@ -398,7 +400,7 @@ def run_all(ckpt: Path, prompts: dict, prompts_file: Path, threads: int, args) -
         model = load_model(ckpt, dtype="float32")
         r["jaxseek_load_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        engine = Engine(model, max_slots=MAX_SLOTS, prefill_chunk=PREFILL_CHUNK, max_prefill_rows=MAX_PREFILL_ROWS)
+        engine = Engine(model, ENGINE)
         r["jaxseek_engine_init_s"] = time.perf_counter() - t
         t = time.perf_counter()
         engine.warmup()

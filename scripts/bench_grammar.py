@@ -184,9 +184,10 @@ def decode_step_ms(new_tokens: int) -> float:
     """The bundled model's decode step at batch 16 through the serving engine (greedy, EOS ignored)."""
     from model import load_model
     from serving.engine import Engine
+    from serving.engine_config import EngineConfig
     from serving.sampling import SamplingParams
     m = load_model()
-    engine = Engine(m, max_slots=16, max_len=64 + 2 * new_tokens)
+    engine = Engine(m, EngineConfig(max_slots=16, max_len=64 + 2 * new_tokens))
     engine.warmup()
     prompts = [m.tokenizer.encode(f"Enter the {i}th messenger.") for i in range(16)]
 
@@ -204,10 +205,12 @@ def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, specula
     """The engine's mask work per step and its end-to-end slowdown at batch 16 (see the module docstring)."""
     from model import load_model
     from serving.engine import Engine
+    from serving.engine_config import EngineConfig
+    from serving.grammar_budget import ClosePolicy
     from serving.sampling import SamplingParams
     m = load_model()
-    engine = Engine(m, max_slots=16, max_len=64 + max_tokens, prefill_chunk=32, speculation=speculation,
-                    **({} if close else {"constraint_close": None}))
+    engine = Engine(m, EngineConfig(max_slots=16, max_len=64 + max_tokens, prefill_chunk=32, speculation=speculation,
+                                    constraint_close=ClosePolicy() if close else None))
     engine.warmup()
     kinds = {"fill": "grammar_seconds", "commit": "grammar_commit_seconds", "exposed": "grammar_exposed_seconds"}
     prompts = [m.tokenizer.encode(f"Enter the {i}th messenger.") for i in range(requests)]
@@ -239,7 +242,7 @@ def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, specula
     median = {k: round(float(np.median([r[k] for r in rounds])), 4) for k in rounds[0]}
     return {"engine_speculation": speculation, "engine_close": close, "engine_requests": requests,
             "engine_tokens": sum(len(o.token_ids) for o in outputs), "engine_repeats": repeats,
-            "engine_mask_fill": {None: "timing", True: "serial", False: "pool"}[engine._executor.serial],
+            "engine_mask_fill": {None: "timing", True: "serial", False: "pool"}[engine.structured.executor.serial],
             **{f"engine_{k}": v for k, v in median.items()},
             "engine_mask_fraction_runs": [round(r["mask_fraction"], 4) for r in rounds],
             "engine_exposed_fraction_runs": [round(r["exposed_fraction"], 4) for r in rounds],

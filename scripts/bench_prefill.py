@@ -81,11 +81,12 @@ def prefill_seconds(model: Model, tokens: np.ndarray, chunk: int, replay: Replay
 def ttft_seconds(model: Model, prompt_len: int, chunk: int, runs: int, rng, keep: int) -> dict:
     """TTFT figures of the engine's prefix cache (see the module docstring)."""
     from serving.engine import Engine
+    from serving.engine_config import EngineConfig
     from serving.sampling import SamplingParams
 
     # one prefill bucket, compiled in round 0 (a request of one token never decodes)
-    engine = Engine(model, max_slots=1, max_len=prompt_len + 8, prefill_chunk=chunk, max_prefill_rows=1,
-                    batch_invariant=True, prefix_cache=True, replay=Replay("compact", keep))
+    engine = Engine(model, EngineConfig(max_slots=1, max_len=prompt_len + 8, prefill_chunk=chunk, max_prefill_rows=1,
+                                        batch_invariant=True, prefix_cache=True, replay=Replay("compact", keep)))
     prefix, shared = engine.scheduler.prefix, prompt_len * 9 // 10
     store = prefix.snapshots
     snapshots = {"hit": store.capacity, "hit_replay": 0}  # the default (snapshots), then the exact replay

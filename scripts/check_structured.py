@@ -19,6 +19,7 @@ limit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -33,6 +34,7 @@ import lark  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
 from serving.constraints import ConstraintSpec  # noqa: E402
 from serving.engine import Engine  # noqa: E402
+from serving.engine_config import EngineConfig  # noqa: E402
 from serving.grammar_budget import ClosePolicy  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
 
@@ -80,10 +82,11 @@ def main() -> None:
     prompt = model.tokenizer.encode("ROMEO:\n")
     result = {"cases": len(cases), "schemas": len(schemas), "max_tokens": args.max_tokens,
               "jump_forward": args.jump_forward, "close": not args.no_close}
+    config = EngineConfig(max_slots=16, max_len=len(prompt) + args.max_tokens + 8, prefill_chunk=8,
+                          detokenize=model.tokenizer.decode, jump_forward=args.jump_forward,
+                          constraint_close=None if args.no_close else ClosePolicy())
     for mode in args.modes.split(","):
-        engine = Engine(model, max_slots=16, max_len=len(prompt) + args.max_tokens + 8, prefill_chunk=8,
-                        speculation=mode, detokenize=model.tokenizer.decode, jump_forward=args.jump_forward,
-                        constraint_close=None if args.no_close else ClosePolicy())
+        engine = Engine(model, dataclasses.replace(config, speculation=mode))
         engine.warmup()
         ids = [engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=i),
                                   constraint=spec) for i, (_, _, _, spec) in enumerate(cases)]

@@ -21,6 +21,7 @@ import numpy as np
 
 from serving.chat_format import normalize_messages
 from serving.constraints import CONSTRAINT_FIELDS, ConstraintSpec, constraint_from_body
+from serving.engine_config import EngineConfig
 from serving.sampling import SEED_LIMIT, SamplingParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -222,11 +223,16 @@ def encode_prompts(tokenizer, requests: list[BatchRequest], chat_format) -> None
                 r.error = str(e)
 
 
-def engine_shape(requests: list[BatchRequest], max_slots: int, prefill_chunk: int) -> tuple[int, int]:
-    """(slots, prefill chunk) for a batch known up front: no more slots than requests, and a chunk no wider than
-    the bucket of the longest prompt (at least 8), so start-up compiles only buckets the batch can use."""
+def fitted_config(requests: list[BatchRequest], config: EngineConfig) -> EngineConfig:
+    """`config` fitted to a batch known up front: no more slots than requests, and a chunk no wider than the
+    bucket of the longest prompt (at least 8), so start-up compiles only buckets the batch can use. Batch-invariant
+    configs keep their shapes (a request's numbers must not depend on the batch's size), and so do mesh ones (the
+    slots split evenly over the attention ranks)."""
+    if config.batch_invariant or config.mesh is not None:
+        return config
     lengths = [len(r.prompt_ids) for r in requests if r.error is None] or [1]
-    return min(max_slots, len(lengths)), min(prefill_chunk, max(8, 1 << (max(lengths) - 1).bit_length()))
+    return dataclasses.replace(config, max_slots=min(config.max_slots, len(lengths)), prefill_chunk=min(
+        config.prefill_chunk, max(8, 1 << (max(lengths) - 1).bit_length())))
 
 
 def submit(engine, requests: list[BatchRequest]) -> None:

@@ -10,7 +10,7 @@ would have: outputs equal a single engine's. A constrained request's grammar sta
 from its constraint (compiled there once per distinct spec) by taking the tokens already emitted.
 
 The engine offers no export / import hook, so `export_slot` / `import_slot` work on `engine.cache`,
-`engine.scheduler` and `engine.requests` from outside.
+`engine.scheduler`, `engine.requests` and `engine.structured` from outside.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from serving.engine import Engine
+from serving.engine_config import EngineConfig
 from serving.kv_cache import PAGED_LEAVES
 from serving.constraints import ConstraintSpec
 from serving.request import Request, RequestOutput, Status, TokenLogprob
@@ -94,7 +95,7 @@ def import_slot(engine, state: SlotState) -> bool:
     if set(state.slot) != set(engine.cache) - set(NOT_PER_SLOT):
         raise ValueError(f"the hand-off's per-slot state ({', '.join(sorted(state.slot))}) is not this engine's "
                          f"({', '.join(sorted(set(engine.cache) - set(NOT_PER_SLOT)))}): run both engines alike")
-    grammar = engine.request_grammar(state.constraint, state.constraint_trigger, state.params.max_tokens)
+    grammar = engine.structured.grammar(state.constraint, state.constraint_trigger, state.params.max_tokens)
     if grammar is not None and not grammar.accept(state.output):
         raise ValueError(f"the hand-off's output breaks its constraint: {grammar.error}")
     scheduler = engine.scheduler
@@ -127,7 +128,7 @@ def import_slot(engine, state: SlotState) -> bool:
 
 
 # ---- the prefill process --------------------------------------------------------------------------------------
-def _prefill_worker(inbox, outbox, model_path, engine_args: dict, compile_cache: str | None) -> None:
+def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cache: str | None) -> None:
     """The prefill process: load the model, then prefill what arrives and send back hand-offs (or results of
     requests that finished at their first token). Each request is acknowledged ("accepted" or "error") as soon
     as it arrives; a cancelled one is acknowledged ("cancelled") once the prefill engine has let it go."""
@@ -138,7 +139,7 @@ def _prefill_worker(inbox, outbox, model_path, engine_args: dict, compile_cache:
 
     model = load_model(model_path)
     # zero_overhead off: each step is read before the next one is dispatched, so a request stops at its first token
-    engine = Engine(model, **{**engine_args, "zero_overhead": False, "detokenize": tokenizer_for(model).decode})
+    engine = Engine(model, config, zero_overhead=False, detokenize=tokenizer_for(model).decode)
     engine.warmup()
     outbox.put(("ready", None))
     pending: set[str] = set()
@@ -187,21 +188,22 @@ class DisaggregatedEngine:
     (`add_request`, `step`, `cancel`, `has_work`, `requests`, `run`), so the server runs it as it runs an engine.
 
     `add_request` hands the prompt to the prefill process (which validates it: a refusal raises ValueError
-    here); `step` installs the hand-offs that arrived and runs one decode-engine step. The decode engine and the
-    prefill process must share the model and the cache layout: pass the `engine_args` the decode engine was
-    built with, and the checkpoint it was loaded from (None: the bundled model). A request without a seed gets
-    one here, since both engines must draw the same tokens; outputs then equal a single engine's.
+    here); `step` installs the hand-offs that arrived and runs one decode-engine step. The prefill engine runs
+    the decode engine's settings, on the model of `model_path`: the checkpoint the decode engine's model was
+    loaded from (None: the bundled model). A request without a seed gets one here, since both engines must draw
+    the same tokens; outputs then equal a single engine's.
     """
 
-    def __init__(self, decode_engine, model_path=None, engine_args: dict | None = None,
-                 compile_cache: str | None = None, start_timeout: float = 600.0, seed: int = 0):
+    def __init__(self, decode_engine, model_path=None, compile_cache: str | None = None,
+                 start_timeout: float = 600.0, seed: int = 0):
         self.engine = decode_engine
         self.layout, self.scheduler, self.requests = decode_engine.layout, decode_engine.scheduler, \
             decode_engine.requests
         context = multiprocessing.get_context("spawn")
         self.inbox, self.outbox = context.Queue(), context.Queue()
         self.process = context.Process(target=_prefill_worker, daemon=True, args=(
-            self.inbox, self.outbox, model_path, engine_args or {}, compile_cache))
+            self.inbox, self.outbox, model_path, dataclasses.replace(decode_engine.config, detokenize=None),
+            compile_cache))
         self.process.start()
         kind, _ = self.outbox.get(timeout=start_timeout)
         if kind != "ready":
@@ -284,9 +286,10 @@ class DisaggregatedEngine:
     def _with_text(self, output: RequestOutput, stop: tuple[str, ...]) -> RequestOutput:
         """A result of the prefill process with its text decoded as the decode engine decodes, cut at the first
         stop string as the engine cuts."""
-        if self.engine.detokenize is None:
+        detokenize = self.engine.config.detokenize
+        if detokenize is None:
             return output
-        text = self.engine.detokenize(output.token_ids)
+        text = detokenize(output.token_ids)
         hits = [text.find(s) for s in stop if s in text]
         return dataclasses.replace(output, text=text[:min(hits)] if hits else text)
 

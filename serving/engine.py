@@ -44,15 +44,14 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
-import llguidance as llg
 import numpy as np
 
 from model.api import Model
 from model.mtp_drafter import mtp_drafter
-from model.replay import ENGINE_DEFAULT, Replay, for_engine
-from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer
-from serving.grammar_budget import ClosePolicy
-from serving.grammar_mask import MaskFill, RequestGrammar, fill_masks, speculate_masks
+from model.replay import for_engine
+from serving.constraints import ConstraintSpec
+from serving.engine_config import EngineConfig
+from serving.engine_dp import DataParallel
 from serving.jump_forward import jump_forward
 from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
@@ -60,12 +59,9 @@ from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
 from serving.step import CompiledHalves, DrafterSpec, Forwarded, StepBatch, build_step_halves, compile_step, empty_batch
-from serving.verify_plan import CostTable, monotone_in_width, plan_verify, prefix_survival
-from serving.engine_dp import DataParallel
-
-MAX_TOP_LOGPROBS = 20
-SPECULATION = ("none", "fixed", "dspark")
-
+from serving.speculation_policy import SpeculationPolicy
+from serving.structured_outputs import StructuredOutputs
+from serving.verify_plan import CostTable, monotone_in_width
 
 def powers_of_two(limit: int) -> tuple[int, ...]:
     """1, 2, 4, ... up to and including `limit` (which is added if not a power of two)."""
@@ -84,145 +80,77 @@ class _Forwarding(NamedTuple):
 
 
 class Engine:
-    """Offline / online generation over one model.
+    """Offline / online generation over one model, with the settings of an `EngineConfig`: `Engine(model, config)`,
+    or `Engine(model, max_slots=..., max_len=...)` with keywords naming its fields; keywords given with a config
+    replace those fields of it. `config` holds the settings, `model_config` the model's."""
 
-    Args: `max_slots` concurrent requests; `max_len` tokens per request (prompt + output); `num_pages` of
-    `page_tokens` tokens in the shared compressed-KV pool (default: enough for every slot at `max_len`);
-    `prefill_chunk` tokens per prefill row, `max_prefill_rows` prefill rows per step, `token_budget`
-    tokens per iteration; `batch_invariant`: one bucket per step kind and budget-independent chunking,
-    so a request's numbers never depend on what else runs; `zero_overhead`: read step N after dispatching
-    step N+1; `num_top_logprobs` top alternatives computed per token; `return_logits` keeps the last
-    position's logits of every row (tests); `detokenize` turns token ids into text (stop strings);
-    `speculation` "none" | "fixed" | "dspark" with the model's DSpark drafter (else a V4 checkpoint's MTP
-    block as a one-token drafter, `model.mtp_drafter`), verifying up to `num_drafts`
-    drafts per step (default: the drafter's block size) in buckets of `verify_widths` tokens (DSpark; default
-    every width 2 .. num_drafts + 1, fewer widths compile faster); `backtrack` extra window-ring slots (speculation
-    needs num_drafts + 1 and takes at least that); `draft_fallback` (DSpark): when no verify budget pays, decode
-    without drafting (the drafter only absorbs features) and probe with a drafting step after `probe_every`
-    such steps (then after twice as many per probe that did not pay); `prefix_cache` shares the pages of
-    cached prompt prefixes (default: on unless `batch_invariant`, since a hit changes how a prompt is
-    chunked), replaying `prefix_replay` tokens before a hit's end (default: the exact replay,
-    `exact_replay_tokens`; fewer is approximate), with up to `host_pages` evicted pages kept in host memory;
-    `replay` (a `model.replay.Replay`, or None: off) bounds a V4.1 prefill's replay layers to each prompt's last
-    `keep` tokens (default: compact, keep 140 or what the window and drafter rings need; off for other models);
-    `prefix_snapshots`: window-state snapshots kept at page-aligned prefill chunk ends, so a prefix hit
-    starts from one instead of replaying (default 8 per slot; 0: always replay; `serving.window_snapshots`);
-    `constraint_close`: how constrained outputs are closed before their `max_tokens` (None: the limit may cut
-    them mid-structure); `jump_forward`: a constrained request takes the tokens its grammar forces in one
-    prefill row instead of sampling them one per step. `mesh` (a spec like "dp=4,ep=2", a MeshSpec or a mesh of
-    `sharding.mesh.make_mesh`) splits the slots, pages and steps over attention data-parallel ranks, with the
-    experts over `ep` (`serving.engine_dp`; no speculation or prefix cache); there `redundant_experts` EPLB
-    slots per MoE layer and `eplb_every` (steps between rebalances, 0: never) balance the expert shards over
-    a window of `eplb_window` steps.
-    """
-
-    def __init__(self, model: Model, *, max_slots: int = 8, max_len: int = 1024, num_pages: int | None = None,
-                 page_tokens: int | None = None, prefill_chunk: int = 64, max_prefill_rows: int = 2,
-                 token_budget: int | None = None, batch_invariant: bool = False, zero_overhead: bool = True,
-                 num_top_logprobs: int = 5, return_logits: bool = False, seed: int = 0,
-                 detokenize: Callable[[list[int]], str] | None = None, backtrack: int = 0,
-                 speculation: str = "none", num_drafts: int | None = None,
-                 verify_widths: Sequence[int] | None = None, draft_fallback: bool = True, probe_every: int = 8,
-                 prefix_cache: bool | None = None, prefix_replay: int | None = None, host_pages: int = 0,
-                 constraint_close: ClosePolicy | None = ClosePolicy(), jump_forward: bool = False,
-                 mesh=None, redundant_experts: int = 0, eplb_every: int = 0, eplb_window: int = 100,
-                 replay: Replay | None = ENGINE_DEFAULT, prefix_snapshots: int | None = None):
-        if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-        if speculation not in SPECULATION:
-            raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {speculation!r}")
-        drafter = None if speculation == "none" else model.drafter or mtp_drafter(model.module())
-        if speculation != "none" and drafter is None:
-            raise ValueError(f"speculation={speculation!r} needs a model with a DSpark drafter or an MTP block "
-                             "(this one has neither)")
-        block = drafter.config.block_size if drafter is not None else 0
-        num_drafts = block if num_drafts is None else num_drafts
-        if drafter is not None and not 1 <= num_drafts <= block:
-            raise ValueError(f"num_drafts must be in [1, {block}] (the drafter's block size), got {num_drafts}")
-        if probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
-        self.speculation, self.num_drafts = speculation, num_drafts if drafter is not None else 0
-        self.draft_fallback, self.probe_every = draft_fallback and speculation == "dspark", probe_every
-        self._nodraft_streak = 0  # decode steps since the last one that drafted (the no-draft fallback)
-        self._probe_interval = probe_every  # doubles after each probe, back to probe_every once verifying
-        self._cost_key: tuple[int, int] | None = None  # the cost-table bucket of the last decode step
-        if drafter is not None:
-            backtrack = max(backtrack, num_drafts + 1)
-        self.model, self.config = model, model.config
-        self.layout = CacheLayout.for_model(self.config, max_slots, max_len, num_pages, page_tokens, backtrack)
-        self.prefill_chunk = prefill_chunk
+    def __init__(self, model: Model, config: EngineConfig | None = None, **settings):
+        config = EngineConfig(**settings) if config is None else dataclasses.replace(config, **settings)
+        drafter = None if config.speculation == "none" else model.drafter or mtp_drafter(model.module())
+        if config.speculation != "none" and drafter is None:
+            raise ValueError(f"speculation={config.speculation!r} needs a model with a DSpark drafter or an MTP "
+                             "block (this one has neither)")
+        self.config, self.model, self.model_config = config, model, model.config
+        self.speculation = SpeculationPolicy(config, drafter.config.block_size if drafter is not None else 0)
+        num_drafts = self.speculation.num_drafts
+        backtrack = config.backtrack if drafter is None else max(config.backtrack, num_drafts + 1)
+        self.layout = CacheLayout.for_model(model.config, config.max_slots, config.max_len, config.num_pages,
+                                            config.page_tokens, backtrack)
         self.data_parallel = None
-        if mesh is not None:
-            if speculation != "none" or prefix_cache:
-                raise ValueError("a data-parallel engine (mesh=...) runs without speculation and prefix cache")
-            prefix_cache = False
-            self.data_parallel = DataParallel(mesh, model, self.layout, redundant_experts=redundant_experts,
-                                              eplb_every=eplb_every, eplb_window=eplb_window)
+        if config.mesh is not None:
+            self.data_parallel = DataParallel(config.mesh, model, self.layout,
+                                              redundant_experts=config.redundant_experts,
+                                              eplb_every=config.eplb_every, eplb_window=config.eplb_window)
             model = self.data_parallel.model  # placed on the mesh (with EPLB: its maps and slot-stacked experts)
-        elif redundant_experts or eplb_every:
-            raise ValueError("EPLB (redundant_experts, eplb_every) needs a mesh with ep > 1 (mesh=...)")
         # Engram hashes a decode row's input token on the host, so the host must have read the previous
         # step: zero-overhead scheduling is off for Engram models (device-side hashing would lift this).
         self.engram = model.engram
-        self.batch_invariant, self.zero_overhead = batch_invariant, zero_overhead and self.engram is None
-        self.num_top, self.return_logits, self.detokenize = num_top_logprobs, return_logits, detokenize
-        budget = token_budget or max_slots + max_prefill_rows * prefill_chunk
+        self.zero_overhead = config.zero_overhead and self.engram is None
+        chunk, invariant = config.prefill_chunk, config.batch_invariant
+        budget = config.token_budget or config.max_slots + config.max_prefill_rows * chunk
         scheduler = Scheduler if self.data_parallel is None else self.data_parallel.scheduler
-        self.scheduler = scheduler(self.layout, prefill_chunk, budget, max_prefill_rows, batch_invariant,
-                                   self.num_drafts)
-        rows, prefill_rows = max_slots, max_prefill_rows  # a data-parallel step's buckets count rows per rank
+        self.scheduler = scheduler(self.layout, chunk, budget, config.max_prefill_rows, invariant, num_drafts)
+        rows, prefill_rows = config.max_slots, config.max_prefill_rows  # a data-parallel step's buckets: rows per rank
         if self.data_parallel is not None:
             rows = self.data_parallel.layout.max_slots
-            prefill_rows = min(rows, max_prefill_rows)
-        self.decode_rows = (rows,) if batch_invariant else powers_of_two(rows)
-        self.prefill_rows = (prefill_rows,) if batch_invariant else powers_of_two(prefill_rows)
-        self.prefill_tokens = (prefill_chunk,) if batch_invariant else tuple(
-            t for t in (8, 32, 128, 512) if t < prefill_chunk) + (prefill_chunk,)
-        # verify bucket widths (1 + drafts): every width for DSpark, the full block for fixed speculation
-        widths = tuple(sorted(set(verify_widths or range(2, self.num_drafts + 2))))
-        if speculation == "dspark" and not all(2 <= w <= self.num_drafts + 1 for w in widths):
-            raise ValueError(f"verify_widths {list(widths)} must lie in [2, num_drafts + 1 = {self.num_drafts + 1}]")
-        self.verify_widths = {"none": (), "fixed": (self.num_drafts + 1,), "dspark": widths}[speculation]
+            prefill_rows = min(rows, prefill_rows)
+        self.decode_rows = (rows,) if invariant else powers_of_two(rows)
+        self.prefill_rows = (prefill_rows,) if invariant else powers_of_two(prefill_rows)
+        self.prefill_tokens = (chunk,) if invariant else tuple(t for t in (8, 32, 128, 512) if t < chunk) + (chunk,)
         module = model.module()
         draft_module = drafter.module() if drafter is not None else None
         self.cache = (init_engine_cache(module, self.layout, draft_module) if self.data_parallel is None
                       else self.data_parallel.init_cache(module))
-        self.replay = for_engine(self.config, replay, self.layout.ring, drafter_ring(self.cache),
+        self.replay = for_engine(model.config, config.replay, self.layout.ring, drafter_ring(self.cache),
                                  drafter.config.target_layer_ids if drafter is not None else ())
-        self.scheduler.prefix = self._prefix_cache(prefix_cache, prefix_replay, host_pages, prefix_snapshots)
+        self.scheduler.prefix = self._prefix_cache()
         # what the compiled steps take (flattened once)
         self.weights = (jax.tree.leaves(model.params), jax.tree.leaves(drafter.params) if drafter else [])
         empty = module.init_cache(1, self.layout.pages_per_slot * self.layout.page_tokens, self.layout.ring)
         spec = None if drafter is None else DrafterSpec(drafter.graphdef, jax.tree.structure(drafter.params),
                                                          draft_module.init_state(1), drafter.config.target_layer_ids)
         self._halves = build_step_halves(model.graphdef, jax.tree.structure(model.params), empty["layers"],
-                                         self.layout.page_tokens, num_top_logprobs, return_logits, spec, self.replay)
+                                         self.layout.page_tokens, config.num_top_logprobs, config.return_logits,
+                                         spec, self.replay)
         self.compiled: dict[tuple[int, int, int], Callable] = {}
-        self.costs: CostTable | None = None  # DSpark: seconds per decode / verify bucket (`profile`)
-        self._steady_since: float | None = None  # end of the last iteration that ran no prefill step
         self.requests: dict[str, Request] = {}
-        self._compiler: ConstraintCompiler | None = None  # built with the first constrained request
-        self.constraint_close, self.jump_forward = constraint_close, jump_forward
-        self._executor: MaskFill | None = None  # computes constrained rows' masks (llguidance's pool or serial)
-        self._all_allowed: dict[tuple[int, ...], jax.Array] = {}  # bitmask of unconstrained batches, on device
         self.pending: list[tuple[list[Row], object]] = []
         self._cancelled: list[RequestOutput] = []
-        self._seeds = np.random.default_rng(seed)
+        self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "decode_rows": 0, "verified": 0,
-                      "accepted": 0, "verified_at": np.zeros(self.num_drafts, np.int64),
-                      "accepted_at": np.zeros(self.num_drafts, np.int64), "calibration_abs": 0.0,
+                      "accepted": 0, "verified_at": np.zeros(num_drafts, np.int64),
+                      "accepted_at": np.zeros(num_drafts, np.int64), "calibration_abs": 0.0,
                       "calibration_n": 0, "nodraft_steps": 0, "grammar_seconds": 0.0,  # filling masks
                       "grammar_commit_seconds": 0.0, "grammar_exposed_seconds": 0.0,  # the device may wait for
                       "masked_during_forward": 0}  # decode steps whose masks were filled while the forward ran
-        self._forward_in_flight = False  # a forward half runs while the host reads the previous step
-        self._overlapped = 0.0  # commit seconds spent while a forward half ran
+        self.structured = StructuredOutputs(self.model, config.constraint_close, config.jump_forward, self.stats)
 
     # ---- compilation --------------------------------------------------------------------------------------
     def buckets(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens, verify length) shape the engine may run."""
         return sorted({(r, 1, 1) for r in self.decode_rows}
-                      | {(r, w, w) for r in self.decode_rows for w in self.verify_widths}
+                      | {(r, w, w) for r in self.decode_rows for w in self.speculation.verify_widths}
                       | {(r, t, 1) for r in self.prefill_rows for t in self.prefill_tokens})
 
     def warmup(self) -> None:
@@ -236,8 +164,8 @@ class Engine:
             list(pool.map(self._executable, missing))
         if self.scheduler.prefix is not None:
             self.device_pages.warmup()
-        if self.speculation == "dspark" and self.costs is None:
-            self.costs = self.profile()
+        if self.speculation.mode == "dspark" and self.speculation.costs is None:
+            self.speculation.costs = self.profile()
 
     def profile(self, repeats: int = 5) -> CostTable:
         """Seconds of each decode / verify bucket on padding rows that sample at temperature 1 (the costlier
@@ -251,7 +179,7 @@ class Engine:
                 continue  # a prefill bucket
             batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len)
             batch = batch._replace(sampling=SamplingBatch.from_params([SamplingParams(seed=0)] * rows, rows))
-            for draft in (True, False) if self.draft_fallback and width == 1 else (True,):
+            for draft in (True, False) if self.speculation.draft_fallback and width == 1 else (True,):
                 times = []
                 for _ in range(repeats + 2):
                     start = time.perf_counter()
@@ -276,25 +204,21 @@ class Engine:
                 self.compiled[bucket] = compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)
         return self.compiled[bucket]
 
-    def _prefix_cache(self, enabled: bool | None, replay: int | None, host_pages: int,
-                      snapshots: int | None) -> PrefixAdmission | None:
+    def _prefix_cache(self) -> PrefixAdmission | None:
         """The engine's prefix cache (None when off), with its device ops on `self.cache`."""
-        if enabled is None:
-            enabled = not self.batch_invariant
-        if not enabled:
-            if replay is not None or host_pages or snapshots:
-                raise ValueError("prefix_replay, host_pages and prefix_snapshots need prefix_cache=True")
+        config = self.config
+        if not config.uses_prefix_cache:
             return None
-        exact = exact_replay_tokens(self.config, self.cache)
-        replay = exact if replay is None else replay
-        if isinstance(replay, bool) or not isinstance(replay, int) or not self.layout.ring <= replay:
+        exact = exact_replay_tokens(self.model_config, self.cache)
+        replay = exact if config.prefix_replay is None else config.prefix_replay
+        if not self.layout.ring <= replay:
             raise ValueError(f"prefix_replay must be an integer >= the window ring ({self.layout.ring} tokens) so "
                              f"decode finds its window filled (exact replay: {exact}), got {replay!r}")
         self.device_pages = DevicePages(self, self.layout.max_len)
-        return PrefixAdmission(self.scheduler.pages, replay, host_pages, self.device_pages.read,
+        snapshots = 8 * self.layout.max_slots if config.prefix_snapshots is None else config.prefix_snapshots
+        return PrefixAdmission(self.scheduler.pages, replay, config.host_pages, self.device_pages.read,
                                self.device_pages.write, self.replay.keep if self.replay is not None else 0,
-                               8 * self.layout.max_slots if snapshots is None else snapshots, self.device_pages.take,
-                               exact)
+                               snapshots, self.device_pages.take, exact)
 
     def prefix_cache_metrics(self) -> dict[str, float]:
         """Prefix-cache counters (`PrefixAdmission.metrics`: `hit_rate` = prompt tokens served from the cache
@@ -318,18 +242,20 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if len(prompt) + params.max_tokens > self.layout.max_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"engine's max_len={self.layout.max_len}")
-        if params.logprobs is not None and params.logprobs > self.num_top:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the engine's num_top_logprobs={self.num_top}")
+        num_top = self.config.num_top_logprobs
+        if params.logprobs is not None and params.logprobs > num_top:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the engine's num_top_logprobs={num_top}")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        grammar = self.request_grammar(constraint, constraint_trigger, params.max_tokens)
+        grammar = self.structured.grammar(constraint, constraint_trigger, params.max_tokens)
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
         request = Request(request_id, prompt, params, grammar=grammar, constraint=constraint)
@@ -339,39 +265,13 @@ class Engine:
         self.scheduler.add(request)
         return request_id
 
-    def request_grammar(self, constraint: ConstraintSpec | None, trigger: int | None,
-                        max_tokens: int) -> RequestGrammar | None:
-        """A new request's grammar state for `constraint` (compiled once per distinct spec), starting after the
-        token `trigger` if given and closed within `max_tokens` by the engine's `constraint_close`; None
-        without a constraint. Raises ValueError for an invalid constraint."""
-        if constraint is None:
-            if trigger is not None:
-                raise ValueError("constraint_trigger needs a constraint")
-            return None
-        return RequestGrammar(self._constraints().compile(constraint), trigger, max_tokens, self.constraint_close)
-
-    def _constraints(self) -> ConstraintCompiler:
-        """The engine's constraint compiler over the model's tokenizer (built on first use)."""
-        if self._compiler is None:
-            if not isinstance(self.config.eos_token_id, int):
-                raise ValueError("structured outputs need a model with an eos_token_id (a constrained output ends "
-                                 "with it)")
-            tokenizer = getattr(self.model, "tokenizer", None)
-            if tokenizer is None:
-                raise ValueError("structured outputs need the model's own tokenizer (tokenizer.json); this model "
-                                 "has none")
-            self._compiler = ConstraintCompiler(grammar_tokenizer(tokenizer, self.config.vocab_size,
-                                                                  [self.config.eos_token_id]))
-            self._executor = MaskFill(llg.LLExecutor())
-        return self._compiler
-
     def cancel(self, request_id: str) -> None:
         """Stop a request; its result has finish_reason 'cancelled'."""
         request = self.requests[request_id]
         if request.status is not Status.FINISHED:
             request.finish("cancelled")
             self.scheduler.release(request)
-            self._cancelled.append(request.result(self.detokenize))
+            self._cancelled.append(request.result(self.config.detokenize))
 
     @property
     def has_work(self) -> bool:
@@ -381,7 +281,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: dispatch the next steps, then read the previous ones; returns requests finished."""
         finished = []
-        if (self.jump_forward or self.data_parallel is not None) and any(
+        if (self.structured.jump_forward or self.data_parallel is not None) and any(
                 r.grammar is not None and r.in_flight for r in self.scheduler.running):
             finished, self.pending = self._read(self.pending), []  # forced tokens / masks need the tokens in flight
         try:
@@ -399,28 +299,18 @@ class Engine:
         if self.data_parallel is not None:  # expert loads and EPLB between iterations
             self.weights = self.data_parallel.after_step(self.weights, self.stats)
         if self.zero_overhead:
-            self._forward_in_flight = isinstance(decoding, _Forwarding)
-            finished += self._read(self.pending)  # the constrained rows' previous tokens, for their masks
-            self._forward_in_flight = False
+            with self.structured.overlapping(isinstance(decoding, _Forwarding)):
+                finished += self._read(self.pending)  # the constrained rows' previous tokens, for their masks
         if decoding is not None:
             dispatched.insert(0, self._decide(decoding) if isinstance(decoding, _Forwarding) else decoding)
         if self.zero_overhead:
             self.pending = dispatched
         else:
             finished += self._read(dispatched)
-        self._observe_period(dispatched, finished)
-        return finished
-
-    def _observe_period(self, dispatched, finished: list) -> None:
-        """Correct the DSpark cost table with the period of steady decode iterations (no prefill step and no
-        request finishing in this or the previous iteration: a finishing request's bookkeeping is no cost of
-        the bucket, and the narrower buckets often run only in a request's last step): what a decode / verify
-        step really costs, host work included."""
-        now = time.perf_counter()
+        # a steady decode iteration (no prefill, nothing finished) times its step for the DSpark cost table
         steady = len(dispatched) == 1 and dispatched[0][2][1] == dispatched[0][2][2] and not finished
-        if self.costs is not None and steady and self._steady_since is not None:
-            self.costs.observe(*self._cost_key, now - self._steady_since)
-        self._steady_since = now if steady else None
+        self.speculation.observe_period(steady)
+        return finished
 
     def run(self) -> dict[str, RequestOutput]:
         """Step until every request has finished; results by request id."""
@@ -440,55 +330,8 @@ class Engine:
 
     def _dispatch_decode(self, rows: list[Row]):
         """The decode step: plain decoding, or a verify bucket whose drafts per row speculation chooses."""
-        if self.speculation == "none" or not any(row.caps for row in rows):
-            return self._dispatch_plain(rows)
-        caps = np.array([row.caps for row in rows])
-        budget = None
-        if self.speculation == "fixed":
-            width = self.verify_widths[0]
-        else:
-            bucket_rows = next(r for r in self.decode_rows if r >= len(rows))
-            if self.costs is None:
-                self.costs = self.profile()
-            plan = plan_verify(prefix_survival(np.array([self._planning_confidence(row.request) for row in rows])),
-                               caps, bucket_rows, (1,) + self.verify_widths, self.costs)
-            if plan.width == 1:
-                return self._dispatch_plain(rows)
-            # a block drafted before a step that did not draft is stale: its row verifies nothing
-            stale = np.array([not row.request.drafts_fresh for row in rows])
-            if stale.all():  # verification pays by the last confidences: draft now, verify next step
-                return self._dispatch_plain(rows, draft=True)
-            width, budget = plan.width, plan.budget  # the device splits the budget by the newest confidences
-            caps = np.where(stale, 0, caps)
-        for row, cap in zip(rows, caps):
-            row.caps = int(min(cap, width - 1))
-        self._nodraft_streak, self._probe_interval = 0, self.probe_every
-        return self._dispatch(rows, self.decode_rows, width, width, budget, decoding=True)
-
-    def _planning_confidence(self, request: Request) -> list[float]:
-        """The confidences DSpark plans a row's budget with: those of a block older than the one it verifies (a
-        draft's confidence depends on the drafts before it, so planning with the verified block's own would let
-        a draft decide whether it is verified, which biases sampling). With zero-overhead scheduling that is the
-        newest block the host has read (the next one is still in flight), otherwise the block before the
-        slot's current one; 1.0 where the request has no such block yet (its first verification)."""
-        known = request.confidence if self.zero_overhead else request.prior_confidence
-        return (known or [1.0] * self.num_drafts)[:self.num_drafts]
-
-    def _dispatch_plain(self, rows: list[Row], draft: bool | None = None):
-        """A decode step of one token per row. With the no-draft fallback its drafter only absorbs features,
-        except for probes, which draft again so that fresh confidences let the planner resume verification:
-        after `probe_every` such steps, then after twice as many each time a probe did not resume it (at most
-        8 x `probe_every`). `draft` True: draft now."""
-        for row in rows:
-            row.caps = 0
-        self._nodraft_streak += 1
-        if draft is None:
-            draft = not self.draft_fallback or self._nodraft_streak > self._probe_interval
-            if draft and self.draft_fallback:
-                self._probe_interval = min(2 * self._probe_interval, 8 * self.probe_every)
-        if draft:
-            self._nodraft_streak = 0
-        return self._dispatch(rows, self.decode_rows, 1, 1, draft=draft, decoding=True)
+        width, budget, draft = self.speculation.decide(rows, self.decode_rows, self.zero_overhead, self.profile)
+        return self._dispatch(rows, self.decode_rows, width, width, budget, draft=draft, decoding=True)
 
     def _dispatch(self, rows: list[Row], row_buckets: tuple[int, ...], width: int, verify_len: int,
                   budget: int | None = None, draft: bool = True, decoding: bool = False):
@@ -516,7 +359,7 @@ class Engine:
         else:
             outputs, self.cache = executable(self.weights, self.cache, batch)
         if width == verify_len:
-            self._cost_key = (bucket[0], width if draft else 0)
+            self.speculation.dispatched(bucket[0], width, draft)
         self.stats["nodraft_steps"] += not draft
         for row in rows:
             request = row.request
@@ -540,14 +383,9 @@ class Engine:
 
     def _decide(self, step: _Forwarding):
         """Fill the token masks of a step whose forward half runs (its rows' previous tokens are read by now)
-        and launch its decide half. Mask work the device may have waited for counts as exposed
-        (`stats["grammar_exposed_seconds"]`): all of it if the forward had finished when the masks were ready."""
-        filled = self.stats["grammar_seconds"]
-        bitmask = self._bitmask(step.rows, step.batch.bitmask)
-        self.stats["masked_during_forward"] += 1
-        if step.forwarded.picked.is_ready():
-            self.stats["grammar_exposed_seconds"] += self.stats["grammar_seconds"] - filled + self._overlapped
-        self._overlapped = 0.0
+        and launch its decide half."""
+        done = step.forwarded.picked.is_ready
+        bitmask = self.structured.bitmask_during_forward(step.rows, step.batch.bitmask, done)
         outputs, self.cache = step.executable.decide(self.weights, self.cache, step.batch._replace(bitmask=bitmask),
                                                      step.forwarded)
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
@@ -558,7 +396,7 @@ class Engine:
         """The step's host inputs; `masks` False: the token masks are left all allowed (`_decide` fills them)."""
         b = empty_batch(self.layout, num_rows, width, self._engram_shapes(), verify_len)
         if masks:
-            b = b._replace(bitmask=self._bitmask(rows, b.bitmask))
+            b = b._replace(bitmask=self.structured.bitmask(rows, b.bitmask))
         if self.engram is not None:
             self._engram_rows(b, rows)
         for i, row in enumerate(rows):
@@ -571,25 +409,6 @@ class Engine:
         b.budget[...] = b.caps.sum() if budget is None else budget
         sampling = SamplingBatch.from_params([r.request.params for r in rows], num_rows)
         return b._replace(sampling=sampling)
-
-    def _bitmask(self, rows: list[Row], masks: np.ndarray):
-        """The step's token masks [rows, v, W]: constrained rows from their grammars (a verify row's drafts are
-        taken tentatively, up to the first the grammar refuses, which the verifier will reject), the rest all
-        allowed. A batch without constrained rows passes an all-allowed array kept on the device."""
-        grammars = [row.request.grammar if row.sample else None for row in rows]
-        if all(g is None for g in grammars):
-            shape = masks.shape
-            if shape not in self._all_allowed:
-                self._all_allowed[shape] = jax.device_put(masks)
-            return self._all_allowed[shape]
-        start = time.perf_counter()
-        num_rows, verify_len, words = masks.shape
-        if verify_len == 1:
-            fill_masks(grammars, masks.reshape(num_rows, words), self._executor)
-        else:
-            speculate_masks(grammars, [row.request.drafts[:row.caps] for row in rows], masks, self._executor)
-        self.stats["grammar_seconds"] += time.perf_counter() - start
-        return masks
 
     def _engram_rows(self, batch: StepBatch, rows: list[Row]) -> None:
         """Hash the rows' tokens with their requests' n-gram histories (host) and gather their table rows: each
@@ -642,37 +461,20 @@ class Engine:
                 if out.next_drafts.shape[1] and out.drafted:
                     request.prior_confidence = request.confidence
                     request.drafts, request.confidence = out.next_drafts[i].tolist(), out.next_confidence[i].tolist()
-                complete = request.grammar is not None and self._commit(request.grammar, out, i, accepted)
+                complete = request.grammar is not None and self.structured.commit(
+                    request.grammar, out.tokens[i, :accepted + 1].tolist(), accepted)
                 for j in range(accepted + 1):
                     self._emit(request, out, i, j)
                     if complete and j == accepted and request.status is not Status.FINISHED:
                         request.finish("stop")
                     if request.status is Status.FINISHED:
                         break
-                if self.jump_forward and request.status is Status.RUNNING:
-                    jump_forward(request, self.config.eos_token_id, self.detokenize)
+                if self.structured.jump_forward and request.status is Status.RUNNING:
+                    jump_forward(request, self.model_config.eos_token_id, self.config.detokenize)
                 if request.status is Status.FINISHED:
                     self.scheduler.release(request)
-                    finished.append(request.result(self.detokenize))
+                    finished.append(request.result(self.config.detokenize))
         return finished
-
-    def _commit(self, grammar: RequestGrammar, out, i: int, accepted: int) -> bool:
-        """Move a constrained request's matcher over row i's emitted tokens (settling a verify row's drafts);
-        whether the output is complete (the constraint admits no further token, or it took an EOS). Its time
-        is exposed unless a forward half runs meanwhile (then `_decide` judges it)."""
-        start = time.perf_counter()
-        tokens = out.tokens[i, :accepted + 1].tolist()
-        if grammar.speculating:
-            grammar.settle(accepted)
-            tokens = tokens[accepted:]
-        grammar.accept(tokens)
-        spent = time.perf_counter() - start
-        self.stats["grammar_commit_seconds"] += spent
-        if self._forward_in_flight:
-            self._overlapped += spent
-        else:
-            self.stats["grammar_exposed_seconds"] += spent
-        return grammar.finished
 
     def _emit(self, request: Request, out, i: int, j: int) -> None:
         """Give `request` the token of row i, verify position j. Alternatives a constraint refuses (logprob -inf)
@@ -683,10 +485,10 @@ class Engine:
             token, float(out.logprob[i, j]), [(int(t), float(v)) for t, v in zip(out.top_ids[i, j, :n],
                                                                                out.top_logprobs[i, j, :n])
                                               if v > -np.inf])
-        if self.return_logits:
+        if self.config.return_logits:
             request.logits = (request.logits or []) + [out.logits[i, j]]
         self.stats["decode_tokens"] += 1
-        request.accept(token, lp, self.config.eos_token_id, self.detokenize)
+        request.accept(token, lp, self.model_config.eos_token_id, self.config.detokenize)
 
     def _speculation_stats(self, row: Row, out, i: int, accepted: int) -> None:
         """Drafts verified and accepted (per block position) and |acceptance probability - confidence| of every

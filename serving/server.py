@@ -33,6 +33,7 @@ from serving.constraints import CONSTRAINT_FIELDS, ConstraintSpec, constraint_fr
 from serving.detokenize import ChoiceStream, markup_decoder
 from serving.disagg import DisaggregatedEngine
 from serving.engine import Engine
+from serving.engine_config import EngineConfig
 from serving.engine_loop import Delta, Done, EngineLoop, Failed, Sink, Submission
 from serving.metrics import ServerMetrics
 from serving.sampling import SEED_LIMIT, SamplingParams, sampling_fields
@@ -83,21 +84,21 @@ def _sse(payload: dict) -> bytes:
 class Server:
     """An `Engine` behind the OpenAI-compatible API; `app` is the ASGI application.
 
-    Engine arguments (`max_slots`, `max_len`, ...) pass through; the engine decodes with the chat markup kept
-    (so DeepSeek-V4 replies can be parsed) and its requests run on the `EngineLoop` thread, started by
-    `start()` (the app's lifespan does it)."""
+    The engine's settings are `engine_config` and / or `EngineConfig` fields as keywords (`max_slots`, `max_len`,
+    ...), as `Engine` takes them; the engine decodes with the chat markup kept (so DeepSeek-V4 replies can be
+    parsed) and its requests run on the `EngineLoop` thread, started by `start()` (the app's lifespan does it)."""
 
-    def __init__(self, model, config: ServerConfig = ServerConfig(), **engine_args):
+    def __init__(self, model, config: ServerConfig = ServerConfig(), engine_config: EngineConfig | None = None,
+                 **engine_settings):
         self.config, self.model = config, model
         self.tokenizer = tokenizer_for(model)
         self.fmt = format_for(self.tokenizer, config.chat_format, config.checkpoint)
         cfg = model.config
         self.decode = markup_decoder(self.tokenizer, (cfg.eos_token_id, getattr(cfg, "bos_token_id", None)))
-        self.engine = self.decode_engine = Engine(model, detokenize=self.decode, **engine_args)
+        self.engine = self.decode_engine = Engine(model, engine_config, detokenize=self.decode, **engine_settings)
         if config.disaggregate:
-            self.engine = DisaggregatedEngine(self.engine, config.checkpoint, engine_args,
-                                              jax.config.jax_compilation_cache_dir)
-        self.metrics = ServerMetrics(config.model_name, self.decode_engine.num_drafts)
+            self.engine = DisaggregatedEngine(self.engine, config.checkpoint, jax.config.jax_compilation_cache_dir)
+        self.metrics = ServerMetrics(config.model_name, self.decode_engine.speculation.num_drafts)
         self.loop = EngineLoop(self.engine, self._observe, self.metrics.constraint_setup.observe)
         self.in_flight, self.max_concurrency = 0, config.max_concurrency
         self.state = {"running": 0, "waiting": 0, "free_pages": self.engine.layout.num_pages,
@@ -596,8 +597,8 @@ def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, Callable[[], Non
     return f"http://{host}:{port}", stop
 
 
-def serve(args, model, **engine_args) -> int:
-    """Run the server until interrupted (the body of `jaxseek serve`)."""
+def serve(args, model, engine_config: EngineConfig) -> int:
+    """Run the server until interrupted (the body of `jaxseek serve`), its engine set by `engine_config`."""
     import uvicorn
 
     if args.disaggregate and args.config:
@@ -608,9 +609,7 @@ def serve(args, model, **engine_args) -> int:
     config = ServerConfig(model_name=name, api_key=args.api_key, max_concurrency=args.max_concurrency,
                           max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model,
                           disaggregate=args.disaggregate)
-    server = Server(model, config, max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    batch_invariant=args.batch_invariant, num_top_logprobs=args.max_logprobs, seed=args.seed,
-                    speculation=args.speculation, num_drafts=args.num_drafts, **engine_args)
+    server = Server(model, config, engine_config)
     if not args.no_warmup:
         server.engine.warmup()
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")

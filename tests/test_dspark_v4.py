@@ -210,8 +210,8 @@ def test_a_v4_target_decodes_losslessly_with_its_dspark_drafter(target):
     prompts = [np.random.default_rng(8).integers(0, V, n).tolist() for n in (21, 6)]
     engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
                     speculation="dspark", num_drafts=3, verify_widths=(4,), batch_invariant=True)
-    engine.costs = CostTable({(r, w): 1.0 for r in engine.decode_rows for w in (0, 1) + engine.verify_widths},
-                             window=0)
+    engine.speculation.costs = CostTable({(r, w): 1.0 for r in engine.decode_rows
+                                          for w in (0, 1) + engine.speculation.verify_widths}, window=0)
     outputs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     for prompt, out, (reference, _) in zip(prompts, outputs, greedy_full_forward(target, prompts, 12)):
         assert out.token_ids == reference

@@ -8,6 +8,7 @@ from jax import monitoring
 
 from model.config import preset
 from serving.engine import Engine
+from serving.engine_config import EngineConfig
 from serving.sampling import SamplingParams
 from tests.helpers import greedy_full_forward, random_model
 
@@ -128,6 +129,43 @@ def test_bad_requests_are_refused_and_others_keep_running(engine, reference, pro
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, params)
     assert engine.run()[good].token_ids == reference(4, 4)[0]
+
+
+def test_a_config_and_keywords_give_the_same_engine(model, engine):
+    """`Engine(model, config)` and `Engine(model, **fields)` build the same settings; keywords given with a config
+    replace its fields; a config pickles with its defaults intact (the prefill process of `serving.disagg`)."""
+    import dataclasses
+    import pickle
+
+    settings = dict(max_slots=4, max_len=64, num_pages=5, page_tokens=16, prefill_chunk=16, max_prefill_rows=2,
+                    num_top_logprobs=2, return_logits=True)
+    config = EngineConfig(**settings)
+    assert engine.config == config
+    assert Engine(model, EngineConfig(max_slots=2), max_len=32).config == EngineConfig(max_slots=2, max_len=32)
+    restored = pickle.loads(pickle.dumps(dataclasses.replace(config, verify_widths=[3, 2])))
+    assert restored.verify_widths == (2, 3) and restored.replay is EngineConfig().replay
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(max_slots=0), "max_slots must be an integer >= 1, got 0"),
+    (dict(host_pages=-1), "host_pages must be a non-negative integer"),
+    (dict(num_top_logprobs=21), r"num_top_logprobs must be in \[0, 20\]"),
+    (dict(speculation="always"), "speculation must be one of none, fixed, dspark"),
+    (dict(verify_widths=(1, 2)), "verify_widths must be integers >= 2"),
+    (dict(batch_invariant=True, host_pages=4), "need prefix_cache=True"),
+    (dict(mesh="dp=2", speculation="fixed"), "without speculation and prefix cache"),
+    (dict(eplb_every=4), "needs a mesh"),
+])
+def test_bad_settings_are_refused_by_name(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**settings)
+
+
+def test_unknown_setting_is_a_type_error(model):
+    with pytest.raises(TypeError, match="max_slot"):
+        Engine(model, max_slot=2)
+    with pytest.raises(TypeError, match="max_slot"):
+        Engine(model, EngineConfig(), max_slot=2)
 
 
 def test_v41_with_engram_matches_its_full_forward():

@@ -297,11 +297,18 @@ def test_tokenizer_choice():
 
 
 def test_a_known_batch_compiles_only_the_shapes_it_can_use():
-    """No more slots than requests, and a prefill chunk no wider than the longest prompt's bucket."""
-    from serving.batch import BatchRequest, engine_shape
+    """No more slots than requests, and a prefill chunk no wider than the longest prompt's bucket; batch-invariant
+    configs keep their shapes."""
+    from serving.batch import BatchRequest, fitted_config
+    from serving.engine_config import EngineConfig
+
+    def shape(requests, **settings):
+        config = fitted_config(requests, EngineConfig(**settings))
+        return config.max_slots, config.prefill_chunk
 
     requests = [BatchRequest(i, str(i), prompt_ids=[1] * n) for i, n in enumerate((3, 20))]
-    assert engine_shape(requests, max_slots=8, prefill_chunk=64) == (2, 32)
-    assert engine_shape(requests[:1], max_slots=8, prefill_chunk=64) == (1, 8)
-    assert engine_shape(requests, max_slots=1, prefill_chunk=16) == (1, 16)
-    assert engine_shape([BatchRequest(0, "0", error="bad")], max_slots=8, prefill_chunk=64) == (1, 8)
+    assert shape(requests, max_slots=8, prefill_chunk=64) == (2, 32)
+    assert shape(requests[:1], max_slots=8, prefill_chunk=64) == (1, 8)
+    assert shape(requests, max_slots=1, prefill_chunk=16) == (1, 16)
+    assert shape([BatchRequest(0, "0", error="bad")], max_slots=8, prefill_chunk=64) == (1, 8)
+    assert shape(requests, max_slots=8, prefill_chunk=64, batch_invariant=True) == (8, 64)

@@ -35,8 +35,8 @@ def run(model, mode, prompts, params, **kw):
     engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
                     speculation=mode, **kw)
     if mode == "dspark":
-        engine.costs = CostTable({(r, w): 1.0 if w < 2 else 1.6 for r in engine.decode_rows
-                                  for w in (0, 1) + engine.verify_widths}, window=0)
+        engine.speculation.costs = CostTable({(r, w): 1.0 if w < 2 else 1.6 for r in engine.decode_rows
+                                              for w in (0, 1) + engine.speculation.verify_widths}, window=0)
     return engine, engine.generate(prompts, params)
 
 
@@ -93,7 +93,7 @@ def test_sampled_speculation_has_the_target_distribution(model, mode):
     engine = Engine(model, max_slots=8, max_len=32, page_tokens=16, prefill_chunk=8, max_prefill_rows=4,
                     speculation=mode, num_drafts=2, zero_overhead=mode == "fixed")
     if mode == "dspark":
-        engine.costs = CostTable({(r, w): 1.0 + 0.02 * max(w - 1, 0) for r in engine.decode_rows
+        engine.speculation.costs = CostTable({(r, w): 1.0 + 0.02 * max(w - 1, 0) for r in engine.decode_rows
                                   for w in (0, 1, 2, 3)}, window=0)
     outputs = engine.generate([prompt] * n, [SamplingParams(temperature=temperature, max_tokens=3, seed=s,
                                                             ignore_eos=True) for s in range(n)])
@@ -172,9 +172,10 @@ def test_no_draft_fallback_pauses_and_resumes_drafting_losslessly(model):
     engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=1,
                     speculation="dspark", verify_widths=(2, 4), num_drafts=3, probe_every=2)
     engine.warmup()
-    assert (2, 0) in engine.costs and engine.costs(2, 0) < engine.costs(2, 1)  # not drafting is cheaper
+    costs = engine.speculation.costs
+    assert (2, 0) in costs and costs(2, 0) < costs(2, 1)  # not drafting is cheaper
     losing = {(2, 0): 1.0, (2, 1): 2.0, (2, 2): 50.0, (2, 4): 50.0}
-    engine.costs = CostTable({**losing, **{(1, w): c for (_, w), c in losing.items()}}, window=0)
+    engine.speculation.costs = CostTable({**losing, **{(1, w): c for (_, w), c in losing.items()}}, window=0)
     ids = [engine.add_request(p, params) for p in PROMPTS[:2]]
     results = {}
     for _ in range(9):
@@ -182,7 +183,7 @@ def test_no_draft_fallback_pauses_and_resumes_drafting_losslessly(model):
     paused, probed = engine.stats["nodraft_steps"], engine.stats["decode_rows"]
     assert engine.stats["verified"] == 0 and 0 < paused < probed / 2  # probes after 2, then 4 paused steps
     paying = {(r, w): 1.0 for r in (1, 2) for w in (0, 1, 2, 4)}
-    engine.costs = CostTable(paying, window=0)
+    engine.speculation.costs = CostTable(paying, window=0)
     results.update(engine.run())
     assert engine.stats["verified"] > 0 and engine.stats["nodraft_steps"] == paused
     for prompt, rid in zip(PROMPTS, ids):

@@ -112,11 +112,11 @@ def test_close_mode_ends_long_outputs_within_max_tokens(engine, bundled):
     specs = [ConstraintSpec.json_schema(t) if k == "json" else ConstraintSpec.regex(t) for k, t in cases]
     requests = [(prompt(bundled), SamplingParams(temperature=1.0, max_tokens=limit, seed=seed), spec)
                 for seed in range(2) for spec in specs]
-    policy, engine.constraint_close = engine.constraint_close, None
+    policy, engine.structured.close = engine.structured.close, None
     try:
         cut = run(engine, requests)
     finally:
-        engine.constraint_close = policy
+        engine.structured.close = policy
     assert any(out.finish_reason == "length" for out in cut)
     for (_, _, spec), out in zip(requests, run(engine, requests)):
         assert out.finish_reason == "stop" and len(out.token_ids) <= limit, (spec.source, out.text)
@@ -204,10 +204,10 @@ def test_jump_forward_gives_the_same_greedy_outputs_in_fewer_steps(tiny_engine):
                 for p, penalty in zip(patterns, penalties)]
     results, steps = {}, {}
     for jump in (False, True):
-        engine.jump_forward, before = jump, engine.stats["steps"]
+        engine.structured.jump_forward, before = jump, engine.stats["steps"]
         results[jump] = run(engine, requests)
         steps[jump] = engine.stats["steps"] - before
-    engine.jump_forward = False
+    engine.structured.jump_forward = False
     for (_, _, spec), plain, jumped in zip(requests, results[False], results[True]):
         assert jumped.token_ids == plain.token_ids and jumped.finish_reason == plain.finish_reason == "stop"
         assert re.fullmatch(spec.source, chars_text(jumped.token_ids))
@@ -218,14 +218,14 @@ def test_a_verify_row_without_drafts_gets_its_plain_mask(bundled):
     """A constrained verify row may have no drafts (its cap is 0 at its last token): its mask is the decode
     mask, whatever the other rows draft."""
     engine = Engine(bundled, max_slots=2, max_len=64)
-    compiled = engine._constraints().compile(ConstraintSpec.json_schema(SCHEMAS["tool_call"]))
+    compiled = engine.structured.compiler().compile(ConstraintSpec.json_schema(SCHEMAS["tool_call"]))
     prefix = bundled.tokenizer.encode('{"name":"search","arguments":{"city":"')
     grammars = [RequestGrammar(compiled), RequestGrammar(compiled)]
     assert all(g.accept(prefix) for g in grammars)
     expected = np.empty((1, grammars[0].words), np.int32)
-    fill_masks(grammars[:1], expected, engine._executor)
+    fill_masks(grammars[:1], expected, engine.structured.executor)
     masks = np.zeros((2, 4, grammars[0].words), np.int32)
-    assert speculate_masks(grammars, [[], bundled.tokenizer.encode("Ve")], masks, engine._executor)[0] == 0
+    assert speculate_masks(grammars, [[], bundled.tokenizer.encode("Ve")], masks, engine.structured.executor)[0] == 0
     np.testing.assert_array_equal(masks[0], np.repeat(expected, 4, axis=0))
     grammars[0].settle(0)
     assert grammars[0].accept(bundled.tokenizer.encode("V"))
