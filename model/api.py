@@ -112,14 +112,20 @@ def build_module(config, rngs: nnx.Rngs, dtype):
     return (DeepseekV41 if isinstance(config, V41Config) else DeepseekV4)(config, rngs, dtype)
 
 
-def init_model(config, seed: int = 0, dtype: str = "float32", engram_placement: str = "device",
+def init_model(config, seed: int = 0, weights: str = "float32", engram_placement: str = "device",
                token_map=None) -> Model:
-    """A randomly initialised model of this config (std 0.02 matrices, unit norms, zero sinks and biases).
+    """A randomly initialised model of this config (std 0.02 matrices, unit norms, zero sinks and biases),
+    its weights `float32`, `bfloat16` or, drawn in fp32, in DeepSeek's stored form (`checkpoint`: FP8 linears
+    with 128x128 blocks and packed FP4 experts, `model.checkpoint.to_stored`; V4 configs).
 
     V4.1 Engram tables get random float32 rows, placed in host memory or on the device; `token_map` gives
     the tokenizer's canonical ids (`model.engram.canonical_vocab`), by default each token is its own.
     """
-    module = build_module(config, nnx.Rngs(seed), resolve_dtype(dtype))
+    if weights == "checkpoint":
+        from model.checkpoint import to_stored
+
+        return to_stored(init_model(config, seed))
+    module = build_module(config, nnx.Rngs(seed), resolve_dtype(weights))
     engram = None
     if getattr(config, "engram_layer_ids", ()):
         from model.engram import EngramMemory

@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int
 from model.config import ModelConfig
 from model.linear import Linear, normal_init
 from pallas_kernels import registry
+from pallas_kernels.quant_linear import dot_f32
 
 
 _dispatch: list = []  # an expert-parallel `routed_experts` (sharding.expert_parallel), innermost last
@@ -41,7 +42,8 @@ def route_scores(logits: Float[Array, "t e"], scoring_func: str) -> Float[Array,
 
 
 class SharedExpert(nnx.Module):
-    """The always-on expert (w1 gate, w3 up, w2 down)."""
+    """The always-on expert (w1 gate, w3 up, w2 down): matmuls accumulated in fp32 whatever the weights'
+    storage, the SwiGLU in fp32 (as DeepSeek's reference computes it)."""
 
     def __init__(self, dim: int, inter: int, limit: float, dtype, rngs: nnx.Rngs):
         self.w1 = Linear(dim, inter, dtype, rngs)
@@ -50,7 +52,8 @@ class SharedExpert(nnx.Module):
         self.limit = limit
 
     def __call__(self, x: Float[Array, "t d"]) -> Float[Array, "t d"]:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+        f32 = jnp.float32
+        return self.w2(clamped_swiglu(self.w1(x).astype(f32), self.w3(x).astype(f32), self.limit))
 
 
 class Gate(nnx.Module):
@@ -103,7 +106,9 @@ def replica_slots(ids: Int[Array, "t k"], log2phy: Int[Array, "e r"], logcnt: In
 
 
 class Experts(nnx.Module):
-    """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I].
+    """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I]; or, as DeepSeek stores
+    them (`model.stored`), packed FP4 w1, w3 [E, I, D/2], w2 [E, D, I/2] with UE8M0 `w1_scale`, `w3_scale`
+    [E, I, D/32], `w2_scale` [E, D, I/32] (the kernel registry's `routed_experts_fp4`).
 
     With EPLB tables (`log2phy`, `logcnt` ExpertMaps, set by `sharding.expert_balance`) the weights are
     stacked per physical slot instead (redundant replicas included) and each pair goes to one replica of its
@@ -122,6 +127,13 @@ class Experts(nnx.Module):
         if hasattr(self, "log2phy"):
             first = routed.first_token(ids.shape[0]) if hasattr(routed, "first_token") else 0
             ids = replica_slots(ids, self.log2phy[...], self.logcnt[...], first)
+        if hasattr(self, "w1_scale"):
+            if _dispatch:
+                raise ValueError("expert-parallel dispatch runs float experts; load the model with "
+                                 "weights='bfloat16' or 'float32'")
+            return registry.op("routed_experts_fp4")(
+                x, ids, weights, *(v[...] for v in (self.w1, self.w1_scale, self.w2, self.w2_scale, self.w3,
+                                                    self.w3_scale)), self.limit)
         return routed(x, ids, weights, self.w1[...], self.w2[...], self.w3[...], self.limit)
 
 
@@ -129,7 +141,7 @@ def routed_experts(
     x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Float[Array, "e i d"],
     w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float,
 ) -> Float[Array, "t d"]:
-    """Sum over each token's chosen experts of weight * expert(x).
+    """Sum over each token's chosen experts of weight * expert(x), accumulated in fp32 (`dot_f32`).
 
     With fewer (token, expert) pairs than experts (decode of a few tokens), each pair switches to its
     expert's branch, which reads only that expert's weights (XLA:CPU copies the slice once, where a gather
@@ -139,18 +151,17 @@ def routed_experts(
     (no transposed copies). The Pallas form is
     `pallas_kernels.moe.routed_experts` (grouped matmul over pairs sorted by expert)."""
     n_exp, inter, dim = w1.shape
-    xc = x.astype(w1.dtype)
     if ids.size < n_exp:
-        experts = [lambda v, e=e: w2[e] @ clamped_swiglu(w1[e] @ v, w3[e] @ v, limit)
+        experts = [lambda v, e=e: dot_f32(clamped_swiglu(dot_f32(v, w1[e]), dot_f32(v, w3[e]), limit), w2[e])
                    for e in range(n_exp)]
         out = jnp.zeros(x.shape, jnp.float32)
         for t, k in np.ndindex(ids.shape):
-            out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, xc[t]).astype(jnp.float32))
+            out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, x[t:t + 1])[0])
         return out
     combine = jnp.sum(jax.nn.one_hot(ids, n_exp, dtype=jnp.float32) * weights[..., None], axis=1)
-    flat = lambda w: jnp.einsum("td,od->to", xc, w.reshape(-1, dim)).reshape(-1, n_exp, inter)  # noqa: E731
-    h = clamped_swiglu(flat(w1), flat(w3), limit)
-    y = jnp.einsum("tei,edi->etd", h, w2).astype(jnp.float32)
+    h = clamped_swiglu(dot_f32(x, w1.reshape(-1, dim)), dot_f32(x, w3.reshape(-1, dim)), limit)
+    y = jnp.einsum("tei,edi->etd", h.reshape(-1, n_exp, inter).astype(w2.dtype), w2,
+                   preferred_element_type=jnp.float32)
     return jnp.einsum("te,etd->td", combine, y)
 
 

@@ -58,7 +58,7 @@ def routed_experts(
     row_weight = jnp.where(row_pair >= 0, weights.reshape(-1)[row_pair], 0.0).astype(jnp.float32)
     h = _gate_up(x.astype(w1.dtype), rows, tile_expert, w1, w3, limit, tm, tiles)
     y = _down(h, tile_expert, row_weight, w2, tm, tiles)
-    return _unpermute(y, slot, tiles)
+    return unpermute(y, slot, tiles)
 
 
 def _gate_up(x, rows, tile_expert, w1, w3, limit, tm, tiles):
@@ -140,7 +140,8 @@ def _down_kernel(h_ref, te_ref, rw_ref, w2_ref, y_ref, *, block_n: int, block_k:
         y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
 
 
-def _unpermute(y, slot, tiles):
+def unpermute(y, slot, tiles):
+    """Each token's sum of its k rows of `y` (rows placed by `sort_pairs`' pair -> row map `slot`)."""
     t, k = slot.shape
     dim = y.shape[1]
     tt, tn = tiles.moe_block_m, tuning.fit(tiles.moe_block_n, dim)

@@ -16,7 +16,7 @@ import jax
 
 IMPLEMENTATIONS = ("reference", "pallas")
 KERNEL_MODULES = ("pallas_kernels.sparse_attention", "pallas_kernels.indexer", "pallas_kernels.moe",
-                  "pallas_kernels.hyper")
+                  "pallas_kernels.hyper", "pallas_kernels.quant_linear", "pallas_kernels.fp4_experts")
 _chosen: list[str] = []
 _wrappers: list[tuple[str, Callable[[Callable], Callable]]] = []
 

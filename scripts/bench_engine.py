@@ -395,7 +395,7 @@ def run_all(ckpt: Path, prompts: dict, prompts_file: Path, threads: int, args) -
     engine = hf = None
     try:
         t = time.perf_counter()
-        model = load_model(ckpt, dtype="float32")
+        model = load_model(ckpt, weights="float32")
         r["jaxseek_load_s"] = time.perf_counter() - t
         t = time.perf_counter()
         engine = Engine(model, max_slots=MAX_SLOTS, prefill_chunk=PREFILL_CHUNK, max_prefill_rows=MAX_PREFILL_ROWS)

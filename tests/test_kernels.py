@@ -287,7 +287,8 @@ def test_registry_picks_and_forces_implementations():
         with registry.use("pallas"):
             assert registry.op("sink_attention") is sparse_attention.sink_attention
         assert registry.implementation() == "reference"
-    assert set(registry.ops()) == {"sink_attention", "hca_attention", "index_scores", "routed_experts", "hc_site"}
+    assert set(registry.ops()) == {"sink_attention", "hca_attention", "index_scores", "routed_experts", "hc_site",
+                                   "fp8_linear", "routed_experts_fp4"}
     with pytest.raises(ValueError, match="reference"):
         registry.set_implementation("triton")
     with pytest.raises(KeyError, match="no kernel operation"):
