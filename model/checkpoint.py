@@ -31,7 +31,7 @@ from model.dspark import DSparkConfig, DSparkDrafter, Drafter, checkpoint_name
 from model.engram import EngramMemory, canonical_vocab, table_names
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks
 from model.safetensors_io import INDEX_NAME, read_tensors, write_sharded, write_tensors
-from model.stored import E4M3, E8M0, as_stored, quantize_tensors, rule_names, stored_names
+from model.stored import E4M3, E8M0, as_stored, quantization_config, quantize_tensors, rule_names, stored_names
 from model.tokenizer import TextTokenizer
 
 BUNDLED = Path(__file__).with_name("bundled")  # the bundled default model's checkpoint directory
@@ -45,6 +45,7 @@ WEIGHTS = ("checkpoint", "bfloat16", "float32")  # resident formats of a loaded 
 _HF_RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
 _HF_KV_NORM = re.compile(r"^((?:mtp|layers)\.\d+)\.attn\.norm\.weight$")
+_NATIVE_KV_NORM = re.compile(r"^((?:mtp|layers)\.\d+)\.attn\.kv_norm\.weight$")
 _SHARED_COPY = re.compile(r"mtp\.\d+\.(embed|head)\.weight")
 _DSPARK_PART = re.compile(r"^mtp\.\d+\.(main_proj|main_norm|markov_head|confidence_head)\.")
 
@@ -91,6 +92,13 @@ def _canonical_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             raise CheckpointError(f"tensor {name} appears twice (with and without the `model.` prefix)")
         out[name] = value
     return out
+
+
+def hf_name(name: str) -> str:
+    """The name transformers' `save_pretrained` gives a native tensor (the inverse of `_canonical_names`)."""
+    name = {native: hf for hf, native in _HF_RENAMES.items()}.get(name, name)
+    name = _NATIVE_KV_NORM.sub(r"\1.attn.norm.weight", name)
+    return name if name == "lm_head.weight" else "model." + name
 
 
 def fp8_block_size(raw_config: dict) -> tuple[int, int]:
@@ -232,12 +240,14 @@ class Layout:
 
 def layout_for(config, weights: str) -> Layout:
     """The layout of a model of `config` in format `weights` (`WEIGHTS`) as DeepSeek ships it: `checkpoint`
-    holds the FP8 linears (128x128 blocks) and FP4 experts of `model.stored`'s rules and bf16 elsewhere."""
+    holds the FP8 linears and FP4 experts of `model.stored`'s rules (FP8 blocks 128x128, V4.1's 32x32) and
+    bf16 elsewhere."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     if weights != "checkpoint":
         return Layout(weights)
-    return Layout("bfloat16", *map(frozenset, rule_names(abstract_model(config, "bfloat16").module())))
+    block = (32, 32) if isinstance(config, V41Config) else (128, 128)
+    return Layout("bfloat16", *map(frozenset, rule_names(abstract_model(config, "bfloat16").module())), block)
 
 
 @dataclasses.dataclass
@@ -424,11 +434,7 @@ def _describe_quantization(path: Path, model: Model) -> None:
     if len(blocks) > 1:
         raise CheckpointError(f"the model's FP8 linears use different blocks {sorted(blocks)}; a checkpoint has one")
     raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "scale_fmt": "ue8m0", "weight_block_size": list(blocks.pop() if blocks else
-                                                                                  (128, 128))}
-    if fp4:
-        raw["expert_dtype"] = "fp4"
+    raw |= quantization_config(blocks.pop() if blocks else (128, 128), fp4)
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
 
 

@@ -47,6 +47,13 @@ def quantize_tensors(tensors: dict[str, np.ndarray], block: tuple[int, int]) -> 
     return out
 
 
+def quantization_config(block: tuple[int, int], fp4_experts: bool) -> dict:
+    """The config.json fields of a checkpoint in DeepSeek's layout (`quantization_config`, `expert_dtype`)."""
+    return {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "scale_fmt": "ue8m0", "weight_block_size": list(block)},
+            **({"expert_dtype": "fp4"} if fp4_experts else {})}
+
+
 def stored_names(tensors: dict) -> tuple[set[str], set[str]]:
     """(FP8 linears, FP4 expert stacks) of a native-named checkpoint: module paths such as `layers.0.attn.wq_a`
     whose weight is E4M3 with a UE8M0 scale, and `layers.0.ffn.experts.w1` whose per-expert weights are
