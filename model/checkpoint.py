@@ -157,9 +157,11 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if ids != list(range(len(ids))):
             missing = sorted(set(range(max(ids) + 1)) - set(ids))
             raise CheckpointError(f"{name}: expert tensors {missing} are missing")
-        shapes = {per_expert[e].shape for e in ids}
-        if len(shapes) > 1:
-            raise CheckpointError(f"{name}: experts have different shapes {sorted(shapes)}")
+        odd = [e for e in ids if per_expert[e].shape != per_expert[0].shape]
+        if odd:
+            shown, _ = _per_expert(name, ())
+            raise CheckpointError(f"tensor {shown.replace('.0.', f'.{odd[0]}.')} has shape "
+                                  f"{list(per_expert[odd[0]].shape)}; expert 0's has {list(per_expert[0].shape)}")
         out[name] = np.stack([np.asarray(per_expert[e]) for e in ids])
     return out
 

@@ -1,6 +1,7 @@
 """Model size and cache figures read off the real parameter and cache shapes (abstract evaluation, no memory)."""
 
 import math
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -41,9 +42,12 @@ def resident_bytes(model) -> int:
 
 def param_bytes_by_format(config, path=None) -> dict[str, int]:
     """`param_bytes_<format>` for every resident format (`model.checkpoint.WEIGHTS`): of the checkpoint at
-    `path` as `load_model` would hold it, else of the config as DeepSeek ships it (`layout_for`)."""
+    `path` as `load_model` would hold it when that directory holds weights, else of the config as DeepSeek
+    ships it (`layout_for`)."""
     from model.checkpoint import WEIGHTS, checkpoint_model, layout_for
 
+    if path is not None and not (Path(path).is_dir() and any(Path(path).glob("*.safetensors"))):
+        path = None
     return {f"param_bytes_{w}": resident_bytes(checkpoint_model(path, w) if path else
                                                layout_for(config, w).model(config)) for w in WEIGHTS}
 
