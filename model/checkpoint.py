@@ -1,8 +1,13 @@
 """Checkpoint I/O: DeepSeek-V4 safetensors (native or HF `model.`-prefixed names; fp32 / bf16 / FP8 / FP4).
 
-Our parameter paths are the native tensor names (`layers.3.attn.wq_a.weight`), except two spellings:
+Our parameter paths are the native tensor names (`layers.3.attn.wq_a.weight`, `.scale`), except two spellings:
 mHC sites are modules (`hc_attn.fn` is stored as `hc_attn_fn`) and routed experts are stacked
-(`ffn.experts.w1` [E, I, D] is stored per expert as `ffn.experts.{e}.w1.weight`).
+(`ffn.experts.w1` [E, I, D] is stored per expert as `ffn.experts.{e}.w1.weight`, and a packed FP4 stack's
+`ffn.experts.w1_scale` as `ffn.experts.{e}.w1.scale`).
+
+Weights in memory (`WEIGHTS`): `checkpoint` keeps FP8 linears and packed FP4 experts as stored (decoded inside
+their matmuls, `model.stored`) and every other tensor in the checkpoint's own float type; `bfloat16` and
+`float32` decode them at load (exactly, for bf16: an E4M3 or E2M1 value times a power of two is a bf16 number).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import re
 import warnings
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -25,18 +31,21 @@ from model.dspark import DSparkConfig, DSparkDrafter, Drafter, checkpoint_name
 from model.engram import EngramMemory, canonical_vocab, table_names
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks
 from model.safetensors_io import INDEX_NAME, read_tensors, write_sharded, write_tensors
+from model.stored import E4M3, E8M0, as_stored, quantization_config, quantize_tensors, rule_names, stored_names
 from model.tokenizer import TextTokenizer
 
 BUNDLED = Path(__file__).with_name("bundled")  # the bundled default model's checkpoint directory
 DSPARK_CONFIG, DSPARK_FILE = "dspark.json", "dspark.safetensors"  # a drafter saved beside a checkpoint
 
 _HC_SITE = re.compile(r"(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
-_EXPERTS = re.compile(r"^(.*\.experts)\.(w[123])$")
-_EXPERT_FILE = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERTS = re.compile(r"^(.*\.experts)\.(w[123])(_scale)?$")
+_EXPERT_FILE = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
+WEIGHTS = ("checkpoint", "bfloat16", "float32")  # resident formats of a loaded model
 # transformers' save_pretrained keeps a few of its own spellings (checked with transformers 5.24)
 _HF_RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
 _HF_KV_NORM = re.compile(r"^((?:mtp|layers)\.\d+)\.attn\.norm\.weight$")
+_NATIVE_KV_NORM = re.compile(r"^((?:mtp|layers)\.\d+)\.attn\.kv_norm\.weight$")
 _SHARED_COPY = re.compile(r"mtp\.\d+\.(embed|head)\.weight")
 _DSPARK_PART = re.compile(r"^mtp\.\d+\.(main_proj|main_norm|markov_head|confidence_head)\.")
 
@@ -66,7 +75,7 @@ def to_native(model: Model | Drafter) -> dict[str, np.ndarray]:
         name, value = rename(native_name(path)), np.asarray(var.get_value())
         if m := _EXPERTS.match(name):
             for e in range(value.shape[0]):
-                out[f"{m[1]}.{e}.{m[2]}.weight"] = value[e]
+                out[f"{m[1]}.{e}.{m[2]}.{'scale' if m[3] else 'weight'}"] = value[e]
         else:
             out[name] = value
     return out
@@ -85,6 +94,13 @@ def _canonical_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+def hf_name(name: str) -> str:
+    """The name transformers' `save_pretrained` gives a native tensor (the inverse of `_canonical_names`)."""
+    name = {native: hf for hf, native in _HF_RENAMES.items()}.get(name, name)
+    name = _NATIVE_KV_NORM.sub(r"\1.attn.norm.weight", name)
+    return name if name == "lm_head.weight" else "model." + name
+
+
 def fp8_block_size(raw_config: dict) -> tuple[int, int]:
     """`quantization_config.weight_block_size` of a checkpoint's config.json (V4: 128x128, V4.1: 32x32)."""
     quant = raw_config.get("quantization_config") or {}
@@ -94,10 +110,14 @@ def fp8_block_size(raw_config: dict) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def _dequantize(tensors: dict[str, np.ndarray], block: tuple[int, int]) -> dict[str, np.ndarray]:
-    """Replace every `X.weight` + `X.scale` pair (FP8 blocks or packed FP4) by a float32 `X.weight`."""
+def _dequantize(tensors: dict[str, np.ndarray], block: tuple[int, int], keep=frozenset()
+                ) -> dict[str, np.ndarray]:
+    """Replace every `X.weight` + `X.scale` pair (FP8 blocks or packed FP4) by a float32 `X.weight`, except the
+    pairs of the FP8 linears and expert stacks named in `keep` (module paths, `stored_names`)."""
     out = dict(tensors)
     for scale_name in [n for n in tensors if n.endswith(".scale") and not _HC_SITE.search(n)]:
+        if _module_path(scale_name) in keep:
+            continue
         weight_name = scale_name.removesuffix(".scale") + ".weight"
         if weight_name not in tensors:
             raise CheckpointError(f"{scale_name} has no matching {weight_name}")
@@ -115,13 +135,21 @@ def _dequantize(tensors: dict[str, np.ndarray], block: tuple[int, int]) -> dict[
     return out
 
 
+def _module_path(name: str) -> str:
+    """The module path a `.weight` / `.scale` tensor belongs to; per-expert tensors name their stack."""
+    if m := _EXPERT_FILE.match(name):
+        return f"{m[1]}.{m[3]}"
+    return name.rsplit(".", 1)[0]
+
+
 def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Gather per-expert `experts.{e}.wN.weight` tensors into stacked `experts.wN` arrays."""
+    """Gather per-expert `experts.{e}.wN.weight` (and `.scale`) tensors into stacked `experts.wN` (and
+    `experts.wN_scale`) arrays."""
     groups: dict[str, dict[int, np.ndarray]] = {}
     out = {}
     for name, value in tensors.items():
         if m := _EXPERT_FILE.match(name):
-            groups.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = value
+            groups.setdefault(f"{m[1]}.{m[3]}" + ("_scale" if m[4] == "scale" else ""), {})[int(m[2])] = value
         else:
             out[name] = value
     for name, per_expert in groups.items():
@@ -129,9 +157,11 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if ids != list(range(len(ids))):
             missing = sorted(set(range(max(ids) + 1)) - set(ids))
             raise CheckpointError(f"{name}: expert tensors {missing} are missing")
-        shapes = {per_expert[e].shape for e in ids}
-        if len(shapes) > 1:
-            raise CheckpointError(f"{name}: experts have different shapes {sorted(shapes)}")
+        odd = [e for e in ids if per_expert[e].shape != per_expert[0].shape]
+        if odd:
+            shown, _ = _per_expert(name, ())
+            raise CheckpointError(f"tensor {shown.replace('.0.', f'.{odd[0]}.')} has shape "
+                                  f"{list(per_expert[odd[0]].shape)}; expert 0's has {list(per_expert[0].shape)}")
         out[name] = np.stack([np.asarray(per_expert[e]) for e in ids])
     return out
 
@@ -148,15 +178,92 @@ def _drop_missing_mtp(config: ModelConfig, tensors: dict, drafter: bool) -> Mode
     return config
 
 
-def load_model(path: str | Path | None = None, dtype: str = "float32", engram_placement: str = "host") -> Model:
+def default_weights(quantized: bool) -> str:
+    """The resident format of a checkpoint loaded without `weights`: a quantized one stays as stored on GPUs
+    (FP8 / FP4 matmuls pay there) and becomes bf16 on other platforms (XLA:CPU decodes FP8 and FP4 inside a
+    matmul ten times slower than it reads bf16; reference/quantized-weights.md (d)); float ones load as fp32."""
+    if not quantized:
+        return "float32"
+    return "checkpoint" if jax.default_backend() == "gpu" else "bfloat16"
+
+
+def load_model(path: str | Path | None = None, weights: str | None = None, engram_placement: str = "host") -> Model:
     """Load a DeepSeek-V4 or V4.1 checkpoint directory (config.json + safetensors) into a Model; without a path,
     the bundled default model (`model/bundled/`: a toy V4.1 trained on Shakespeare, see its README).
 
-    The directory's tokenizer.json, when there is one, becomes `model.tokenizer`. V4.1 Engram tables stay in
-    their stored format (FP8 rows + scales) in host memory or on the device; their canonical token ids come
-    from the tokenizer.json.
+    `weights`: the resident format (`WEIGHTS`; default `default_weights`). The directory's tokenizer.json,
+    when there is one, becomes `model.tokenizer`. V4.1 Engram tables stay in their stored format (FP8 rows +
+    scales) in host memory or on the device; their canonical token ids come from the tokenizer.json.
     """
     path = BUNDLED if path is None else Path(path)
+    plan = _plan(path, weights)
+    layout, config = plan.layout, plan.config
+    drafter = None
+    if plan.drafter_tensors is not None:
+        drafter = _load_drafter(config, plan.raw_config, path,
+                                _stack_experts(_dequantize(plan.drafter_tensors, layout.block)),
+                                "bfloat16" if layout.dtype == "bfloat16" else "float32")
+    model = layout.model(config)
+    tensors = _stack_experts(_dequantize(plan.tensors, layout.block, layout.fp8 | layout.fp4))
+    _fill(model.params, _expected(model.params), tensors, path)
+    engram = _engram_memory(config, path, plan.tables, engram_placement) if plan.tables else None
+    tokenizer = TextTokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} ids; the model's vocabulary "
+                              f"has {config.vocab_size}")
+    return Model(nnx.merge(model.graphdef, model.params), tokenizer=tokenizer, engram=engram, drafter=drafter)
+
+
+def checkpoint_model(path: str | Path, weights: str | None = None) -> Model:
+    """The abstract model (shapes and dtypes, nothing read but headers) `load_model(path, weights)` fills."""
+    plan = _plan(Path(path), weights)
+    return plan.layout.model(plan.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a model holds its weights: the float type of its float tensors and, in the stored form, its FP8
+    linears and FP4 expert stacks (module paths, `model.stored`); `block`: the checkpoint's FP8 block."""
+
+    dtype: str
+    fp8: frozenset = frozenset()
+    fp4: frozenset = frozenset()
+    block: tuple[int, int] = (128, 128)
+
+    def model(self, config) -> Model:
+        """The abstract model (shapes and dtypes, nothing allocated) of `config` in this layout."""
+        model = abstract_model(config, self.dtype)
+        if not (self.fp8 or self.fp4):
+            return model
+        module = model.module()
+        as_stored(module, self.fp8, self.fp4, self.block)
+        return Model(module)
+
+
+def layout_for(config, weights: str) -> Layout:
+    """The layout of a model of `config` in format `weights` (`WEIGHTS`) as DeepSeek ships it: `checkpoint`
+    holds the FP8 linears and FP4 experts of `model.stored`'s rules (FP8 blocks 128x128, V4.1's 32x32) and
+    bf16 elsewhere."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights != "checkpoint":
+        return Layout(weights)
+    block = (32, 32) if isinstance(config, V41Config) else (128, 128)
+    return Layout("bfloat16", *map(frozenset, rule_names(abstract_model(config, "bfloat16").module())), block)
+
+
+@dataclasses.dataclass
+class _Plan:
+    config: object
+    raw_config: dict
+    tensors: dict  # canonical names, memory-mapped, as stored
+    drafter_tensors: dict | None  # the `mtp.*` tensors of a DSpark drafter, when the checkpoint has one
+    tables: dict  # V4.1 Engram tables
+    layout: Layout
+
+
+def _plan(path: Path, weights: str | None) -> _Plan:
+    """What a checkpoint directory loads into, read off its config.json and safetensors headers."""
     raw_config = read_config_json(path)
     config = config_from_dict(raw_config)
     tensors = _canonical_names(read_tensors(path))
@@ -170,21 +277,26 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", engram_pl
                                       f"[{config.engram_num_embeddings[config.engram_layer_ids.index(layer)]}, "
                                       f"{config.engram_head_dim}]")
             tables[layer] = (tensors.pop(names[0]), tensors.pop(names[1], None))
-    tensors = _stack_experts(_dequantize(tensors, fp8_block_size(raw_config)))
-    drafter = None
+    quantized = any(n.endswith(".scale") and not _HC_SITE.search(n) for n in tensors)
+    weights = weights or default_weights(quantized)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    drafter_tensors = None
     if isinstance(config, V41Config) or any(_DSPARK_PART.match(n) for n in tensors):
-        drafter = _load_drafter(config, raw_config, path,
-                                {n: tensors.pop(n) for n in list(tensors) if n.startswith("mtp.")}, dtype)
+        drafter_tensors = {n: tensors.pop(n) for n in list(tensors) if n.startswith("mtp.")}
     if isinstance(config, ModelConfig):
-        config = _drop_missing_mtp(config, tensors, drafter is not None)
-    model = abstract_model(config, dtype)
-    _fill(model.params, _expected(model.params), tensors, path)
-    engram = _engram_memory(config, path, tables, engram_placement) if tables else None
-    tokenizer = TextTokenizer.from_file(path / "tokenizer.json") if (path / "tokenizer.json").exists() else None
-    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} ids; the model's vocabulary "
-                              f"has {config.vocab_size}")
-    return Model(nnx.merge(model.graphdef, model.params), tokenizer=tokenizer, engram=engram, drafter=drafter)
+        config = _drop_missing_mtp(config, tensors, drafter_tensors is not None)
+    layout = Layout(weights if weights != "checkpoint" else _stored_float_type(tensors),
+                    block=fp8_block_size(raw_config))
+    if weights == "checkpoint":
+        layout = dataclasses.replace(layout, **dict(zip(("fp8", "fp4"), map(frozenset, stored_names(tensors)))))
+    return _Plan(config, raw_config, tensors, drafter_tensors, tables, layout)
+
+
+def _stored_float_type(tensors: dict[str, np.ndarray]) -> str:
+    """The float type a checkpoint's unquantized matrices load in, as stored: bf16 when its embedding is."""
+    embed = tensors.get("embed.weight")
+    return "bfloat16" if embed is not None and embed.dtype == ml_dtypes.bfloat16 else "float32"
 
 
 def _fill(params, expected: dict, tensors: dict[str, np.ndarray], path: Path) -> None:
@@ -200,13 +312,26 @@ def _fill(params, expected: dict, tensors: dict[str, np.ndarray], path: Path) ->
     for name, (param_path, shape, dtype_) in expected.items():
         value = tensors[name]
         if tuple(value.shape) != shape:
-            raise CheckpointError(f"tensor {name} has shape {list(value.shape)}; expected {list(shape)}")
+            shown, expected_shape = _per_expert(name, shape)
+            raise CheckpointError(f"tensor {shown} has shape {list(value.shape[len(shape) - len(expected_shape):])}"
+                                  f"; expected {list(expected_shape)}")
         node = pure
         for key in param_path[:-1]:
             node = node[key]
-        node[param_path[-1]] = jnp.asarray(np.asarray(value).astype(np.float32)
-                                           if np.issubdtype(dtype_, np.floating) else np.asarray(value), dtype_)
+        node[param_path[-1]] = _as_param(name, np.asarray(value), np.dtype(dtype_))
     nnx.replace_by_pure_dict(params, pure)
+
+
+def _as_param(name: str, value: np.ndarray, dtype: np.dtype) -> jax.Array:
+    """A tensor as the parameter's dtype: floats through float32 (exact for the float types checkpoints hold),
+    integers converted, stored formats (E4M3, UE8M0, packed FP4 bytes) only as themselves."""
+    if dtype in (np.float32, ml_dtypes.bfloat16):
+        return jnp.asarray(value.astype(np.float32), dtype)
+    if dtype == np.int8 and value.dtype == np.uint8:  # packed FP4 stored as unsigned bytes
+        value = value.view(np.int8)
+    if dtype in (E4M3, E8M0, np.int8) and value.dtype != dtype:
+        raise CheckpointError(f"tensor {name} has dtype {value.dtype}; expected {dtype}")
+    return jnp.asarray(value, dtype)
 
 
 def _drop_unsupported_v41(tensors: dict) -> dict:
@@ -275,12 +400,44 @@ def _engram_memory(config, path: Path, tables: dict, placement: str):
                                             for weight, scale in tables.values()])
 
 
+def _per_expert(name: str, shape: tuple) -> tuple[str, tuple]:
+    """A parameter's checkpoint tensor name and shape: an expert stack's first expert's."""
+    if m := _EXPERTS.match(name):
+        return f"{m[1]}.0.{m[2]}.{'scale' if m[3] else 'weight'}", shape[1:]
+    return name, shape
+
+
 def _show(name: str, expected: dict) -> str:
     _, shape, dtype = expected[name]
-    if m := _EXPERTS.match(name):
-        name = f"{m[1]}.0.{m[2]}.weight"
-        shape = shape[1:]
+    name, shape = _per_expert(name, shape)
     return f"{name} with shape {list(shape)} ({np.dtype(dtype).name})"
+
+
+def to_stored(model: Model, block: tuple[int, int] = (128, 128)) -> Model:
+    """The model with its linears and experts in DeepSeek's stored form (`model.stored`: FP8 blocks of
+    `block`, packed FP4 experts, UE8M0 scales), the rest as it is."""
+    if model.drafter is not None or model.engram is not None:
+        raise ValueError("only V4 models without a drafter convert to the stored form in memory")
+    tensors = _stack_experts(quantize_tensors(to_native(model), block))
+    layout = Layout(str(model.module().embed.weight.dtype), *map(frozenset, rule_names(model.module())), block)
+    stored = layout.model(model.config)
+    _fill(stored.params, _expected(stored.params), tensors, Path("(in memory)"))
+    return Model(nnx.merge(stored.graphdef, stored.params), tokenizer=model.tokenizer)
+
+
+def _describe_quantization(path: Path, model: Model) -> None:
+    """Add DeepSeek's `quantization_config` (and `expert_dtype`) to a saved config.json when the model holds
+    FP8 linears (or packed FP4 experts)."""
+    module = model.module()
+    blocks = {sub.block for _, sub in nnx.iter_modules(module) if hasattr(sub, "scale") and hasattr(sub, "block")}
+    fp4 = any(hasattr(sub, "w1_scale") for _, sub in nnx.iter_modules(module))
+    if not blocks and not fp4:
+        return
+    if len(blocks) > 1:
+        raise CheckpointError(f"the model's FP8 linears use different blocks {sorted(blocks)}; a checkpoint has one")
+    raw = json.loads((path / "config.json").read_text())
+    raw |= quantization_config(blocks.pop() if blocks else (128, 128), fp4)
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
 
 
 def save_checkpoint(model: Model, path: str | Path, max_shard_bytes: int = 4 << 30) -> None:
@@ -294,6 +451,7 @@ def save_checkpoint(model: Model, path: str | Path, max_shard_bytes: int = 4 << 
     path.mkdir(parents=True, exist_ok=True)
     model.config.save_json(path)
     tensors = to_native(model)
+    _describe_quantization(path, model)
     if model.engram is not None:
         for layer, table in zip(model.config.engram_layer_ids, model.engram.tables):
             weight_name, scale_name = table_names(layer)

@@ -1,4 +1,4 @@
-"""Bias-free linear maps stored as checkpoints store them: weight [out, in]."""
+"""Bias-free linear maps stored as checkpoints store them: weight [out, in] (float, or FP8 with block scales)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +6,8 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from model.axes import param
+from pallas_kernels import registry
+from pallas_kernels.quant_linear import dot_f32
 
 
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
@@ -14,7 +16,9 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02
 
 
 class Linear(nnx.Module):
-    """y = x W^T with W [out, in]; computed in the weight's dtype unless `compute_dtype` is given."""
+    """y = x W^T with W [out, in], accumulated in fp32 and returned in `compute_dtype` if given (fp32: the
+    inputs kept in fp32 too), else in the weight's dtype (FP8: the input's). An FP8 weight (DeepSeek's stored form, `model.stored`) carries a
+    `scale` per `block` and is decoded inside the matmul (the kernel registry's `fp8_linear`)."""
 
     def __init__(self, in_dim: int, out_dim: int, dtype, rngs: nnx.Rngs, compute_dtype=None):
         self.weight = param(normal_init(rngs, (out_dim, in_dim), dtype), "out", "in")
@@ -22,8 +26,10 @@ class Linear(nnx.Module):
 
     def __call__(self, x: Float[Array, "... i"]) -> Float[Array, "... o"]:
         w = self.weight[...]
-        dtype = self.compute_dtype or w.dtype
-        return jnp.einsum("...i,oi->...o", x.astype(dtype), w.astype(dtype))
+        if hasattr(self, "scale"):
+            y = registry.op("fp8_linear")(x, w, self.scale[...], self.block)
+            return y.astype(self.compute_dtype or x.dtype)
+        return dot_f32(x, w, round_inputs=self.compute_dtype is None).astype(self.compute_dtype or w.dtype)
 
 
 class GroupedLinear(nnx.Module):

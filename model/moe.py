@@ -37,7 +37,8 @@ def route_scores(logits: Float[Array, "t e"], scoring_func: str) -> Float[Array,
 
 
 class SharedExpert(nnx.Module):
-    """The always-on expert (w1 gate, w3 up, w2 down)."""
+    """The always-on expert (w1 gate, w3 up, w2 down): matmuls accumulated in fp32 whatever the weights'
+    storage, the SwiGLU in fp32 (as DeepSeek's reference computes it)."""
 
     def __init__(self, dim: int, inter: int, limit: float, dtype, rngs: nnx.Rngs):
         self.w1 = Linear(dim, inter, dtype, rngs)
@@ -46,7 +47,8 @@ class SharedExpert(nnx.Module):
         self.limit = limit
 
     def __call__(self, x: Float[Array, "t d"]) -> Float[Array, "t d"]:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+        f32 = jnp.float32
+        return self.w2(clamped_swiglu(self.w1(x).astype(f32), self.w3(x).astype(f32), self.limit))
 
 
 class Gate(nnx.Module):
@@ -99,7 +101,9 @@ def replica_slots(ids: Int[Array, "t k"], log2phy: Int[Array, "e r"], logcnt: In
 
 
 class Experts(nnx.Module):
-    """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I].
+    """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I]; or, as DeepSeek stores
+    them (`model.stored`), packed FP4 w1, w3 [E, I, D/2], w2 [E, D, I/2] with UE8M0 `w1_scale`, `w3_scale`
+    [E, I, D/32], `w2_scale` [E, D, I/32] (the kernel registry's `routed_experts_fp4`).
 
     With EPLB tables (`log2phy`, `logcnt` ExpertMaps, set by `sharding.expert_balance`) the weights are
     stacked per physical slot instead (redundant replicas included) and each pair goes to one replica of its
@@ -118,6 +122,13 @@ class Experts(nnx.Module):
         if hasattr(self, "log2phy"):
             first = routed.first_token(ids.shape[0]) if hasattr(routed, "first_token") else 0
             ids = replica_slots(ids, self.log2phy[...], self.logcnt[...], first)
+        if hasattr(self, "w1_scale"):
+            if _dispatch:
+                raise ValueError("expert-parallel dispatch runs float experts; load the model with "
+                                 "weights='bfloat16' or 'float32'")
+            return registry.op("routed_experts_fp4")(
+                x, ids, weights, *(v[...] for v in (self.w1, self.w1_scale, self.w2, self.w2_scale, self.w3,
+                                                    self.w3_scale)), self.limit)
         return routed(x, ids, weights, self.w1[...], self.w2[...], self.w3[...], self.limit)
 
 

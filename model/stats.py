@@ -1,6 +1,7 @@
 """Model size and cache figures read off the real parameter and cache shapes (abstract evaluation, no memory)."""
 
 import math
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,13 +20,12 @@ def _cache_elements(model, length: int) -> tuple[int, int]:
 
 
 def param_counts(model, config) -> dict:
-    """Parameters of the main stack (total, and active per token: routed experts count k/E of theirs),
-    of the MTP blocks, and bytes of all parameters."""
-    counts = {"total": 0, "active": 0.0, "mtp": 0, "bytes": 0}
+    """Parameters of the main stack (total, and active per token: routed experts count k/E of theirs) and of
+    the MTP blocks, of a float model."""
+    counts = {"total": 0, "active": 0.0, "mtp": 0}
     k_over_e = config.num_experts_per_tok / config.n_routed_experts
     for path, var in nnx.to_flat_state(model.params):
         size = math.prod(var.shape)
-        counts["bytes"] += size * np.dtype(var.dtype).itemsize
         if path[0] == "mtp":
             counts["mtp"] += size
             continue
@@ -34,9 +34,28 @@ def param_counts(model, config) -> dict:
     return counts
 
 
-def model_stats(config: ModelConfig, dtype: str = "bfloat16") -> dict:
-    """Parameter counts (total, active per token, MTP) and cache bytes per token / per sequence."""
-    model = abstract_model(config, dtype)
+def resident_bytes(model) -> int:
+    """Bytes of a model's parameter arrays as they sit in memory (the sum over its arrays: FP8 values, packed
+    FP4 bytes and their scales as they are); an abstract model's shapes give the same figure."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(model.params))
+
+
+def param_bytes_by_format(config, path=None) -> dict[str, int]:
+    """`param_bytes_<format>` for every resident format (`model.checkpoint.WEIGHTS`): of the checkpoint at
+    `path` as `load_model` would hold it when that directory holds weights, else of the config as DeepSeek
+    ships it (`layout_for`)."""
+    from model.checkpoint import WEIGHTS, checkpoint_model, layout_for
+
+    if path is not None and not (Path(path).is_dir() and any(Path(path).glob("*.safetensors"))):
+        path = None
+    return {f"param_bytes_{w}": resident_bytes(checkpoint_model(path, w) if path else
+                                               layout_for(config, w).model(config)) for w in WEIGHTS}
+
+
+def model_stats(config: ModelConfig, path=None) -> dict:
+    """Parameter counts (total, active per token, MTP), parameter bytes per resident format (of the checkpoint
+    at `path` when given) and cache bytes per token / per sequence."""
+    model = abstract_model(config, "bfloat16")
     counts = param_counts(model, config)
     period = math.lcm(*(r for r in config.compress_ratios if r), config.sliding_window)
     n = period * max(1, min(4096, config.max_position_embeddings // 2) // period)
@@ -47,7 +66,7 @@ def model_stats(config: ModelConfig, dtype: str = "bfloat16") -> dict:
         "params_total": counts["total"],
         "params_active_per_token": int(round(counts["active"])),
         "params_mtp": counts["mtp"],
-        "param_bytes": counts["bytes"],
+        **param_bytes_by_format(config, path),
         "kv_elements_per_token": per_token_elems,
         "kv_bytes_per_token": (bytes_2 - bytes_1) / n,
         "kv_bytes_per_token_bf16": 2 * per_token_elems,

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import tuning
+from pallas_kernels.quant_linear import dot_f32
 
 
 def clamped_swiglu(gate: Float[Array, "..."], up: Float[Array, "..."], limit: float) -> Float[Array, "..."]:
@@ -34,28 +35,27 @@ def routed_experts_reference(
     x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Float[Array, "e i d"],
     w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float,
 ) -> Float[Array, "t d"]:
-    """Sum over each token's chosen experts of weight * expert(x).
+    """Sum over each token's chosen experts of weight * expert(x), accumulated in fp32 (`dot_f32`).
 
     With fewer (token, expert) pairs than experts (decode of a few tokens), each pair switches to its
     expert's branch, which reads only that expert's weights (XLA:CPU copies the slice once, where a gather
     of expert weights made a transposed copy at a tenth of the speed); otherwise every expert runs on every
     token and a dense combine keeps each token's share (on CPU this beats sorting pairs into
     `lax.ragged_dot`, which measured 2x slower), contracting the stacked weights on their stored last axis
-    (no transposed copies). The Pallas form is
-    `pallas_kernels.moe.routed_experts` (grouped matmul over pairs sorted by expert)."""
+    (no transposed copies). The Pallas form is `routed_experts` below (grouped matmul over pairs sorted by
+    expert)."""
     n_exp, inter, dim = w1.shape
-    xc = x.astype(w1.dtype)
     if ids.size < n_exp:
-        experts = [lambda v, e=e: w2[e] @ clamped_swiglu(w1[e] @ v, w3[e] @ v, limit)
+        experts = [lambda v, e=e: dot_f32(clamped_swiglu(dot_f32(v, w1[e]), dot_f32(v, w3[e]), limit), w2[e])
                    for e in range(n_exp)]
         out = jnp.zeros(x.shape, jnp.float32)
         for t, k in np.ndindex(ids.shape):
-            out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, xc[t]).astype(jnp.float32))
+            out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, x[t:t + 1])[0])
         return out
     combine = jnp.sum(jax.nn.one_hot(ids, n_exp, dtype=jnp.float32) * weights[..., None], axis=1)
-    flat = lambda w: jnp.einsum("td,od->to", xc, w.reshape(-1, dim)).reshape(-1, n_exp, inter)  # noqa: E731
-    h = clamped_swiglu(flat(w1), flat(w3), limit)
-    y = jnp.einsum("tei,edi->etd", h, w2).astype(jnp.float32)
+    h = clamped_swiglu(dot_f32(x, w1.reshape(-1, dim)), dot_f32(x, w3.reshape(-1, dim)), limit)
+    y = jnp.einsum("tei,edi->etd", h.reshape(-1, n_exp, inter).astype(w2.dtype), w2,
+                   preferred_element_type=jnp.float32)
     return jnp.einsum("te,etd->td", combine, y)
 
 
@@ -91,7 +91,7 @@ def routed_experts(
     row_weight = jnp.where(row_pair >= 0, weights.reshape(-1)[row_pair], 0.0).astype(jnp.float32)
     h = _gate_up(x.astype(w1.dtype), rows, tile_expert, w1, w3, limit, tm, tiles)
     y = _down(h, tile_expert, row_weight, w2, tm, tiles)
-    return _unpermute(y, slot, tiles)
+    return unpermute(y, slot, tiles)
 
 
 def _gate_up(x, rows, tile_expert, w1, w3, limit, tm, tiles):
@@ -173,7 +173,8 @@ def _down_kernel(h_ref, te_ref, rw_ref, w2_ref, y_ref, *, block_n: int, block_k:
         y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
 
 
-def _unpermute(y, slot, tiles):
+def unpermute(y, slot, tiles):
+    """Each token's sum of its k rows of `y` (rows placed by `sort_pairs`' pair -> row map `slot`)."""
     t, k = slot.shape
     dim = y.shape[1]
     tt, tn = tiles.moe_block_m, tuning.fit(tiles.moe_block_n, dim)

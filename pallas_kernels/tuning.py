@@ -26,19 +26,23 @@ class Tiles:
     moe_block_k: int         # contraction step
     hc_block_t: int          # tokens per mHC program
     hc_block_d: int          # hidden columns per step of the mHC reduction
+    qlinear_block_m: int     # activation rows per FP8-weight GEMM program
+    qlinear_block_n: int     # output columns per FP8-weight GEMM program
+    qlinear_block_k: int     # contraction step (at most one scale block)
     num_warps: int = 4
     num_stages: int = 2
 
 
 VARIANTS = {
     "interpret": Tiles(attn_block_k=2, attn_decode_heads=2, attn_decode_splits=2, index_block_t=8,
-                       moe_block_m=4, moe_block_n=16, moe_block_k=16, hc_block_t=4, hc_block_d=16),
+                       moe_block_m=4, moe_block_n=16, moe_block_k=16, hc_block_t=4, hc_block_d=16,
+                       qlinear_block_m=4, qlinear_block_n=16, qlinear_block_k=16),
     "sm90": Tiles(attn_block_k=32, attn_decode_heads=16, attn_decode_splits=4, index_block_t=64,
                   moe_block_m=16, moe_block_n=64, moe_block_k=64, hc_block_t=16, hc_block_d=128,
-                  num_warps=4, num_stages=3),
+                  qlinear_block_m=16, qlinear_block_n=64, qlinear_block_k=64, num_warps=4, num_stages=3),
     "sm100": Tiles(attn_block_k=64, attn_decode_heads=16, attn_decode_splits=4, index_block_t=128,
                    moe_block_m=16, moe_block_n=128, moe_block_k=64, hc_block_t=16, hc_block_d=128,
-                   num_warps=8, num_stages=3),
+                   qlinear_block_m=16, qlinear_block_n=128, qlinear_block_k=128, num_warps=8, num_stages=3),
 }
 DECODE_MAX_QUERIES = 8  # calls with at most this many queries per row use the decode form (MTP: gamma + 1)
 

@@ -85,7 +85,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from model.api import init_model  # noqa: E402
+from model.initialize import init_model  # noqa: E402
 from model.checkpoint import load_model, save_checkpoint  # noqa: E402
 from model.config import preset  # noqa: E402
 from serving.engine import Engine  # noqa: E402
@@ -397,7 +397,7 @@ def run_all(ckpt: Path, prompts: dict, prompts_file: Path, threads: int, args) -
     engine = hf = None
     try:
         t = time.perf_counter()
-        model = load_model(ckpt, dtype="float32")
+        model = load_model(ckpt, weights="float32")
         r["jaxseek_load_s"] = time.perf_counter() - t
         t = time.perf_counter()
         engine = Engine(model, ENGINE)

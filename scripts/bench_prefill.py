@@ -50,7 +50,8 @@ import time
 
 import numpy as np
 
-from model.api import Model, init_model
+from model.api import Model
+from model.initialize import init_model
 from model.config_v41 import V41Config, v41_flash
 from model.replay import Replay
 

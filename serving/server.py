@@ -557,7 +557,7 @@ class Server:
 
 # ---- the command ----------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    """`jaxseek serve` flags (the model flags `--model`, `--config`, `--dtype`, `--seed` come from the CLI)."""
+    """`jaxseek serve` flags (the model flags `--model`, `--config`, `--weights`, `--seed` come from the CLI)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("JAXSEEK_API_KEY"),

@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     initialize(f"localhost:{args.port}", args.num_processes, args.process_id, args.local_devices)
     jax.config.update("jax_default_matmul_precision", "highest")
-    from model.api import init_model
+    from model.initialize import init_model
     from model.config import preset
     from sharding.mesh import MeshSpec, logits_on_mesh, make_mesh
 

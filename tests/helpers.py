@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.api import Model, init_model
+from model.api import Model
+from model.initialize import init_model
 
 
 def random_model(config, seed: int = 0, noise: float = 0.1, **init_kwargs) -> Model:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.api import init_model
+from model.initialize import init_model
 from model.calibration import calibration_error, fit_sts, prefix_ece
 from model.checkpoint import load_model, save_checkpoint
 from model.config_v41 import V41Config

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from model.api import init_model
+from model.initialize import init_model
 from jaxseek.cli import main
 from model.config import preset
 from serving.batch import encode_prompts, merge_sampling, read_jsonl, read_txt, request_seed

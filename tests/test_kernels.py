@@ -17,7 +17,8 @@ from jax.experimental import checkify
 from jax.experimental import pallas as pl
 from jax.extend import core as jax_core
 
-from pallas_kernels import hyper, indexer, moe, registry, sparse_attention, tuning
+from model.quant import dequant_fp4_packed, dequant_fp8_blocks, quantize_fp4_packed, quantize_fp8_blocks
+from pallas_kernels import fp4_experts, hyper, indexer, moe, quant_linear, registry, sparse_attention, tuning
 
 pytestmark = pytest.mark.kernels
 ON_GPU = jax.default_backend() == "gpu"
@@ -287,7 +288,8 @@ def test_registry_picks_and_forces_implementations():
         with registry.use("pallas"):
             assert registry.op("sink_attention") is sparse_attention.sink_attention
         assert registry.implementation() == "reference"
-    assert set(registry.ops()) == {"sink_attention", "hca_attention", "index_scores", "routed_experts", "hc_site"}
+    assert set(registry.ops()) == {"sink_attention", "hca_attention", "index_scores", "routed_experts", "hc_site",
+                                   "fp8_linear", "routed_experts_fp4"}
     with pytest.raises(ValueError, match="reference"):
         registry.set_implementation("triton")
     with pytest.raises(KeyError, match="no kernel operation"):
@@ -327,6 +329,12 @@ def _triton_cases():
         "index scores, t=300": (indexer.visible_index_scores, index(1, 1, 300)),
         "moe": (lambda *a: moe.routed_experts(*a, 10.0),
                 (z((13, 32)), z((13, 2), jnp.int32), z((13, 2)), z((4, 48, 32)), z((4, 32, 48)), z((4, 48, 32)))),
+        "fp8 linear": (lambda x, w, sc: quant_linear.fp8_linear_pallas(x, w, sc, (16, 32)),
+                       (z((7, 80)), z((48, 80), jnp.float8_e4m3fn), z((3, 3), jnp.float8_e8m0fnu))),
+        "fp4 experts": (lambda x, i, wt, *ws: fp4_experts.routed_experts_fp4_pallas(x, i, wt, *ws, 10.0),
+                        (z((13, 64)), z((13, 2), jnp.int32), z((13, 2)), z((4, 96, 32), jnp.int8),
+                         z((4, 96, 2), jnp.float8_e8m0fnu), z((4, 64, 48), jnp.int8), z((4, 64, 3), jnp.float8_e8m0fnu),
+                         z((4, 96, 32), jnp.int8), z((4, 96, 2), jnp.float8_e8m0fnu))),
         "mhc, 1 token": mhc((1, 1), None),
         "mhc, 14 tokens": mhc((2, 7), None),
         "mhc, 14 tokens, given pre": mhc((2, 7), z((2, 7, 4))),
@@ -373,6 +381,13 @@ def test_kernels_lower_to_triton_for_nvidia(device_kind, variant):
                  z((8, 256, 128), bf16), z((8, 128, 256), bf16))),
         "mhc": (lambda s, f, b, sc: hyper.hc_site(s, f, b, sc, z((2, 8, 4)), 20, 1e-6, 1e-6),
                 (z((2, 8, 4, 256), bf16), z((24, 1024)), z((24,)), z((3,)))),
+        "fp8 linear": (lambda x, w, sc: quant_linear.fp8_linear_pallas(x, w, sc, (128, 128)),
+                       (z((1, 3, 512), bf16), z((384, 512), jnp.float8_e4m3fn), z((3, 4), jnp.float8_e8m0fnu))),
+        "fp4 experts": (lambda x, i, wt, *ws: fp4_experts.routed_experts_fp4_pallas(x, i, wt, *ws, 10.0),
+                        (z((40, 256), bf16), z((40, 6), jnp.int32), z((40, 6)), z((8, 128, 128), jnp.int8),
+                         z((8, 128, 8), jnp.float8_e8m0fnu), z((8, 256, 64), jnp.int8),
+                         z((8, 256, 4), jnp.float8_e8m0fnu), z((8, 128, 128), jnp.int8),
+                         z((8, 128, 8), jnp.float8_e8m0fnu))),
     }
     for name, (fn, args) in cases.items():
         assert "__gpu$xla.gpu.triton" in _lower_for(device_kind, variant, fn, *args), name
@@ -383,7 +398,7 @@ def test_v41_model_with_pallas_kernels_equals_reference():
     decode form, as MTP verification runs it), Pallas in interpret mode == reference; and the same step traced
     for SM90 has no `triton_problems` (on the H200, 12 tokens in 16-token mHC tiles wrote past the outputs).
     The prefill form runs in the V4 oracle test with `pallas` (tests/test_parity.py)."""
-    from model.api import init_model
+    from model.initialize import init_model
     from model.config import preset
 
     tokens = np.random.default_rng(0).integers(0, 256, (2, 6))
@@ -400,3 +415,50 @@ def test_v41_model_with_pallas_kernels_equals_reference():
     with registry.use("pallas"):
         assert triton_problems("sm90", model._forward, model.params, jnp.asarray(tokens, jnp.int32), cache,
                                rows) == []
+
+
+def _fp8_case(rng, rows, out, inp, block):
+    x = rng.normal(size=(*rows, inp)).astype(np.float32)
+    w, scale = quantize_fp8_blocks(rng.normal(size=(out, inp)).astype(np.float32) * rng.uniform(0.01, 3.0), block)
+    return x, w, scale, x @ dequant_fp8_blocks(w, scale, block).T  # numpy decode: the independent reference
+
+
+@pytest.mark.parametrize("rows,out,inp,block", [((1, 1), 48, 80, (16, 32)), ((2, 7), 40, 96, (16, 16)),
+                                                ((3,), 64, 256, (128, 128))])  # decode, partial blocks, one block
+def test_fp8_linear_equals_reference(rows, out, inp, block, in_bounds):
+    x, w, scale, expected = _fp8_case(np.random.default_rng(out), rows, out, inp, block)
+    args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(scale), block)
+    close(quant_linear.fp8_linear(*args), expected, 1e-5)
+    close(quant_linear.fp8_linear_pallas(*args), expected)
+
+
+def _fp4_experts_case(rng, t, k, e, d=64, i=32, unused=()):
+    x, ids, weights, ws = moe_case(rng, t, k, e, d, i, unused)
+    packed = [quantize_fp4_packed(w.reshape(-1, w.shape[-1])) for w in ws]
+    stacks = [(p.reshape(e, -1, p.shape[-1]), s.reshape(e, -1, s.shape[-1])) for p, s in packed]
+    dense = [dequant_fp4_packed(p, s).reshape(w.shape) for (p, s), w in zip(packed, ws)]
+    return x, ids, weights, stacks, dense
+
+
+def _experts_numpy(x, ids, weights, w1, w2, w3, limit):
+    """Each token's chosen experts one by one, in float64 numpy (clamped SwiGLU)."""
+    x, out = np.asarray(x, np.float64), np.zeros(x.shape)
+    for t, k in np.ndindex(ids.shape):
+        e = int(ids[t, k])
+        gate, up = np.minimum(w1[e] @ x[t], limit), np.clip(w3[e] @ x[t], -limit, limit)
+        out[t] += float(weights[t, k]) * (w2[e] @ (gate / (1 + np.exp(-gate)) * up))
+    return out
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 2, 8), (13, 2, 4)])  # decode; ragged groups, an expert without tokens
+def test_routed_experts_fp4_equal_reference(t, k, e):
+    x, ids, weights, ((p1, s1), (p2, s2), (p3, s3)), (w1, w2, w3) = _fp4_experts_case(
+        np.random.default_rng(t), t, k, e, unused=(e - 1,))
+    expected = _experts_numpy(x, np.asarray(ids), np.asarray(weights), w1, w2, w3, 1.0)  # the clamp bites
+    args = (x, ids, weights, *map(jnp.asarray, (p1, s1, p2, s2, p3, s3)))
+    close(fp4_experts.routed_experts_fp4(*args, 1.0), expected, 1e-4)
+    nan_scales = [np.where(np.arange(e)[:, None, None] == e - 1, np.uint8(0xFF), s.view(np.uint8))
+                  .view(s.dtype) for s in (s1, s2, s3)]  # the expert nobody chose decodes to inf: never read
+    close(fp4_experts.routed_experts_fp4_pallas(x, ids, weights, jnp.asarray(p1), jnp.asarray(nan_scales[0]),
+                                                jnp.asarray(p2), jnp.asarray(nan_scales[1]), jnp.asarray(p3),
+                                                jnp.asarray(nan_scales[2]), 1.0), expected, 1e-4)

@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from model.api import Model, abstract_model, init_model
+from model.api import Model, abstract_model
+from model.initialize import init_model
 from model.axes import logical_axes
 from model.config import preset
 from model.dspark import DSparkConfig, DSparkDrafter

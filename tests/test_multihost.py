@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model.api import init_model
+from model.initialize import init_model
 from model.config import preset
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ import types
 import numpy as np
 import pytest
 
-from model.api import init_model
+from model.initialize import init_model
 from model.config import preset
 from model.dspark import init_drafter
 from model.replay import ENGINE_DEFAULT, Replay, exact_keep, for_engine

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.api import init_model
+from model.initialize import init_model
 from model.checkpoint import load_model
 from model.config import preset
 from model.replay import Replay, exact_keep

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from model.api import init_model
+from model.initialize import init_model
 from model.dspark import init_drafter
 from serving.engine import Engine
 from serving.sampling import SamplingParams

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from model.api import init_model
+from model.initialize import init_model
 from model.dspark import init_drafter
 from serving.kv_cache import CacheLayout, PageAllocator, init_engine_cache
 from serving.sampling import SamplingBatch, SamplingParams

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from model.api import init_model
+from model.initialize import init_model
 from model.dspark import init_drafter
 from serving.batch import read_jsonl, resolve_params, submit
 from serving.constraints import ConstraintSpec

@@ -25,7 +25,8 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from model.api import Model, init_model
+from model.api import Model
+from model.initialize import init_model
 from model.checkpoint import BUNDLED, load_model, save_checkpoint
 from model.config_v41 import V41Config
 from model.engram import DeviceEngramTable, EngramMemory, canonical_vocab

@@ -1,0 +1,202 @@
+"""Weights as stored: a converted checkpoint held as FP8 linears and packed FP4 experts computes what its fp32
+decoding computes, holds the bytes its formats say, decodes exactly to bf16, and refuses malformed tensors."""
+
+import dataclasses
+import json
+import math
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from model.initialize import init_model
+from model.checkpoint import CheckpointError, checkpoint_model, layout_for, load_model, save_checkpoint
+from jaxseek.cli import main
+from model.config import preset
+from model.convert import convert
+from model.quant import dequant_fp4_packed, dequant_fp8_blocks
+from model.safetensors_io import read_tensors, write_tensors
+from model.stats import resident_bytes
+from tests.helpers import random_model
+
+CONFIG = preset("tiny")
+TOKENS = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 21))
+
+
+def fp8_matrices(config) -> list[tuple[int, int]]:
+    """(out, in) of every FP8 linear of a V4 config, listed from the architecture: per layer (main and MTP)
+    wq_a, wq_b, wkv, wo_b, the shared expert's w1, w3, w2, a CSA layer's indexer wq_b; per MTP block e_proj
+    and h_proj."""
+    d, hd, q, inter = config.hidden_size, config.head_dim, config.q_lora_rank, config.moe_intermediate_size
+    out = []
+    for ratio in config.compress_ratios[:config.num_hidden_layers + config.num_nextn_predict_layers]:
+        out += [(q, d), (config.num_attention_heads * hd, q), (hd, d), (d, config.o_groups * config.o_lora_rank),
+                (inter, d), (inter, d), (d, inter)]
+        if ratio == 4:
+            out.append((config.index_n_heads * config.index_head_dim, q))
+    return out + [(d, d), (d, d)] * config.num_nextn_predict_layers
+
+
+def stored_bytes(config, fp32_bytes: int) -> int:
+    """Resident bytes of a converted fp32 model: FP8 linears 1 B a value + one UE8M0 byte per 128x128 block,
+    routed experts 0.5 B a value + one byte per 32 inputs of a row, every other parameter still 4 B."""
+    fp8 = fp8_matrices(config)
+    experts = 3 * config.n_routed_experts * config.moe_intermediate_size * config.hidden_size
+    n_layers = config.num_hidden_layers + config.num_nextn_predict_layers
+    fp8_bytes = sum(o * i + math.ceil(o / 128) * math.ceil(i / 128) for o, i in fp8)
+    expert_bytes = n_layers * (experts // 2 + experts // 32)
+    return fp32_bytes - 4 * (sum(o * i for o, i in fp8) + n_layers * experts) + fp8_bytes + expert_bytes
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(fp32 model, its checkpoint, that checkpoint converted to FP8 / FP4)."""
+    model = random_model(CONFIG, seed=4)
+    root = tmp_path_factory.mktemp("stored")
+    save_checkpoint(model, root / "fp32")
+    convert(root / "fp32", root / "fp8", progress=False)
+    return model, root / "fp32", root / "fp8"
+
+
+def test_resident_model_computes_its_fp32_decoding(converted):
+    _, _, fp8_dir = converted
+    resident, decoded = load_model(fp8_dir, weights="checkpoint"), load_model(fp8_dir, weights="float32")
+    layer = resident.module().layers[2]
+    assert layer.attn.wq_a.weight.dtype == ml_dtypes.float8_e4m3fn and layer.attn.wq_a.block == (128, 128)
+    assert layer.ffn.experts.w1.dtype == np.int8 and layer.ffn.experts.w1_scale.shape == (4, 32, 2)
+    assert layer.attn.compressor.wkv.weight.dtype == np.float32  # as the source stored it
+    diff = np.abs(np.asarray(resident.logits(TOKENS)) - np.asarray(decoded.logits(TOKENS))).max()
+    assert diff <= 1e-4
+
+
+def test_resident_bytes_follow_the_formats(converted):
+    model, fp32_dir, fp8_dir = converted
+    fp32_bytes = resident_bytes(model)
+    assert fp32_bytes == 4 * sum(x.size for x in jax.tree.leaves(model.params) if x.dtype == np.float32) + \
+        4 * sum(x.size for x in jax.tree.leaves(model.params) if x.dtype == np.int32)
+    resident = load_model(fp8_dir, weights="checkpoint")
+    assert resident_bytes(resident) == stored_bytes(CONFIG, fp32_bytes) == resident_bytes(checkpoint_model(fp8_dir,
+                                                                                                          "checkpoint"))
+    # `small` converted (abstractly: the same layout load_model builds): 28.9% of its fp32 bytes
+    small = preset("small")
+    fp32_small = resident_bytes(layout_for(small, "float32").model(small))
+    stored_small = resident_bytes(dataclasses.replace(layout_for(small, "checkpoint"), dtype="float32").model(small))
+    assert stored_small == stored_bytes(small, fp32_small) == 100_715_228
+    assert stored_small / fp32_small <= 0.3
+
+
+def test_info_reports_the_resident_bytes(converted, capsys):
+    _, _, fp8_dir = converted
+    assert main(["info", "--model", str(fp8_dir), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    for weights in ("checkpoint", "bfloat16", "float32"):
+        assert info[f"param_bytes_{weights}"] == resident_bytes(load_model(fp8_dir, weights=weights))
+
+
+def test_bfloat16_load_is_the_exact_decoding(converted):
+    """Each parameter loaded as bf16 equals the checkpoint's numpy decoding (`model.quant`) element for element."""
+    _, _, fp8_dir = converted
+    stored = read_tensors(fp8_dir)
+    bf16 = load_model(fp8_dir, weights="bfloat16").module()
+    wq_a = stored["layers.1.attn.wq_a.weight"], stored["layers.1.attn.wq_a.scale"]
+    np.testing.assert_array_equal(np.asarray(bf16.layers[1].attn.wq_a.weight, np.float32),
+                                  dequant_fp8_blocks(*wq_a))
+    w2 = stored["layers.1.ffn.experts.3.w2.weight"], stored["layers.1.ffn.experts.3.w2.scale"]
+    np.testing.assert_array_equal(np.asarray(bf16.layers[1].ffn.experts.w2[3], np.float32), dequant_fp4_packed(*w2))
+    stored_paths = {path for path, v in nnx.to_flat_state(checkpoint_model(fp8_dir, "checkpoint").params)
+                    if v.dtype in (ml_dtypes.float8_e4m3fn, np.int8)}
+    assert len(stored_paths) == len(fp8_matrices(CONFIG)) + 3 * (CONFIG.num_hidden_layers + 1)
+    fp32 = dict(nnx.to_flat_state(load_model(fp8_dir, weights="float32").params))
+    for path, value in nnx.to_flat_state(load_model(fp8_dir, weights="bfloat16").params):
+        if path in stored_paths:
+            np.testing.assert_array_equal(np.asarray(value.get_value(), np.float32), np.asarray(fp32[path].get_value()))
+
+
+def test_init_and_save_in_the_stored_form(tmp_path):
+    model = init_model(CONFIG, seed=3, weights="checkpoint")
+    save_checkpoint(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128] and config["expert_dtype"] == "fp4"
+    stored = read_tensors(tmp_path)
+    assert stored["layers.0.ffn.experts.1.w3.weight"].dtype == np.int8
+    assert stored["layers.0.attn.wkv.scale"].dtype == ml_dtypes.float8_e8m0fnu
+    reloaded = load_model(tmp_path, weights="checkpoint")
+    np.testing.assert_array_equal(np.asarray(reloaded.logits(TOKENS)), np.asarray(model.logits(TOKENS)))
+
+
+def test_convert_names_shards_and_back_to_bf16(converted, tmp_path):
+    _, _, fp8_dir = converted
+    convert(fp8_dir, tmp_path / "hf", names="hf", max_shard_bytes=50_000, progress=False)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert "model.layers.0.attn.wq_a.scale" in index["weight_map"] and "lm_head.weight" in index["weight_map"]
+    assert len(set(index["weight_map"].values())) > 3
+    hf = load_model(tmp_path / "hf", weights="checkpoint")
+    np.testing.assert_array_equal(np.asarray(hf.logits(TOKENS)),
+                                  np.asarray(load_model(fp8_dir, weights="checkpoint").logits(TOKENS)))
+    assert main(["convert", str(fp8_dir), str(tmp_path / "bf16"), "--weights", "bf16"]) == 0
+    stored = read_tensors(tmp_path / "bf16")
+    assert not any(n.endswith(".scale") for n in stored)
+    assert stored["layers.0.attn.wq_a.weight"].dtype == ml_dtypes.bfloat16
+    assert stored["layers.0.hc_attn_fn"].dtype == np.float32
+    for a, b in zip(jax.tree.leaves(load_model(tmp_path / "bf16").params),
+                    jax.tree.leaves(load_model(fp8_dir, weights="bfloat16").params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_convert_refuses_to_overwrite(converted, tmp_path, capsys):
+    _, fp32_dir, _ = converted
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    assert main(["convert", str(fp32_dir), str(tmp_path / "out")]) == 2
+    assert "pass --force" in capsys.readouterr().err and (tmp_path / "out" / "keep.txt").exists()
+    assert main(["convert", str(fp32_dir), str(tmp_path / "out"), "--force"]) == 0
+    assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "model.safetensors").exists()
+
+
+def _rewrite(src, dst, **changes):
+    tensors = {k: np.array(v) for k, v in read_tensors(src).items()} | changes
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    write_tensors(dst / "model.safetensors", tensors)
+    return dst
+
+
+def test_a_scale_that_does_not_fit_its_weight_is_named(converted, tmp_path):
+    _, _, fp8_dir = converted
+    e8m0 = lambda shape: np.full(shape, 127, np.uint8).view(ml_dtypes.float8_e8m0fnu)  # noqa: E731
+    bad = _rewrite(fp8_dir, tmp_path / "fp8", **{"layers.0.attn.wq_a.scale": e8m0((2, 1))})
+    with pytest.raises(CheckpointError, match=r"tensor layers\.0\.attn\.wq_a\.scale has shape \[2, 1\]; "
+                                              r"expected \[1, 1\]"):
+        load_model(bad, weights="checkpoint")
+    with pytest.raises(CheckpointError, match=r"cannot dequantize layers\.0\.attn\.wq_a\.weight"):
+        load_model(bad, weights="float32")
+    bad = _rewrite(fp8_dir, tmp_path / "fp4", **{"layers.2.ffn.experts.1.w2.scale": e8m0((64, 2))})
+    with pytest.raises(CheckpointError, match=r"tensor layers\.2\.ffn\.experts\.1\.w2\.scale has shape \[64, 2\]; "
+                                              r"expert 0's has \[64, 1\]"):
+        load_model(bad, weights="checkpoint")
+    two = e8m0((64, 2))
+    bad = _rewrite(fp8_dir, tmp_path / "fp4_all", **{f"layers.2.ffn.experts.{e}.w2.scale": two for e in range(4)})
+    with pytest.raises(CheckpointError, match=r"tensor layers\.2\.ffn\.experts\.0\.w2\.scale has shape \[64, 2\]; "
+                                              r"expected \[64, 1\]"):
+        load_model(bad, weights="checkpoint")
+
+
+def test_fp4_needs_an_even_column_count(tmp_path):
+    odd = dataclasses.replace(CONFIG, moe_intermediate_size=33)
+    save_checkpoint(init_model(odd), tmp_path / "odd")
+    with pytest.raises(ValueError, match=r"cannot quantize layers\.0\.ffn\.experts\.0\.w2\.weight \[64, 33\]: "
+                                         r"packed FP4 needs an even number of columns"):
+        convert(tmp_path / "odd", tmp_path / "out", progress=False)
+    # a checkpoint whose packed experts cannot hold the model's 33 inputs of w2
+    e8m0 = lambda shape: np.full(shape, 127, np.uint8).view(ml_dtypes.float8_e8m0fnu)  # noqa: E731
+    packed = {}
+    for layer, e in np.ndindex(odd.num_hidden_layers + odd.num_nextn_predict_layers, odd.n_routed_experts):
+        stem = f"{'layers' if layer < odd.num_hidden_layers else 'mtp'}.{layer % odd.num_hidden_layers}.ffn.experts.{e}"
+        for w, (rows, cols) in (("w1", (33, 64)), ("w3", (33, 64)), ("w2", (64, 34))):
+            packed[f"{stem}.{w}.weight"] = np.zeros((rows, cols // 2), np.int8)
+            packed[f"{stem}.{w}.scale"] = e8m0((rows, 2))
+    with pytest.raises(ValueError, match=r"layers\.0\.ffn\.experts\.w2: packed FP4 needs an even number of inputs, "
+                                         r"got 33"):
+        load_model(_rewrite(tmp_path / "odd", tmp_path / "packed", **packed), weights="checkpoint")
