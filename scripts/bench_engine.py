@@ -90,6 +90,7 @@ from model.checkpoint import load_model, save_checkpoint  # noqa: E402
 from model.config import preset  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
+from bench_json import json_line  # noqa: E402
 
 HF_SCRIPT = Path(__file__).resolve().parent / "hf_bench.py"
 MAX_SLOTS, PREFILL_CHUNK, MAX_PREFILL_ROWS = 16, 256, 2
@@ -580,7 +581,7 @@ def main() -> None:
         result["settings"][key] = result.pop(key, None)
     result["total_s"] = time.perf_counter() - t_start
     first = [k for k in HEADLINE if k in result]
-    line = json.dumps({**{k: result[k] for k in first}, **{k: v for k, v in result.items() if k not in first}})
+    line = json_line({**{k: result[k] for k in first}, **{k: v for k, v in result.items() if k not in first}})
     if args.out:
         args.out.write_text(line + "\n")
     print(line)
