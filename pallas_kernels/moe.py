@@ -36,27 +36,32 @@ def routed_experts_reference(
 ) -> Float[Array, "t d"]:
     """Sum over each token's chosen experts of weight * expert(x).
 
-    With fewer (token, expert) pairs than experts (decode of a few tokens), each pair switches to its
-    expert's branch, which reads only that expert's weights (XLA:CPU copies the slice once, where a gather
-    of expert weights made a transposed copy at a tenth of the speed); otherwise every expert runs on every
-    token and a dense combine keeps each token's share (on CPU this beats sorting pairs into
-    `lax.ragged_dot`, which measured 2x slower), contracting the stacked weights on their stored last axis
-    (no transposed copies). The Pallas form is
-    `pallas_kernels.moe.routed_experts` (grouped matmul over pairs sorted by expert)."""
+    Only the (token, expert) pairs are computed. With fewer pairs than experts (decode of a few tokens), each
+    pair switches to its expert's branch, which reads only that expert's weights (XLA:CPU copies the slice once,
+    where a gather of expert weights made a transposed copy at a tenth of the speed). Otherwise the pairs are
+    sorted into expert-aligned tiles (`sort_pairs`) of about one expert's mean share of rows, and each tile that
+    holds pairs runs its expert once, contracting the stored weights on their last axis (no transposed copies);
+    empty tiles are skipped. The Pallas form is `pallas_kernels.moe.routed_experts` (the same tiles as grouped
+    matmul kernels)."""
     n_exp, inter, dim = w1.shape
     xc = x.astype(w1.dtype)
+
+    def expert(v, e):
+        return _dot_t(clamped_swiglu(_dot_t(v, w1[e]), _dot_t(v, w3[e]), limit).astype(w2.dtype), w2[e])
+
     if ids.size < n_exp:
-        experts = [lambda v, e=e: w2[e] @ clamped_swiglu(w1[e] @ v, w3[e] @ v, limit)
-                   for e in range(n_exp)]
+        experts = [lambda v, e=e: expert(v[None], e)[0] for e in range(n_exp)]
         out = jnp.zeros(x.shape, jnp.float32)
         for t, k in np.ndindex(ids.shape):
-            out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, xc[t]).astype(jnp.float32))
+            out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, xc[t]))
         return out
-    combine = jnp.sum(jax.nn.one_hot(ids, n_exp, dtype=jnp.float32) * weights[..., None], axis=1)
-    flat = lambda w: jnp.einsum("td,od->to", xc, w.reshape(-1, dim)).reshape(-1, n_exp, inter)  # noqa: E731
-    h = clamped_swiglu(flat(w1), flat(w3), limit)
-    y = jnp.einsum("tei,edi->etd", h, w2).astype(jnp.float32)
-    return jnp.einsum("te,etd->td", combine, y)
+    tile = max(8, pl.next_power_of_2(-(-ids.size // n_exp)))
+    rows, row_pair, tile_expert, slot = sort_pairs(ids, n_exp, tile)
+    xs = jnp.where((rows >= 0)[:, None], xc[jnp.maximum(rows, 0)], 0).reshape(-1, tile, dim)
+    empty = jnp.zeros((tile, dim), jnp.float32)
+    y = jax.lax.map(lambda a: jax.lax.cond(a[1] >= 0, lambda: expert(a[0], a[1]), lambda: empty), (xs, tile_expert))
+    row_weight = jnp.where(row_pair >= 0, weights.reshape(-1)[jnp.maximum(row_pair, 0)], 0.0)
+    return jnp.sum((y.reshape(-1, dim) * row_weight[:, None])[slot], axis=1)
 
 
 def sort_pairs(ids: Int[Array, "t k"], n_exp: int, tile: int):

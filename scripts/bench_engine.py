@@ -236,7 +236,7 @@ def host_overhead(engine: Engine, prompts: list[list[int]], steps: int, rounds: 
     for _ in range(3):  # steady state: every step is one decode step of all rows
         engine.step()
 
-    bucket = (next(r for r in engine.decode_rows if r >= batch), 1, 1)
+    bucket = (next(r for r in engine.decode_rows if r >= batch), 1, 1, engine.context_pages[0])  # short prompts
     executable, captured = engine.compiled[bucket], []
 
     def recording(params, cache, step_batch):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import os
 import time
 import uuid
@@ -64,20 +65,29 @@ from serving.verify_plan import CostTable, monotone_in_width, plan_verify, prefi
 from serving.engine_dp import DataParallel
 
 MAX_TOP_LOGPROBS = 20
+LOG = logging.getLogger(__name__)
 SPECULATION = ("none", "fixed", "dspark")
 
 
-def powers_of_two(limit: int) -> tuple[int, ...]:
-    """1, 2, 4, ... up to and including `limit` (which is added if not a power of two)."""
-    out = [1 << i for i in range(limit.bit_length()) if 1 << i < limit]
+def powers_of_two(limit: int, least: int = 1) -> tuple[int, ...]:
+    """least, 2 least, 4 least, ... up to and including `limit` (which is added if not of that form)."""
+    out = [least << i for i in range(limit.bit_length()) if least << i < limit]
     return tuple(out + [limit])
+
+
+def context_buckets(layout: CacheLayout, least_tokens: int) -> tuple[int, ...]:
+    """The context-pages buckets of `layout`: the pages of `least_tokens` times powers of two, up to a slot's
+    whole table (at most log2(max_len / least_tokens) + 1 of them). A step reads, of each row's table, the
+    first bucket that covers its longest row, so its cost follows the live context, not `max_len`."""
+    least = max(1, min(layout.pages_per_slot, -(-least_tokens // layout.page_tokens)))
+    return powers_of_two(layout.pages_per_slot, least)
 
 
 class _Forwarding(NamedTuple):
     """A decode / verify step whose forward half runs on the device, its decide half waiting for token masks."""
 
     rows: list[Row]
-    bucket: tuple[int, int, int]
+    bucket: tuple[int, int, int, int]
     batch: StepBatch
     executable: CompiledHalves
     forwarded: Forwarded
@@ -113,7 +123,8 @@ class Engine:
     `sharding.mesh.make_mesh`) splits the slots, pages and steps over attention data-parallel ranks, with the
     experts over `ep` (`serving.engine_dp`; no speculation or prefix cache); there `redundant_experts` EPLB
     slots per MoE layer and `eplb_every` (steps between rebalances, 0: never) balance the expert shards over
-    a window of `eplb_window` steps.
+    a window of `eplb_window` steps. `context_tokens`: the smallest context bucket (a step reads the first
+    power-of-two multiple of it that covers its longest row; `context_buckets`).
     """
 
     def __init__(self, model: Model, *, max_slots: int = 8, max_len: int = 1024, num_pages: int | None = None,
@@ -126,7 +137,8 @@ class Engine:
                  prefix_cache: bool | None = None, prefix_replay: int | None = None, host_pages: int = 0,
                  constraint_close: ClosePolicy | None = ClosePolicy(), jump_forward: bool = False,
                  mesh=None, redundant_experts: int = 0, eplb_every: int = 0, eplb_window: int = 100,
-                 replay: Replay | None = ENGINE_DEFAULT, prefix_snapshots: int | None = None):
+                 replay: Replay | None = ENGINE_DEFAULT, prefix_snapshots: int | None = None,
+                 context_tokens: int = 1024):  # the smallest context bucket (tokens; fewer save nothing measurable)
         if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if speculation not in SPECULATION:
@@ -178,6 +190,10 @@ class Engine:
         self.prefill_rows = (prefill_rows,) if batch_invariant else powers_of_two(prefill_rows)
         self.prefill_tokens = (prefill_chunk,) if batch_invariant else tuple(
             t for t in (8, 32, 128, 512) if t < prefill_chunk) + (prefill_chunk,)
+        # context buckets: one (the whole table) where a row's numbers must not depend on the other rows
+        # (batch-invariant) or on a mesh
+        self.context_pages = ((self.layout.pages_per_slot,) if batch_invariant or self.data_parallel is not None
+                              else context_buckets(self.layout, context_tokens))
         # verify bucket widths (1 + drafts): every width for DSpark, the full block for fixed speculation
         widths = tuple(sorted(set(verify_widths or range(2, self.num_drafts + 2))))
         if speculation == "dspark" and not all(2 <= w <= self.num_drafts + 1 for w in widths):
@@ -197,7 +213,7 @@ class Engine:
                                                          draft_module.init_state(1), drafter.config.target_layer_ids)
         self._halves = build_step_halves(model.graphdef, jax.tree.structure(model.params), empty["layers"],
                                          self.layout.page_tokens, num_top_logprobs, return_logits, spec, self.replay)
-        self.compiled: dict[tuple[int, int, int], Callable] = {}
+        self.compiled: dict[tuple[int, int, int, int], Callable] = {}
         self.costs: CostTable | None = None  # DSpark: seconds per decode / verify bucket (`profile`)
         self._steady_since: float | None = None  # end of the last iteration that ran no prefill step
         self.requests: dict[str, Request] = {}
@@ -217,13 +233,22 @@ class Engine:
                       "masked_during_forward": 0}  # decode steps whose masks were filled while the forward ran
         self._forward_in_flight = False  # a forward half runs while the host reads the previous step
         self._overlapped = 0.0  # commit seconds spent while a forward half ran
+        LOG.info(self.startup_summary())
+
+    def startup_summary(self) -> str:
+        """What the engine compiles (its step buckets, the context buckets among them)."""
+        pt = self.layout.page_tokens
+        return (f"{len(self.buckets())} step buckets: {len(self.buckets()) // len(self.context_pages)} shapes x "
+                f"{len(self.context_pages)} context buckets of {list(self.context_pages)} pages "
+                f"({[p * pt for p in self.context_pages]} tokens)")
 
     # ---- compilation --------------------------------------------------------------------------------------
-    def buckets(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens, verify length) shape the engine may run."""
-        return sorted({(r, 1, 1) for r in self.decode_rows}
-                      | {(r, w, w) for r in self.decode_rows for w in self.verify_widths}
-                      | {(r, t, 1) for r in self.prefill_rows for t in self.prefill_tokens})
+    def buckets(self) -> list[tuple[int, int, int, int]]:
+        """Every (rows, tokens, verify length, context pages) shape the engine may run."""
+        shapes = sorted({(r, 1, 1) for r in self.decode_rows}
+                        | {(r, w, w) for r in self.decode_rows for w in self.verify_widths}
+                        | {(r, t, 1) for r in self.prefill_rows for t in self.prefill_tokens})
+        return [(*shape, pages) for shape in shapes for pages in self.context_pages]
 
     def warmup(self) -> None:
         """Compile every bucket ahead of time (afterwards no step ever compiles); DSpark also profiles the
@@ -246,30 +271,30 @@ class Engine:
         warm-up runs: interference only ever adds time, and the observed periods add the host's work later
         (`CostTable`); the table is then made non-decreasing in the width (`monotone_in_width`)."""
         seconds = {}
-        for rows, width, verify_len in self.buckets():
-            if width != verify_len and width != 1:
-                continue  # a prefill bucket
-            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len)
+        for rows, width, verify_len, pages in self.buckets():
+            if (width != verify_len and width != 1) or pages != self.context_pages[0]:
+                continue  # a prefill bucket, or a longer context than the shortest
+            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
             batch = batch._replace(sampling=SamplingBatch.from_params([SamplingParams(seed=0)] * rows, rows))
             for draft in (True, False) if self.draft_fallback and width == 1 else (True,):
                 times = []
                 for _ in range(repeats + 2):
                     start = time.perf_counter()
-                    outputs, self.cache = self._executable((rows, width, verify_len))(
+                    outputs, self.cache = self._executable((rows, width, verify_len, pages))(
                         self.weights, self.cache, batch._replace(draft=np.asarray(draft)))
                     jax.block_until_ready(outputs)
                     times.append(time.perf_counter() - start)
                 seconds[rows, width if draft else 0] = min(times[2:])
         return CostTable(monotone_in_width(seconds))
 
-    def _executable(self, bucket: tuple[int, int, int]):
+    def _executable(self, bucket: tuple[int, int, int, int]):
         if bucket not in self.compiled:
-            rows, width, verify_len = bucket
+            rows, width, verify_len, pages = bucket
             if self.data_parallel is not None:
                 self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache,
                                                                    rows, width, verify_len, self._engram_shapes())
                 return self.compiled[bucket]
-            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len)
+            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
             if width == verify_len:  # a decode / verify bucket: in halves, for masks filled during the forward
                 self.compiled[bucket] = CompiledHalves(self._halves, self.weights, self.cache, batch, verify_len)
             else:
@@ -498,11 +523,13 @@ class Engine:
         constrained rows launches only its forward half: `_decide` fills the masks and launches the rest."""
         dp = self.data_parallel
         per_rank = len(rows) if dp is None else dp.rows_per_rank(rows)
-        bucket = (next(r for r in row_buckets if r >= per_rank), width, verify_len)
+        held = max(self.scheduler.pages.held(row.request.slot) for row in rows) if len(self.context_pages) > 1 else 0
+        bucket = (next(r for r in row_buckets if r >= per_rank), width, verify_len,
+                  next(p for p in self.context_pages if p >= held))
         executable = self._executable(bucket)
         later = decoding and isinstance(executable, CompiledHalves) and any(
             row.sample and row.request.grammar is not None for row in rows)
-        batch = self._batch(rows, bucket[0] if dp is None else len(rows), width, verify_len, budget,
+        batch = self._batch(rows, bucket[0] if dp is None else len(rows), width, verify_len, bucket[3], budget,
                             masks=not later)._replace(draft=np.asarray(draft))
         if dp is not None:
             batch = dp.place(batch, rows, bucket[0], width, verify_len, self._engram_shapes())
@@ -553,10 +580,11 @@ class Engine:
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
         return step.rows, outputs, step.bucket
 
-    def _batch(self, rows: list[Row], num_rows: int, width: int, verify_len: int, budget: int | None,
+    def _batch(self, rows: list[Row], num_rows: int, width: int, verify_len: int, pages: int, budget: int | None,
                masks: bool = True) -> StepBatch:
-        """The step's host inputs; `masks` False: the token masks are left all allowed (`_decide` fills them)."""
-        b = empty_batch(self.layout, num_rows, width, self._engram_shapes(), verify_len)
+        """The step's host inputs (`pages`: its context bucket); `masks` False: the token masks are left all
+        allowed (`_decide` fills them)."""
+        b = empty_batch(self.layout, num_rows, width, self._engram_shapes(), verify_len, pages)
         if masks:
             b = b._replace(bitmask=self._bitmask(rows, b.bitmask))
         if self.engram is not None:
@@ -566,7 +594,7 @@ class Engine:
             b.tokens[i, :n], b.kinds[i, :n] = row.tokens, row.kinds
             b.slots[i], b.starts[i], b.counts[i], b.caps[i] = row.request.slot, row.start, n, row.caps
             b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset and row.restore is None, row.sample
-            b.block_tables[i] = self.scheduler.block_table(row.request)
+            b.block_tables[i] = self.scheduler.block_table(row.request)[:pages]
             b.frozen[i], b.prompt_end[i] = row.frozen, row.prompt_end
         b.budget[...] = b.caps.sum() if budget is None else budget
         sampling = SamplingBatch.from_params([r.request.params for r in rows], num_rows)
