@@ -236,6 +236,9 @@ def _add_cache_and_grammar_flags(e) -> None:
     e.add_argument("--no-prefix-cache", action="store_true",
                    help="do not share the KV pages of cached prompt prefixes (on by default unless "
                         "--batch-invariant)")
+    e.add_argument("--kv-cache-memory", type=_int_at_least(1), metavar="BYTES",
+                   help="bytes of the shared KV page pools (default: every slot can reach --max-len)")
+    e.add_argument("--num-pages", type=_int_at_least(1), help="pages in the shared KV pools (or --kv-cache-memory)")
     e.add_argument("--host-pages", type=_int_at_least(0), default=0,
                    help="evicted prefix-cache pages kept in host memory and restored instead of recomputed")
     e.add_argument("--jump-forward", action="store_true",
@@ -265,6 +268,8 @@ def _engine_cache_and_grammar(args) -> dict:
         "replay": Replay(args.replay or "compact", args.replay_keep or DEFAULT_KEEP)}
     return {"prefix_cache": prefix, "jump_forward": args.jump_forward, **replay,
             **({"host_pages": args.host_pages} if args.host_pages else {}),
+            **({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}),
+            **({"num_pages": args.num_pages} if args.num_pages else {}),
             **({"prefix_snapshots": args.prefix_snapshots} if args.prefix_snapshots is not None else {}),
             **(mesh if args.mesh else {})}
 

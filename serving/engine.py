@@ -55,7 +55,7 @@ from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_toke
 from serving.grammar_budget import ClosePolicy
 from serving.grammar_mask import MaskFill, RequestGrammar, fill_masks, speculate_masks
 from serving.jump_forward import jump_forward
-from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache
+from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache, page_bytes
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
@@ -123,7 +123,9 @@ class Engine:
     `sharding.mesh.make_mesh`) splits the slots, pages and steps over attention data-parallel ranks, with the
     experts over `ep` (`serving.engine_dp`; no speculation or prefix cache); there `redundant_experts` EPLB
     slots per MoE layer and `eplb_every` (steps between rebalances, 0: never) balance the expert shards over
-    a window of `eplb_window` steps. `context_tokens`: the smallest context bucket (a step reads the first
+    a window of `eplb_window` steps. `kv_cache_memory` (bytes) sizes the shared page pools instead of `num_pages`; the engine admits requests
+    while pages last and preempts the latest arrivals when running ones need more. `context_tokens`: the smallest
+    context bucket (a step reads the first
     power-of-two multiple of it that covers its longest row; `context_buckets`).
     """
 
@@ -138,7 +140,8 @@ class Engine:
                  constraint_close: ClosePolicy | None = ClosePolicy(), jump_forward: bool = False,
                  mesh=None, redundant_experts: int = 0, eplb_every: int = 0, eplb_window: int = 100,
                  replay: Replay | None = ENGINE_DEFAULT, prefix_snapshots: int | None = None,
-                 context_tokens: int = 1024):  # the smallest context bucket (tokens; fewer save nothing measurable)
+                 context_tokens: int = 1024,  # the smallest context bucket (tokens; fewer save nothing measurable)
+                 kv_cache_memory: int | None = None):  # bytes of the shared page pools (instead of num_pages)
         if not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if speculation not in SPECULATION:
@@ -161,6 +164,11 @@ class Engine:
         if drafter is not None:
             backtrack = max(backtrack, num_drafts + 1)
         self.model, self.config = model, model.config
+        if kv_cache_memory is not None:
+            if num_pages is not None:
+                raise ValueError("give kv_cache_memory or num_pages, not both")
+            page_tokens = CacheLayout.for_model(self.config, max_slots, max_len, None, page_tokens).page_tokens
+            num_pages = kv_cache_memory // page_bytes(model.module(), page_tokens)
         self.layout = CacheLayout.for_model(self.config, max_slots, max_len, num_pages, page_tokens, backtrack)
         self.prefill_chunk = prefill_chunk
         self.data_parallel = None
@@ -236,11 +244,15 @@ class Engine:
         LOG.info(self.startup_summary())
 
     def startup_summary(self) -> str:
-        """What the engine compiles (its step buckets, the context buckets among them)."""
-        pt = self.layout.page_tokens
-        return (f"{len(self.buckets())} step buckets: {len(self.buckets()) // len(self.context_pages)} shapes x "
-                f"{len(self.context_pages)} context buckets of {list(self.context_pages)} pages "
-                f"({[p * pt for p in self.context_pages]} tokens)")
+        """The KV pool (pages, page size, the most tokens it holds at once: vLLM's "maximum concurrency") and
+        what the engine compiles (its step buckets, the context buckets among them)."""
+        layout, pt = self.layout, self.layout.page_tokens
+        held = layout.num_pages * pt
+        return (f"KV cache: {layout.num_pages} pages of {pt} tokens ({page_bytes(self.model.module(), pt)} bytes "
+                f"each), {held} tokens at most; maximum concurrency for {layout.max_len}-token requests: "
+                f"{held / layout.max_len:.2f}x. {len(self.buckets())} step buckets: "
+                f"{len(self.buckets()) // len(self.context_pages)} shapes x {len(self.context_pages)} context "
+                f"buckets of {list(self.context_pages)} pages ({[p * pt for p in self.context_pages]} tokens)")
 
     # ---- compilation --------------------------------------------------------------------------------------
     def buckets(self) -> list[tuple[int, int, int, int]]:

@@ -66,6 +66,13 @@ class CacheLayout:
         return layout
 
 
+def page_bytes(module, page_tokens: int) -> int:
+    """Bytes one page holds over every layer's paged leaves (compressed entries and index keys) of a model module."""
+    shapes = jax.eval_shape(lambda: module.init_cache(1, page_tokens)["layers"])
+    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize
+               for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0] if _paged(path))
+
+
 def init_engine_cache(module, layout: CacheLayout, drafter=None) -> dict:
     """The empty device cache of `layout` for a model module (DeepseekV4 or DeepseekV41); with a DSpark drafter
     module (`model.dspark.DSparkDrafter`) also each slot's drafter context rings and its current drafted block

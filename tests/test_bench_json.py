@@ -43,3 +43,13 @@ def test_bench_scripts_print_through_json_line(script):
     dumps_printed = [node.lineno for node in calls if getattr(node.func, "id", None) == "print"
                      for arg in ast.walk(node) if isinstance(arg, ast.Attribute) and arg.attr == "dumps"]
     assert not dumps_printed, f"{script.name} prints json.dumps at lines {dumps_printed}"
+
+
+def test_bench_context_summary_is_json_safe():
+    import bench_context
+
+    runs = {key: [np.float64(v), v] for key, v in (("tps_b1_1024", 50.0), ("tps_b1_65536", 45.0),
+                                                   ("tps_b8_1024", 200.0), ("tps_b8_65536", 190.0),
+                                                   ("tps_ctx1k_b1", 50.0), ("tps_ctx16k_b1", 40.0))}
+    line = json.loads(json_line(bench_context.summary(runs, {"read_bytes_per_s": np.float32(1e10)}, 0.95, {})))
+    assert line["maxlen_flatness_b1"] == pytest.approx(0.9) and line["context_ratio_over_ideal"] == pytest.approx(0.8 / 0.95)

@@ -5,10 +5,11 @@ table that covers its longest row, equals the reference cached path (`Model.step
 import dataclasses
 
 import numpy as np
+import pytest
 
 from model.config import preset
 from serving.engine import Engine, context_buckets
-from serving.kv_cache import CacheLayout
+from serving.kv_cache import CacheLayout, page_bytes
 from serving.sampling import SamplingParams
 from serving.step import compile_step, empty_batch
 from tests.helpers import random_model
@@ -60,3 +61,15 @@ def test_decode_temp_memory_does_not_grow_with_max_len():
     model = random_model(CONFIG, seed=3, noise=0.05)
     short, long = decode_temp_bytes(model, 1024), decode_temp_bytes(model, 65536)
     assert abs(long - short) <= 0.1 * short, (short, long)
+
+
+def test_kv_cache_memory_sizes_the_pools():
+    """Tiny's main layers (0, 4, 16, 4) keep per 16-token page: each CSA layer 4 entries of 32 + 4 index keys
+    of 16 floats, the HCA layer one entry of 32: 416 fp32 values."""
+    model = random_model(preset("tiny"), seed=0)
+    assert page_bytes(model.module(), 16) == 416 * 4
+    engine = Engine(model, max_slots=4, max_len=64, page_tokens=16, kv_cache_memory=5 * 416 * 4 + 100)
+    assert engine.layout.num_pages == 5
+    assert "5 pages of 16 tokens (1664 bytes each), 80 tokens at most" in engine.startup_summary()
+    with pytest.raises(ValueError, match="cannot hold even one request"):
+        Engine(model, max_slots=4, max_len=64, page_tokens=16, kv_cache_memory=3 * 416 * 4)
