@@ -53,3 +53,17 @@ def test_bench_context_summary_is_json_safe():
                                                    ("tps_ctx1k_b1", 50.0), ("tps_ctx16k_b1", 40.0))}
     line = json.loads(json_line(bench_context.summary(runs, {"read_bytes_per_s": np.float32(1e10)}, 0.95, {})))
     assert line["maxlen_flatness_b1"] == pytest.approx(0.9) and line["context_ratio_over_ideal"] == pytest.approx(0.8 / 0.95)
+
+
+def test_bench_engine_roofline_figures_are_json_safe(monkeypatch):
+    import bench_engine
+
+    measured = {"gemm_flops_per_s_b1": np.float64(1e10), "gemm_flops_per_s_b16": np.float64(1e11),
+                "read_bytes_per_s": np.float64(1e10)}
+    monkeypatch.setattr(bench_engine.roofline, "measure", lambda config, rows: measured)
+    config = preset("tiny")
+    figures = json.loads(json_line(bench_engine.roofline_figures(config, {"jaxseek_decode_tps_b1": 100.0}, 40)))
+    cost = bench_engine.decode_step_cost(config, 1, 40)
+    ideal = max(cost["flops"] / 1e10, cost["bytes"] / 1e10)
+    assert figures["roofline_fraction_b1"] == pytest.approx(ideal * 100.0)
+    assert figures["roofline_fraction_b16"] is None  # no batch-16 figure measured
