@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention as paged
-from tests.test_kernels import close, in_bounds  # noqa: F401  (a fixture)
+from tests.test_kernels import close, in_bounds, triton_problems  # noqa: F401  (in_bounds: a fixture)
 
 pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("in_bounds")]  # no index outside an array
 B, C, H, D, N_WINDOW, PER_PAGE, ROW_PAGES, POOL_PAGES = 2, 2, 4, 16, 6, 4, 3, 9
@@ -69,3 +69,19 @@ def test_paged_index_scores_equal_reference():
     expected = paged.paged_index_scores_reference(q, zero_pages, table, weights, visible)
     assert expected.shape == (B, C, ROW_PAGES * PER_PAGE) and np.isinf(np.asarray(expected)[:, 0, 3:]).all()
     close(paged.paged_index_scores(q, nan_pages, table, weights, visible), expected)
+
+
+@pytest.mark.parametrize("variant", ["sm90", "sm100"])
+def test_paged_kernels_fit_triton(variant):
+    """At the GPU tile sizes every array the kernel bodies compute has power-of-two dimensions and every block
+    divides its array, for query, window and pick counts that are not powers of two (`triton_problems`)."""
+    z = jnp.zeros
+    q, kv, ids, valid, sink = z((2, 3, 4, 16)), z((2, 23, 16)), z((2, 3, 16), jnp.int32), z((2, 3, 16), bool), z((4,))
+    pages, table = z((9, 32, 16)), z((2, 3), jnp.int32)
+    cases = {"attention": (paged.paged_sink_attention, (q, kv, ids, valid, sink, pages, table,
+                                                         z((2, 3, 5), jnp.int32))),
+             "hca": (paged.paged_hca_attention, (q, kv, ids, valid, sink, pages, table, jnp.arange(3))),
+             "index scores": (paged.paged_index_scores, (z((2, 6, 4, 16)), pages, table, z((2, 6, 4)),
+                                                         jnp.arange(6)))}
+    for name, (fn, args) in cases.items():
+        assert triton_problems(variant, fn, *args) == [], name
