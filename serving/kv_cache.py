@@ -82,7 +82,6 @@ def init_engine_cache(module, layout: CacheLayout, drafter=None) -> dict:
     layers = jax.tree.map_with_path(lambda path, leaf: _pool(path, leaf, layout, span), ref["layers"])
     cache = {
         "layers": layers,
-        "block_tables": jnp.full((slots, layout.pages_per_slot), layout.scratch_page, jnp.int32),
         "last_token": jnp.zeros((slots,), jnp.int32),
         "next_pos": jnp.zeros((slots,), jnp.int32),  # the position of `last_token`
         "prompt_mask": jnp.zeros((slots, layout.vocab_size), bool),

@@ -155,7 +155,7 @@ def decide_weights(weights: tuple, head_leaves: tuple[int, ...]) -> tuple:
     return [weights[0][i] for i in head_leaves], weights[1]
 
 
-LAYER_STATE = ("layers", "block_tables")  # the cache entries the forward half updates; the decide half the rest
+LAYER_STATE = ("layers",)  # the cache entries the forward half updates; the decide half the rest
 
 
 class StepHalves(NamedTuple):
@@ -191,7 +191,6 @@ def build_step_halves(graphdef, param_tree, empty_layers: dict, page_tokens: int
         rows, width = batch.tokens.shape
         tables = batch.block_tables  # [r, context pages]: the bucket's first pages of each row's table
         context = tables.shape[1]
-        cache = {**cache, "block_tables": cache["block_tables"].at[slots, :context].set(tables)}
         # materialised before use, so the slot buffers are no longer read when they are updated in place
         states = jax.lax.optimization_barrier(gather_rows(cache, slots, tables, empty_layers, batch.reset))
         states = freeze(states, batch.frozen)
