@@ -102,6 +102,7 @@ def cmd_generate(args) -> int:
                     batch_invariant=args.batch_invariant, zero_overhead=not args.no_zero_overhead,
                     num_top_logprobs=num_top, seed=args.seed, detokenize=tokenizer.decode,
                     speculation=args.speculation, num_drafts=args.num_drafts, **_engine_cache_and_grammar(args))
+    print(f"jaxseek generate: {engine.startup_summary()}", file=sys.stderr)
     submit(engine, requests)
     loaded = time.perf_counter()
     if not args.no_warmup and engine.has_work:

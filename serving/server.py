@@ -611,6 +611,7 @@ def serve(args, model, **engine_args) -> int:
     server = Server(model, config, max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                     batch_invariant=args.batch_invariant, num_top_logprobs=args.max_logprobs, seed=args.seed,
                     speculation=args.speculation, num_drafts=args.num_drafts, **engine_args)
+    print(f"jaxseek serve: {server.engine.startup_summary()}", file=sys.stderr)
     if not args.no_warmup:
         server.engine.warmup()
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")
