@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
