@@ -96,6 +96,7 @@ def cmd_generate(args) -> int:
     tokenizer = tokenizer_for(model)
     encode_prompts(tokenizer, requests, format_for(tokenizer, args.chat_format, args.model))
     engine = Engine(model, fitted_config(requests, config), detokenize=tokenizer.decode)
+    print(f"jaxseek generate: {engine.startup_summary()}", file=sys.stderr)
     submit(engine, requests)
     loaded = time.perf_counter()
     if not args.no_warmup and engine.has_work:
@@ -249,6 +250,9 @@ def _add_cache_and_grammar_flags(e) -> None:
     e.add_argument("--no-prefix-cache", action="store_true",
                    help="do not share the KV pages of cached prompt prefixes (on by default unless "
                         "--batch-invariant)")
+    e.add_argument("--kv-cache-memory", type=_int_at_least(1), metavar="BYTES",
+                   help="bytes of the shared KV page pools (default: every slot can reach --max-len)")
+    e.add_argument("--num-pages", type=_int_at_least(1), help="pages in the shared KV pools (or --kv-cache-memory)")
     e.add_argument("--host-pages", type=_int_at_least(0), default=0,
                    help="evicted prefix-cache pages kept in host memory and restored instead of recomputed")
     e.add_argument("--jump-forward", action="store_true",
@@ -281,7 +285,8 @@ def _engine_config(args, **settings):
                         batch_invariant=args.batch_invariant, seed=args.seed, speculation=args.speculation,
                         num_drafts=args.num_drafts, prefix_cache=False if args.no_prefix_cache else None,
                         host_pages=args.host_pages, prefix_snapshots=args.prefix_snapshots,
-                        jump_forward=args.jump_forward, **replay, **(mesh if args.mesh else {}), **settings)
+                        jump_forward=args.jump_forward, kv_cache_memory=args.kv_cache_memory,
+                        num_pages=args.num_pages, **replay, **(mesh if args.mesh else {}), **settings)
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:

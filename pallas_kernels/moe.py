@@ -37,26 +37,31 @@ def routed_experts_reference(
 ) -> Float[Array, "t d"]:
     """Sum over each token's chosen experts of weight * expert(x), accumulated in fp32 (`dot_f32`).
 
-    With fewer (token, expert) pairs than experts (decode of a few tokens), each pair switches to its
-    expert's branch, which reads only that expert's weights (XLA:CPU copies the slice once, where a gather
-    of expert weights made a transposed copy at a tenth of the speed); otherwise every expert runs on every
-    token and a dense combine keeps each token's share (on CPU this beats sorting pairs into
-    `lax.ragged_dot`, which measured 2x slower), contracting the stacked weights on their stored last axis
-    (no transposed copies). The Pallas form is `routed_experts` below (grouped matmul over pairs sorted by
-    expert)."""
+    Only the (token, expert) pairs are computed. With fewer pairs than experts (decode of a few tokens), each
+    pair switches to its expert's branch, which reads only that expert's weights (XLA:CPU copies the slice once,
+    where a gather of expert weights made a transposed copy at a tenth of the speed). Otherwise the pairs are
+    sorted into expert-aligned tiles (`sort_pairs`) of about one expert's mean share of rows, and each tile that
+    holds pairs runs its expert once, contracting the stored weights on their last axis (no transposed copies);
+    empty tiles are skipped. The Pallas form is `routed_experts` below (the same tiles as grouped matmul
+    kernels)."""
     n_exp, inter, dim = w1.shape
+
+    def expert(v, e):
+        return dot_f32(clamped_swiglu(dot_f32(v, w1[e]), dot_f32(v, w3[e]), limit), w2[e])
+
     if ids.size < n_exp:
-        experts = [lambda v, e=e: dot_f32(clamped_swiglu(dot_f32(v, w1[e]), dot_f32(v, w3[e]), limit), w2[e])
-                   for e in range(n_exp)]
+        experts = [lambda v, e=e: expert(v, e) for e in range(n_exp)]
         out = jnp.zeros(x.shape, jnp.float32)
         for t, k in np.ndindex(ids.shape):
             out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, x[t:t + 1])[0])
         return out
-    combine = jnp.sum(jax.nn.one_hot(ids, n_exp, dtype=jnp.float32) * weights[..., None], axis=1)
-    h = clamped_swiglu(dot_f32(x, w1.reshape(-1, dim)), dot_f32(x, w3.reshape(-1, dim)), limit)
-    y = jnp.einsum("tei,edi->etd", h.reshape(-1, n_exp, inter).astype(w2.dtype), w2,
-                   preferred_element_type=jnp.float32)
-    return jnp.einsum("te,etd->td", combine, y)
+    tile = max(8, pl.next_power_of_2(-(-ids.size // n_exp)))
+    rows, row_pair, tile_expert, slot = sort_pairs(ids, n_exp, tile)
+    xs = jnp.where((rows >= 0)[:, None], x[jnp.maximum(rows, 0)], 0).reshape(-1, tile, dim)
+    empty = jnp.zeros((tile, dim), jnp.float32)
+    y = jax.lax.map(lambda a: jax.lax.cond(a[1] >= 0, lambda: expert(a[0], a[1]), lambda: empty), (xs, tile_expert))
+    row_weight = jnp.where(row_pair >= 0, weights.reshape(-1)[jnp.maximum(row_pair, 0)], 0.0)
+    return jnp.sum((y.reshape(-1, dim) * row_weight[:, None])[slot], axis=1)
 
 
 def sort_pairs(ids: Int[Array, "t k"], n_exp: int, tile: int):

@@ -65,20 +65,25 @@ def hca_attention(
     return _attend(q, pool, jnp.where(valid, ids, -1), sink, tail_start, tail_len.astype(jnp.int32))
 
 
-def _attend(q, pool, ids, sink, tail_start: int, tail_len):
+def _attend(q, pool, ids, sink, tail_start: int, tail_len, extra=None, extra_ids=None):
+    """The kernel call: keys `ids` of each row's `pool`, then (`tail_len`) rows tail_start.. of it, then (`extra`
+    [N, d], one pool all rows share, e.g. flattened pages) its rows `extra_ids` [b, c, m] (-1: none)."""
     b, c, h, d = q.shape
     t = tuning.tiles()
     decode = c <= tuning.DECODE_MAX_QUERIES
     bk = t.attn_block_k
-    ids = jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, 0), (0, -ids.shape[-1] % bk)), constant_values=-1)
+    pad = lambda x: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, 0), (0, -x.shape[-1] % bk)),  # noqa: E731
+                            constant_values=-1)
+    ids = pad(ids)
+    extra_ids = None if extra is None else pad(extra_ids)
     n_tail = pool.shape[1] - tail_start if tail_len is not None else 0
-    blocks = ids.shape[-1] // bk + pl.cdiv(n_tail, bk)
+    blocks = ids.shape[-1] // bk + pl.cdiv(n_tail, bk) + (0 if extra is None else extra_ids.shape[-1] // bk)
     splits = max(1, min(t.attn_decode_splits, blocks // SPLIT_MIN_BLOCKS)) if decode else 1
     hb = tuning.fit(t.attn_decode_heads, h) if decode else h
     tail_len = jnp.zeros((c,), jnp.int32) if tail_len is None else tail_len
     grid = (b, c, h // hb, splits)
     kernel = functools.partial(_kernel, block_k=bk, splits=splits, tail_start=tail_start, has_tail=n_tail > 0,
-                               scale=d ** -0.5)
+                               has_extra=extra is not None, scale=d ** -0.5)
     in_specs = [
         pl.BlockSpec((None, None, hb, d), lambda i, j, g, s: (i, j, g, 0)),
         pl.BlockSpec((None, pool.shape[1], d), lambda i, j, g, s: (i, 0, 0)),
@@ -86,6 +91,11 @@ def _attend(q, pool, ids, sink, tail_start: int, tail_len):
         pl.BlockSpec((1,), lambda i, j, g, s: (j,)),
         pl.BlockSpec((hb,), lambda i, j, g, s: (g,)),
     ]
+    operands = [q, pool, ids, tail_len, sink.astype(jnp.float32)]
+    if extra is not None:
+        in_specs += [pl.BlockSpec(extra.shape, lambda i, j, g, s: (0, 0)),
+                     pl.BlockSpec((None, None, extra_ids.shape[-1]), lambda i, j, g, s: (i, j, 0))]
+        operands += [extra, extra_ids]
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
         out_specs = pl.BlockSpec((None, None, hb, d), lambda i, j, g, s: (i, j, g, 0))
@@ -97,8 +107,7 @@ def _attend(q, pool, ids, sink, tail_start: int, tail_len):
                      pl.BlockSpec((None, None, None, hb), lambda i, j, g, s: (i, j, s, g)),
                      pl.BlockSpec((None, None, None, hb), lambda i, j, g, s: (i, j, s, g)))
     out = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                         name="sparse_sink_attention", **tuning.call_options())(
-        q, pool, ids, tail_len, sink.astype(jnp.float32))
+                         name="sparse_sink_attention", **tuning.call_options())(*operands)
     if splits == 1:
         return out
     part, m, l = out
@@ -108,17 +117,20 @@ def _attend(q, pool, ids, sink, tail_start: int, tail_len):
     return (jnp.sum(w[..., None] * part.astype(jnp.float32), axis=2) / den[..., None]).astype(q.dtype)
 
 
-def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *out_refs, block_k: int, splits: int,
-            tail_start: int, has_tail: bool, scale: float):
-    """One (row, query, head block, split): online softmax over its share of key blocks."""
+def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *refs, block_k: int, splits: int,
+            tail_start: int, has_tail: bool, has_extra: bool, scale: float):
+    """One (row, query, head block, split): online softmax over its share of key blocks (the row's pool, then
+    the shared `extra` pool)."""
+    extra_ref, extra_ids_ref = refs[:2] if has_extra else (None, None)
+    out_refs = refs[2:] if has_extra else refs
     q = q_ref[...]
     sink = sink_ref[...]
     split = pl.program_id(3)
     lanes = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
 
-    def attend(carry, rows, ok):
+    def attend(carry, rows, ok, source=pool_ref):
         m, l, acc = carry
-        keys = pool_ref[jnp.where(ok, rows, 0), :]
+        keys = source[jnp.where(ok, rows, 0), :]
         keys = jnp.where(ok[:, None], keys, jnp.zeros_like(keys))
         s = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         s = jnp.where(ok[None, :], s, -jnp.inf)
@@ -144,6 +156,13 @@ def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *out_refs, block_k: in
 
         tail_blocks = (tail_len + block_k - 1) // block_k
         carry = jax.lax.fori_loop(0, jnp.maximum(tail_blocks - split + splits - 1, 0) // splits, tail, carry)
+    if has_extra:
+        def shared(i, carry):
+            rows = extra_ids_ref[pl.ds((split + i * splits) * block_k, block_k)]
+            return attend(carry, rows, rows >= 0, extra_ref)
+
+        extra_blocks = extra_ids_ref.shape[0] // block_k
+        carry = jax.lax.fori_loop(0, (extra_blocks - split + splits - 1) // splits, shared, carry)
     m, l, acc = carry
     if splits == 1:
         (o_ref,) = out_refs

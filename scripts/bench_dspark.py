@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -54,6 +53,7 @@ from serving.engine_config import EngineConfig  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
 from serving.verify_plan import prefix_survival  # noqa: E402
 from training.drafter import TargetPass, generate, kept_at_budget, sample_anchors, verify_offline  # noqa: E402
+from bench_json import json_line  # noqa: E402
 
 PROMPTS = ["ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow", "The sea is calm", "What say you, my lord?",
            "JULIET:\nO", "Enter a Messenger.\n", "My gracious sovereign,", "HAMLET:\nTo", "Good morrow, sir.",
@@ -153,7 +153,7 @@ def main() -> None:
         print(f"{mode:7s} b1 {figures['tok_s_b1']:7.1f} tok/s  b16 {figures['tok_s_b16']:7.1f} tok/s  accepted/step "
               f"{figures['accepted_per_step']:.3f}  verified/step {figures['verified_per_step']:.3f}  "
               f"(compiled in {figures['warmup_s']} s)", file=sys.stderr)
-        print(json.dumps({mode: figures}), file=sys.stderr, flush=True)  # kept if a later mode fails
+        print(json_line({mode: figures}), file=sys.stderr, flush=True)  # kept if a later mode fails
     ratio = lambda a, b: round(a / b, 4) if b else None  # noqa: E731
     fixed = result.get("fixed")
     for mode, prefix in (("dspark", ""), ("dspark-planner", "planner_")):
@@ -191,7 +191,7 @@ def main() -> None:
     print("admission: share of fixed's expected accepted drafts kept at 25 % fewer verified: "
           + ", ".join(f"{k} {v:.3f}" for k, v in result["admission"]["0.25"].items()), file=sys.stderr)
     result["load_avg_end"] = os.getloadavg()[0]
-    print(json.dumps(result))
+    print(json_line(result))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,12 @@ the ratio least disturbed by a load that changes over time. A busy machine hurts
 per-op thread barriers stall whenever one of its threads has no core (seen here: HF decode steps of ~50 ms
 took ~1.5 s while a test suite ran alongside), so never trust a result with a warning.
 
+Roofline (after the timed runs, `scripts/roofline.py`): this machine's fp32 GEMM peak at each decode step's
+matmul shapes (1 and 16 rows) and its streaming read bandwidth; `model.step_cost` counts the FLOPs and bytes a
+decode step needs at the runs' middle position (each row's chosen experts only, each hit expert read once), and
+`roofline_fraction_b*` = the least time such a step can take (max of FLOPs / peak, bytes / bandwidth) over the
+measured time per step (rows / decode tokens/s).
+
 Speedups are jaxseek tokens/s over HF tokens/s. `greedy_match_*` compares the greedy tokens of both sides (the
 fraction of rows whose N tokens are identical): fp32 on both sides, so anything well below 1 is a numerics
 problem (or a near-tie in a random model), not a timing one. If either side fails, its traceback is put into
@@ -91,12 +97,16 @@ from model.config import preset  # noqa: E402
 from serving.engine import Engine  # noqa: E402
 from serving.engine_config import EngineConfig  # noqa: E402
 from serving.sampling import SamplingParams  # noqa: E402
+import roofline  # noqa: E402
+from bench_json import json_line  # noqa: E402
+from model.step_cost import decode_step_cost, roofline_seconds  # noqa: E402
 
 HF_SCRIPT = Path(__file__).resolve().parent / "hf_bench.py"
 MAX_SLOTS, PREFILL_CHUNK, MAX_PREFILL_ROWS = 16, 256, 2
 ENGINE = EngineConfig(max_slots=MAX_SLOTS, prefill_chunk=PREFILL_CHUNK, max_prefill_rows=MAX_PREFILL_ROWS)
 BUSY_CORES = 0.25  # background load above which the result carries a warning
-HEADLINE = ("benchmark", "decode_speedup_b1", "decode_speedup_b16", "prefill_speedup", "host_overhead_fraction",
+HEADLINE = ("benchmark", "decode_speedup_b1", "decode_speedup_b16", "roofline_fraction_b1", "roofline_fraction_b16",
+            "prefill_speedup", "host_overhead_fraction",
             "jaxseek_decode_tps_b1", "hf_decode_tps_b1", "jaxseek_decode_tps_b16", "hf_decode_tps_b16",
             "jaxseek_prefill_tps", "hf_prefill_tps", "device_ms_per_step", "host_ms_per_step", "wall_ms_per_step",
             "host_overhead_fraction_b1", "device_ms_per_step_b1", "host_ms_per_step_b1", "wall_ms_per_step_b1",
@@ -237,7 +247,7 @@ def host_overhead(engine: Engine, prompts: list[list[int]], steps: int, rounds: 
     for _ in range(3):  # steady state: every step is one decode step of all rows
         engine.step()
 
-    bucket = (next(r for r in engine.decode_rows if r >= batch), 1, 1)
+    bucket = (next(r for r in engine.decode_rows if r >= batch), 1, 1, engine.context_pages[0])  # short prompts
     executable, captured = engine.compiled[bucket], []
 
     def recording(params, cache, step_batch):
@@ -448,6 +458,23 @@ def run_all(ckpt: Path, prompts: dict, prompts_file: Path, threads: int, args) -
     return r
 
 
+# ---- roofline -----------------------------------------------------------------------------------------------
+def roofline_figures(config, result: dict, context: int) -> dict:
+    """This machine's roofline (GEMM peak at each decode step's shapes, streaming read bandwidth), the FLOPs and
+    bytes a decode step of 1 and 16 rows needs at position `context` (`model.step_cost`), and the fraction of
+    that roofline the measured decode reaches: (least time a step can take) / (measured time per step)."""
+    measured = roofline.measure(config, (1, 16))
+    out = dict(measured)
+    for rows in (1, 16):
+        cost = decode_step_cost(config, rows, context)
+        ideal = roofline_seconds(cost, measured[f"gemm_flops_per_s_b{rows}"], measured["read_bytes_per_s"])
+        tps = result.get(f"jaxseek_decode_tps_b{rows}")
+        out |= {f"step_flops_b{rows}": cost["flops"], f"step_bytes_b{rows}": cost["bytes"],
+                f"roofline_ms_per_step_b{rows}": ideal * 1e3,
+                f"roofline_fraction_b{rows}": ideal * tps / rows if tps else None}
+    return out
+
+
 # ---- main ---------------------------------------------------------------------------------------------------
 def code_state() -> dict:
     """The commit measured and the files that differ from it (the working tree is what ran)."""
@@ -532,6 +559,8 @@ def main() -> None:
     result["decode_speedup_b16"] = ratio(result, "jaxseek_decode_tps_b16", "hf_decode_tps_b16")
     result["prefill_speedup"] = ratio(result, "jaxseek_prefill_tps", "hf_prefill_tps")
     result["speedups_median_of_paired_rounds"] = paired
+    log("measuring this machine's roofline")
+    result.update(roofline_figures(config, result, args.decode_prompt_len + args.decode_tokens // 2))
     for suffix in ("", "_b1"):
         if f"background_load_cores{suffix}" in result:
             loads[f"host_overhead{suffix or '_b16'}"] = result.pop(f"background_load_cores{suffix}")
@@ -582,7 +611,7 @@ def main() -> None:
         result["settings"][key] = result.pop(key, None)
     result["total_s"] = time.perf_counter() - t_start
     first = [k for k in HEADLINE if k in result]
-    line = json.dumps({**{k: result[k] for k in first}, **{k: v for k, v in result.items() if k not in first}})
+    line = json_line({**{k: result[k] for k in first}, **{k: v for k, v in result.items() if k not in first}})
     if args.out:
         args.out.write_text(line + "\n")
     print(line)

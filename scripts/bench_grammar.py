@@ -66,6 +66,7 @@ from model.tokenizer import TextTokenizer  # noqa: E402
 from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer  # noqa: E402
 from serving.grammar_mask import (RequestGrammar, apply_token_bitmask, bitmask_width, fill_masks,  # noqa: E402
                                   speculate_masks)
+from bench_json import json_line  # noqa: E402
 
 SCHEMAS = REPO_ROOT / "tests" / "data" / "json_schemas.json"
 MAX_PATH = 400
@@ -302,7 +303,7 @@ def main() -> None:
         result.update(engine_overhead(list(schemas.values()), args.requests, args.engine_tokens, args.speculation,
                                       not args.no_close, args.repeats))
     result["load_average_end"] = round(os.getloadavg()[0], 2)
-    print(json.dumps(result))
+    print(json_line(result))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ kernels run in interpret mode: use `--small` there (shapes scaled down; timings 
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench_json import json_line  # noqa: E402
 from pallas_kernels import registry  # noqa: E402
 from sharding.platform import PROFILES, profile_for  # noqa: E402
 
@@ -153,12 +153,12 @@ def main(argv=None) -> int:
             peak = profile.hbm_bytes_per_s if bound == "hbm" else profile.bf16_flops
             row["peak_fraction"] = (row["bytes_per_s"] if bound == "hbm" else row["flops_per_s"]) / peak
         rows.append(row)
-        print(json.dumps(row) if args.json else
+        print(json_line(row) if args.json else
               f"{name:>26}: {seconds * 1e3:9.3f} ms (reference "
               f"{'-' if ref_seconds is None else f'{ref_seconds * 1e3:.3f} ms'}), {row['bytes_per_s'] / 1e9:8.1f} GB/s, "
               f"{row['flops_per_s'] / 1e12:7.2f} TFLOP/s, peak fraction {row['peak_fraction']}", flush=True)
     decode = next((r for r in rows if r["case"] == "sparse_attention_decode"), None)
-    print(json.dumps({"summary": True, "device": device.device_kind, "platform": device.platform,
+    print(json_line({"summary": True, "device": device.device_kind, "platform": device.platform,
                       "profile": profile and profile.name, "small": args.small, "cases": len(rows),
                       "sparse_decode_hbm_fraction": decode and decode["peak_fraction"]}))
     return 0

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -54,6 +53,7 @@ from model.api import Model
 from model.initialize import init_model
 from model.config_v41 import V41Config, v41_flash
 from model.replay import Replay
+from bench_json import json_line
 
 
 def bench_config() -> V41Config:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     result.update(ttft_seconds(model, args.ttft_len, args.ttft_chunk, args.runs, rng, args.keep))
     result.update(load_avg_1m_after=round(os.getloadavg()[0], 2), keep=args.keep, chunk=args.chunk,
                   config="bench_config(): v41-flash schedule, 40 layers (21 prefill + 19 replay), hidden 128")
-    print(json.dumps(result))
+    print(json_line(result))
     return result
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from serving.loadgen import run_load  # noqa: E402
+from bench_json import json_line  # noqa: E402
 
 PROMPTS = ["Who goes there?", "Speak, what news from Venice?", "What light through yonder window breaks?",
            "Tell me of the king.", "Is this a dagger which I see before me?", "Where is the duke?"]
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     finally:
         if stop is not None:
             stop()
-    print(json.dumps(summary))
+    print(json_line(summary))
     ok = (summary["failed"] == 0 and summary["bad_requests_refused_4xx"] == summary["bad_requests"]
           and summary["leaked_pages"] == 0 and summary["server_up"])
     return 0 if ok else 1

@@ -284,5 +284,5 @@ def summary_lines(summary: dict, stats: dict, compiled: Sequence) -> list[str]:
         f"generate {summary['generate_s']:.2f} s)",
         f"throughput: prefill {prefill / seconds:.1f} tokens/s, decode {decode / seconds:.1f} tokens/s over the "
         f"generation loop ({steps} steps" + (", incl. compiling: --no-warmup)" if not summary["warmup"] else ")"),
-        f"compiled buckets (rows, tokens, verify): {len(compiled)} {sorted(compiled)}",
+        f"compiled buckets (rows, tokens, verify, context pages): {len(compiled)} {sorted(compiled)}",
     ]

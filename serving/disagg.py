@@ -33,7 +33,7 @@ from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingParams
 
 
-NOT_PER_SLOT = ("layers", "block_tables")  # cache entries a hand-off does not copy slot by slot
+NOT_PER_SLOT = ("layers",)  # cache entries a hand-off does not copy slot by slot
 
 
 def _paged(path) -> bool:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import os
 import time
 import uuid
@@ -53,7 +54,7 @@ from serving.constraints import ConstraintSpec
 from serving.engine_config import EngineConfig
 from serving.engine_dp import DataParallel
 from serving.jump_forward import jump_forward
-from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache
+from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache, page_bytes
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
@@ -63,17 +64,28 @@ from serving.speculation_policy import SpeculationPolicy
 from serving.structured_outputs import StructuredOutputs
 from serving.verify_plan import CostTable, monotone_in_width
 
-def powers_of_two(limit: int) -> tuple[int, ...]:
-    """1, 2, 4, ... up to and including `limit` (which is added if not a power of two)."""
-    out = [1 << i for i in range(limit.bit_length()) if 1 << i < limit]
+LOG = logging.getLogger(__name__)
+
+
+def powers_of_two(limit: int, least: int = 1) -> tuple[int, ...]:
+    """least, 2 least, 4 least, ... up to and including `limit` (which is added if not of that form)."""
+    out = [least << i for i in range(limit.bit_length()) if least << i < limit]
     return tuple(out + [limit])
+
+
+def context_buckets(layout: CacheLayout, least_tokens: int) -> tuple[int, ...]:
+    """The context-pages buckets of `layout`: the pages of `least_tokens` times powers of two, up to a slot's
+    whole table (at most log2(max_len / least_tokens) + 1 of them). A step reads, of each row's table, the
+    first bucket that covers its longest row, so its cost follows the live context, not `max_len`."""
+    least = max(1, min(layout.pages_per_slot, -(-least_tokens // layout.page_tokens)))
+    return powers_of_two(layout.pages_per_slot, least)
 
 
 class _Forwarding(NamedTuple):
     """A decode / verify step whose forward half runs on the device, its decide half waiting for token masks."""
 
     rows: list[Row]
-    bucket: tuple[int, int, int]
+    bucket: tuple[int, int, int, int]
     batch: StepBatch
     executable: CompiledHalves
     forwarded: Forwarded
@@ -94,8 +106,13 @@ class Engine:
         self.speculation = SpeculationPolicy(config, drafter.config.block_size if drafter is not None else 0)
         num_drafts = self.speculation.num_drafts
         backtrack = config.backtrack if drafter is None else max(config.backtrack, num_drafts + 1)
-        self.layout = CacheLayout.for_model(model.config, config.max_slots, config.max_len, config.num_pages,
-                                            config.page_tokens, backtrack)
+        num_pages, page_tokens = config.num_pages, config.page_tokens
+        if config.kv_cache_memory is not None:
+            page_tokens = CacheLayout.for_model(model.config, config.max_slots, config.max_len, None,
+                                                page_tokens).page_tokens
+            num_pages = config.kv_cache_memory // page_bytes(model.module(), page_tokens)
+        self.layout = CacheLayout.for_model(model.config, config.max_slots, config.max_len, num_pages, page_tokens,
+                                            backtrack)
         self.data_parallel = None
         if config.mesh is not None:
             self.data_parallel = DataParallel(config.mesh, model, self.layout,
@@ -117,6 +134,10 @@ class Engine:
         self.decode_rows = (rows,) if invariant else powers_of_two(rows)
         self.prefill_rows = (prefill_rows,) if invariant else powers_of_two(prefill_rows)
         self.prefill_tokens = (chunk,) if invariant else tuple(t for t in (8, 32, 128, 512) if t < chunk) + (chunk,)
+        # context buckets: one (the whole table) where a row's numbers must not depend on the other rows
+        # (batch-invariant) or on a mesh
+        self.context_pages = ((self.layout.pages_per_slot,) if invariant or self.data_parallel is not None
+                              else context_buckets(self.layout, config.context_tokens))
         module = model.module()
         draft_module = drafter.module() if drafter is not None else None
         self.cache = (init_engine_cache(module, self.layout, draft_module) if self.data_parallel is None
@@ -132,7 +153,7 @@ class Engine:
         self._halves = build_step_halves(model.graphdef, jax.tree.structure(model.params), empty["layers"],
                                          self.layout.page_tokens, config.num_top_logprobs, config.return_logits,
                                          spec, self.replay)
-        self.compiled: dict[tuple[int, int, int], Callable] = {}
+        self.compiled: dict[tuple[int, int, int, int], Callable] = {}
         self.requests: dict[str, Request] = {}
         self.pending: list[tuple[list[Row], object]] = []
         self._cancelled: list[RequestOutput] = []
@@ -145,13 +166,26 @@ class Engine:
                       "grammar_commit_seconds": 0.0, "grammar_exposed_seconds": 0.0,  # the device may wait for
                       "masked_during_forward": 0}  # decode steps whose masks were filled while the forward ran
         self.structured = StructuredOutputs(self.model, config.constraint_close, config.jump_forward, self.stats)
+        LOG.info(self.startup_summary())
+
+    def startup_summary(self) -> str:
+        """The KV pool (pages, page size, the most tokens it holds at once: vLLM's "maximum concurrency") and
+        what the engine compiles (its step buckets, the context buckets among them)."""
+        layout, pt = self.layout, self.layout.page_tokens
+        held = layout.num_pages * pt
+        return (f"KV cache: {layout.num_pages} pages of {pt} tokens ({page_bytes(self.model.module(), pt)} bytes "
+                f"each), {held} tokens at most; maximum concurrency for {layout.max_len}-token requests: "
+                f"{held / layout.max_len:.2f}x. {len(self.buckets())} step buckets: "
+                f"{len(self.buckets()) // len(self.context_pages)} shapes x {len(self.context_pages)} context "
+                f"buckets of {list(self.context_pages)} pages ({[p * pt for p in self.context_pages]} tokens)")
 
     # ---- compilation --------------------------------------------------------------------------------------
-    def buckets(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens, verify length) shape the engine may run."""
-        return sorted({(r, 1, 1) for r in self.decode_rows}
-                      | {(r, w, w) for r in self.decode_rows for w in self.speculation.verify_widths}
-                      | {(r, t, 1) for r in self.prefill_rows for t in self.prefill_tokens})
+    def buckets(self) -> list[tuple[int, int, int, int]]:
+        """Every (rows, tokens, verify length, context pages) shape the engine may run."""
+        shapes = sorted({(r, 1, 1) for r in self.decode_rows}
+                        | {(r, w, w) for r in self.decode_rows for w in self.speculation.verify_widths}
+                        | {(r, t, 1) for r in self.prefill_rows for t in self.prefill_tokens})
+        return [(*shape, pages) for shape in shapes for pages in self.context_pages]
 
     def warmup(self) -> None:
         """Compile every bucket ahead of time (afterwards no step ever compiles); DSpark also profiles the
@@ -174,30 +208,30 @@ class Engine:
         warm-up runs: interference only ever adds time, and the observed periods add the host's work later
         (`CostTable`); the table is then made non-decreasing in the width (`monotone_in_width`)."""
         seconds = {}
-        for rows, width, verify_len in self.buckets():
-            if width != verify_len and width != 1:
-                continue  # a prefill bucket
-            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len)
+        for rows, width, verify_len, pages in self.buckets():
+            if (width != verify_len and width != 1) or pages != self.context_pages[0]:
+                continue  # a prefill bucket, or a longer context than the shortest
+            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
             batch = batch._replace(sampling=SamplingBatch.from_params([SamplingParams(seed=0)] * rows, rows))
             for draft in (True, False) if self.speculation.draft_fallback and width == 1 else (True,):
                 times = []
                 for _ in range(repeats + 2):
                     start = time.perf_counter()
-                    outputs, self.cache = self._executable((rows, width, verify_len))(
+                    outputs, self.cache = self._executable((rows, width, verify_len, pages))(
                         self.weights, self.cache, batch._replace(draft=np.asarray(draft)))
                     jax.block_until_ready(outputs)
                     times.append(time.perf_counter() - start)
                 seconds[rows, width if draft else 0] = min(times[2:])
         return CostTable(monotone_in_width(seconds))
 
-    def _executable(self, bucket: tuple[int, int, int]):
+    def _executable(self, bucket: tuple[int, int, int, int]):
         if bucket not in self.compiled:
-            rows, width, verify_len = bucket
+            rows, width, verify_len, pages = bucket
             if self.data_parallel is not None:
                 self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache,
                                                                    rows, width, verify_len, self._engram_shapes())
                 return self.compiled[bucket]
-            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len)
+            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
             if width == verify_len:  # a decode / verify bucket: in halves, for masks filled during the forward
                 self.compiled[bucket] = CompiledHalves(self._halves, self.weights, self.cache, batch, verify_len)
             else:
@@ -341,11 +375,13 @@ class Engine:
         constrained rows launches only its forward half: `_decide` fills the masks and launches the rest."""
         dp = self.data_parallel
         per_rank = len(rows) if dp is None else dp.rows_per_rank(rows)
-        bucket = (next(r for r in row_buckets if r >= per_rank), width, verify_len)
+        held = max(self.scheduler.pages.held(row.request.slot) for row in rows) if len(self.context_pages) > 1 else 0
+        bucket = (next(r for r in row_buckets if r >= per_rank), width, verify_len,
+                  next(p for p in self.context_pages if p >= held))
         executable = self._executable(bucket)
         later = decoding and isinstance(executable, CompiledHalves) and any(
             row.sample and row.request.grammar is not None for row in rows)
-        batch = self._batch(rows, bucket[0] if dp is None else len(rows), width, verify_len, budget,
+        batch = self._batch(rows, bucket[0] if dp is None else len(rows), width, verify_len, bucket[3], budget,
                             masks=not later)._replace(draft=np.asarray(draft))
         if dp is not None:
             batch = dp.place(batch, rows, bucket[0], width, verify_len, self._engram_shapes())
@@ -391,10 +427,11 @@ class Engine:
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
         return step.rows, outputs, step.bucket
 
-    def _batch(self, rows: list[Row], num_rows: int, width: int, verify_len: int, budget: int | None,
+    def _batch(self, rows: list[Row], num_rows: int, width: int, verify_len: int, pages: int, budget: int | None,
                masks: bool = True) -> StepBatch:
-        """The step's host inputs; `masks` False: the token masks are left all allowed (`_decide` fills them)."""
-        b = empty_batch(self.layout, num_rows, width, self._engram_shapes(), verify_len)
+        """The step's host inputs (`pages`: its context bucket); `masks` False: the token masks are left all
+        allowed (`_decide` fills them)."""
+        b = empty_batch(self.layout, num_rows, width, self._engram_shapes(), verify_len, pages)
         if masks:
             b = b._replace(bitmask=self.structured.bitmask(rows, b.bitmask))
         if self.engram is not None:
@@ -404,7 +441,7 @@ class Engine:
             b.tokens[i, :n], b.kinds[i, :n] = row.tokens, row.kinds
             b.slots[i], b.starts[i], b.counts[i], b.caps[i] = row.request.slot, row.start, n, row.caps
             b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset and row.restore is None, row.sample
-            b.block_tables[i] = self.scheduler.block_table(row.request)
+            b.block_tables[i] = self.scheduler.block_table(row.request)[:pages]
             b.frozen[i], b.prompt_end[i] = row.frozen, row.prompt_end
         b.budget[...] = b.caps.sum() if budget is None else budget
         sampling = SamplingBatch.from_params([r.request.params for r in rows], num_rows)

@@ -29,13 +29,15 @@ class EngineConfig:
     # ---- capacity and batching
     max_slots: int = 8  # concurrent requests
     max_len: int = 1024  # tokens per request (prompt + output)
-    num_pages: int | None = None  # pages in the shared compressed-KV pool (None: every slot at max_len)
+    num_pages: int | None = None  # pages in the shared compressed-KV pool (None: kv_cache_memory, else every slot at max_len)
+    kv_cache_memory: int | None = None  # bytes of the shared page pools, instead of num_pages
     page_tokens: int | None = None  # tokens per page (None: the cache layout's default)
     prefill_chunk: int = 64  # prompt tokens per prefill row
     max_prefill_rows: int = 2  # prefill rows per step
     token_budget: int | None = None  # tokens per iteration (None: max_slots + max_prefill_rows x prefill_chunk)
     batch_invariant: bool = False  # one bucket per step kind, budget-independent chunks: outputs never see the batch
     zero_overhead: bool = True  # read step N after dispatching step N+1 (always off for Engram models)
+    context_tokens: int = 1024  # the smallest context bucket: a step reads the power-of-two multiple covering its longest row
     # ---- outputs
     num_top_logprobs: int = 5  # top alternatives computed per token (a request's logprobs may ask up to this)
     return_logits: bool = False  # keep every row's last-position logits on its request (tests)
@@ -64,15 +66,18 @@ class EngineConfig:
     eplb_window: int = 100  # EPLB: steps of expert load a rebalance weighs
 
     def __post_init__(self):
-        for name in ("max_slots", "max_len", "prefill_chunk", "max_prefill_rows", "probe_every", "eplb_window"):
+        for name in ("max_slots", "max_len", "prefill_chunk", "max_prefill_rows", "probe_every", "eplb_window",
+                     "context_tokens"):
             _check_int(name, getattr(self, name), 1)
-        for name in ("num_pages", "page_tokens", "token_budget", "num_drafts", "prefix_replay"):
+        for name in ("num_pages", "kv_cache_memory", "page_tokens", "token_budget", "num_drafts", "prefix_replay"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
         for name in ("backtrack", "host_pages"):
             _check_int(name, getattr(self, name), 0)
         if self.prefix_snapshots is not None:
             _check_int("prefix_snapshots", self.prefix_snapshots, 0)
+        if self.kv_cache_memory is not None and self.num_pages is not None:
+            raise ValueError("give kv_cache_memory or num_pages, not both")
         if not 0 <= self.num_top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.num_top_logprobs!r}")
         if self.speculation not in SPECULATION:

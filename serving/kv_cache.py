@@ -68,6 +68,13 @@ class CacheLayout:
         return layout
 
 
+def page_bytes(module, page_tokens: int) -> int:
+    """Bytes one page holds over every layer's paged leaves (compressed entries and index keys) of a model module."""
+    shapes = jax.eval_shape(lambda: module.init_cache(1, page_tokens)["layers"])
+    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize
+               for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0] if _paged(path))
+
+
 def init_engine_cache(module, layout: CacheLayout, drafter=None) -> dict:
     """The empty device cache of `layout` for a model module (DeepseekV4 or DeepseekV41); with a DSpark drafter
     module (`model.dspark.DSparkDrafter`) also each slot's drafter context rings and its current drafted block
@@ -77,7 +84,6 @@ def init_engine_cache(module, layout: CacheLayout, drafter=None) -> dict:
     layers = jax.tree.map_with_path(lambda path, leaf: _pool(path, leaf, layout, span), ref["layers"])
     cache = {
         "layers": layers,
-        "block_tables": jnp.full((slots, layout.pages_per_slot), layout.scratch_page, jnp.int32),
         "last_token": jnp.zeros((slots,), jnp.int32),
         "next_pos": jnp.zeros((slots,), jnp.int32),  # the position of `last_token`
         "prompt_mask": jnp.zeros((slots, layout.vocab_size), bool),
@@ -129,10 +135,10 @@ def _pool(path, leaf: jax.Array, layout: CacheLayout, span: int) -> jax.Array:
     return leaf
 
 
-def gather_rows(cache: dict, slots: Int[Array, " r"], empty: dict, reset) -> dict:
-    """The batched reference state of `slots` (row axis first); rows flagged in `reset` start from the
-    one-sequence empty state `empty` (a fresh request in a reused slot)."""
-    tables = cache["block_tables"][slots]  # [r, pages]
+def gather_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], empty: dict, reset) -> dict:
+    """The batched reference state of `slots` (row axis first) over the `p` pages of their block-table rows
+    `tables` (the step's context bucket: its entries span p * page_tokens positions); rows flagged in `reset`
+    start from the one-sequence empty state `empty` (a fresh request in a reused slot)."""
 
     def one(path, leaf, empty_leaf):
         if _paged(path):  # stale entries of reused pages are never visible: no reset needed
@@ -142,13 +148,12 @@ def gather_rows(cache: dict, slots: Int[Array, " r"], empty: dict, reset) -> dic
     return jax.tree.map_with_path(one, cache["layers"], empty)
 
 
-def scatter_rows(cache: dict, slots: Int[Array, " r"], rows: dict, first_page: Int[Array, " r"],
-                 num_pages: int) -> dict:
-    """Write batched states back: slot leaves by slot; of the paged leaves only the `num_pages` pages from
-    each row's `first_page` on (the pages its chunk can have completed entries in, past the pages it shares
-    with the prefix cache), through the block tables. Offsets past the table go to the scratch page, so a row
-    never writes a page outside its own writable ones."""
-    tables = cache["block_tables"][slots]
+def scatter_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], rows: dict,
+                 first_page: Int[Array, " r"], num_pages: int) -> dict:
+    """Write batched states (of `gather_rows(cache, slots, tables, ...)`) back: slot leaves by slot; of the
+    paged leaves only the `num_pages` pages from each row's `first_page` on (the pages its chunk can have
+    completed entries in, past the pages it shares with the prefix cache), through `tables`. Offsets past the
+    table go to the scratch page, so a row never writes a page outside its own writable ones."""
     wanted = first_page[:, None] + jnp.arange(num_pages)  # [r, n]
     touched = jnp.minimum(wanted, tables.shape[1] - 1)
 
@@ -268,6 +273,10 @@ class PageAllocator:
         for page in reversed(self.owned.pop(slot, [])):
             self.drop(page)
         self.frozen.pop(slot, None)
+
+    def held(self, slot: int) -> int:
+        """Pages in the slot's table (what its steps may read)."""
+        return len(self.owned.get(slot, []))
 
     def idle(self) -> int:
         """Pages no slot holds: free, or held only by a cache that gives them back on demand."""

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -610,6 +611,7 @@ def serve(args, model, engine_config: EngineConfig) -> int:
                           max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model,
                           disaggregate=args.disaggregate)
     server = Server(model, config, engine_config)
+    print(f"jaxseek serve: {server.engine.startup_summary()}", file=sys.stderr)
     if not args.no_warmup:
         server.engine.warmup()
     uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")

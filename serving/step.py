@@ -50,7 +50,7 @@ class StepBatch(NamedTuple):
     reset: Bool[Array, " r"]  # the slot starts a new request: clear its state first
     sample: Bool[Array, " r"]  # the row emits tokens (decode, verify, or a prompt's last chunk)
     kinds: Int[Array, "r t"]  # PROMPT, RECOMPUTED (a generated token replayed after preemption), COUNTED or DRAFT
-    block_tables: Int[Array, "r p"]
+    block_tables: Int[Array, "r p"]  # each row's first p pages: p is the step's context bucket
     sampling: SamplingBatch
     engram_rows: tuple  # V4.1: per Engram layer, looked-up table rows [r, t, n_lookups, head_dim]
     caps: Int[Array, " r"]  # verify rows: the most drafts the row may verify
@@ -88,15 +88,18 @@ class StepOutput(NamedTuple):
     drafted: Bool[Array, ""]
 
 
-def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=(), verify_len: int = 1) -> StepBatch:
+def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=(), verify_len: int = 1,
+                pages: int | None = None) -> StepBatch:
     """An all-padding batch of `rows` rows of `tokens` tokens (used to compile ahead of time and to fill unused
     rows); `engram_shapes` gives (n_lookups, head_dim) per Engram layer; `verify_len` the bucket's verify
-    positions (the bitmask's second axis; every token allowed)."""
+    positions (the bitmask's second axis; every token allowed); `pages` the bucket's context pages, the width
+    of its block tables (default: the whole table, `layout.pages_per_slot`)."""
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     return StepBatch(
         tokens=z(rows, tokens), slots=np.full(rows, layout.scratch_slot, np.int32), starts=z(rows),
         counts=z(rows), from_prev=z(rows, dtype=bool), reset=z(rows, dtype=bool), sample=z(rows, dtype=bool),
-        kinds=z(rows, tokens), block_tables=np.full((rows, layout.pages_per_slot), layout.scratch_page, np.int32),
+        kinds=z(rows, tokens), block_tables=np.full((rows, pages or layout.pages_per_slot), layout.scratch_page,
+                                                     np.int32),
         sampling=SamplingBatch.from_params([], rows),
         engram_rows=tuple(np.zeros((rows, tokens, *shape), np.float32) for shape in engram_shapes),
         caps=z(rows), budget=np.zeros((), np.int32), draft=np.ones((), bool),
@@ -152,7 +155,7 @@ def decide_weights(weights: tuple, head_leaves: tuple[int, ...]) -> tuple:
     return [weights[0][i] for i in head_leaves], weights[1]
 
 
-LAYER_STATE = ("layers", "block_tables")  # the cache entries the forward half updates; the decide half the rest
+LAYER_STATE = ("layers",)  # the cache entries the forward half updates; the decide half the rest
 
 
 class StepHalves(NamedTuple):
@@ -186,9 +189,10 @@ def build_step_halves(graphdef, param_tree, empty_layers: dict, page_tokens: int
         module = nnx.merge(graphdef, jax.tree.unflatten(param_tree, target_leaves))
         slots = batch.slots
         rows, width = batch.tokens.shape
-        cache = {**cache, "block_tables": cache["block_tables"].at[slots].set(batch.block_tables)}
+        tables = batch.block_tables  # [r, context pages]: the bucket's first pages of each row's table
+        context = tables.shape[1]
         # materialised before use, so the slot buffers are no longer read when they are updated in place
-        states = jax.lax.optimization_barrier(gather_rows(cache, slots, empty_layers, batch.reset))
+        states = jax.lax.optimization_barrier(gather_rows(cache, slots, tables, empty_layers, batch.reset))
         states = freeze(states, batch.frozen)
         device = batch.from_prev
         starts = jnp.where(device, cache["next_pos"][slots], batch.starts)
@@ -215,9 +219,9 @@ def build_step_halves(graphdef, param_tree, empty_layers: dict, page_tokens: int
         # projects only them onto the vocabulary
         at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
         picked, new, *taps = module(tokens, {"pos": starts, "layers": states}, count=counts, at=at, **extra)
-        pages = min(batch.block_tables.shape[1], (width - 1) // page_tokens + 2)  # a chunk spans at most these
+        pages = min(context, (width - 1) // page_tokens + 2)  # a chunk spans at most these
         first = jnp.maximum(starts, batch.frozen) // page_tokens  # shared pages are read-only
-        cache = scatter_rows(cache, slots, thaw(new["layers"]), first, pages)
+        cache = scatter_rows(cache, slots, tables, thaw(new["layers"]), first, pages)
         features = taps[0] if drafter is not None else jnp.zeros((rows, width, 0), picked.dtype)
         return Forwarded(picked, features, tokens, kinds, starts, counts, drafted, at), cache
 

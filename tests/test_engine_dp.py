@@ -101,7 +101,7 @@ def test_dp4_ep2_engine_with_eplb_rebalancing_mid_run_equals_single_device(model
     moved = engine.data_parallel.model.params["layers"][1]["ffn"]["experts"]["w1"][...]
     np.testing.assert_array_equal(np.asarray(moved), np.asarray(w1)[engine.data_parallel.experts.phy2log[1]])
     assert moved.sharding.spec[0] == "ep"
-    assert list(engine.compiled) == [(1, 1, 1)] and _collectives(engine) == {"all-to-all"}  # the expert dispatch only; the caches stay on their ranks
+    assert list(engine.compiled) == [(1, 1, 1, engine.layout.pages_per_slot)] and _collectives(engine) == {"all-to-all"}  # the expert dispatch only; the caches stay on their ranks
     metrics = ServerMetrics("tiny")
     metrics.observe_eplb(engine.stats)
     line = next(l for l in metrics.render().decode().splitlines() if l.startswith("jaxseek:eplb_balancedness{"))

@@ -178,7 +178,8 @@ def test_stderr_says_random_model_shows_progress_and_summary(run):
     assert "requests: 20 (12 failed)" in err
     assert f"tokens: {sum(len(p.encode()) for p in prompts)} prompt, {generated} generated" in err
     assert "prefill" in err and "decode" in err and "tokens/s" in err
-    assert "compiled buckets (rows, tokens, verify): 2 [(2, 1, 1), (2, 16, 1)]" in err  # batch-invariant: one per step kind
+    assert ("compiled buckets (rows, tokens, verify, context pages): 2 [(2, 1, 1, 2), (2, 16, 1, 2)]"  # batch-invariant:
+            in err)  # one per step kind, over the whole table
 
 
 def test_txt_input_to_stdout_with_a_checkpoint(model, tmp_path, capsys):

@@ -1,0 +1,126 @@
+"""Sparse sink attention, HCA attention and lightning-indexer scores that read the compressed entries from the
+shared page pools in place, through each row's block table, as FlashMLA's sparse decode reads its paged cache:
+the window keys come from the row's own ring, the compressed entries from `pages` [P, E, d] (E entries a page)
+by global slot page * E + offset (`global_slots`; -1 = none). No row's pages are copied into a dense view.
+References (`*_reference` below) do exactly that copy first (`dense_view`) and call the dense references.
+
+Glossary: b rows, c queries, h heads, d head dim, n window rows, k window ids, m picked entries, P pages in the
+pool, E entries a page, p pages in a row's table (a context bucket), t = p * E entries a row can see.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Bool, Float, Int
+
+from pallas_kernels import tuning
+from pallas_kernels.indexer import QUERY_BLOCK, visible_index_scores_reference
+from pallas_kernels.sparse_attention import _attend, hca_attention_reference, sink_attention_reference
+
+
+def global_slots(table: Int[Array, "b p"], ids: Int[Array, "b c m"], per_page: int) -> Int[Array, "b c m"]:
+    """The global slot (page * per_page + offset) of each row-local entry id through the row's block table;
+    -1 (no entry) stays -1."""
+    safe = jnp.maximum(ids, 0)
+    page = jnp.take_along_axis(table, (safe // per_page).reshape(ids.shape[0], -1), axis=1).reshape(ids.shape)
+    return jnp.where(ids >= 0, page * per_page + safe % per_page, -1)
+
+
+def dense_view(pages: Float[Array, "P E d"], table: Int[Array, "b p"]) -> Float[Array, "b t d"]:
+    """Each row's pages copied side by side (what the paged kernels avoid)."""
+    return pages[table].reshape(table.shape[0], -1, pages.shape[-1])
+
+
+def paged_sink_attention_reference(
+    q: Float[Array, "b c h d"], kv: Float[Array, "b n d"], ids: Int[Array, "b c k"], valid: Bool[Array, "b c k"],
+    sink: Float[Array, " h"], pages: Float[Array, "P E d"], table: Int[Array, "b p"], picks: Int[Array, "b c m"],
+) -> Float[Array, "b c h d"]:
+    """Sink attention over the window keys (`ids` into the row's `kv`) and the picked compressed entries
+    (`picks`: row-local entry ids, -1 none) of the row's pages."""
+    n = kv.shape[1]
+    pool = jnp.concatenate([kv, dense_view(pages, table)], axis=1)
+    return sink_attention_reference(q, pool, jnp.concatenate([ids, n + picks], -1),
+                                    jnp.concatenate([valid, picks >= 0], -1), sink)
+
+
+def paged_sink_attention(
+    q: Float[Array, "b c h d"], kv: Float[Array, "b n d"], ids: Int[Array, "b c k"], valid: Bool[Array, "b c k"],
+    sink: Float[Array, " h"], pages: Float[Array, "P E d"], table: Int[Array, "b p"], picks: Int[Array, "b c m"],
+) -> Float[Array, "b c h d"]:
+    """Pallas form of `paged_sink_attention_reference`: the picks are read from the pages by global slot."""
+    slots = global_slots(table, picks, pages.shape[1])
+    return _attend(q, kv, jnp.where(valid, ids, -1), sink, 0, None, pages.reshape(-1, pages.shape[-1]), slots)
+
+
+def paged_hca_attention_reference(
+    q: Float[Array, "b c h d"], kv: Float[Array, "b n d"], ids: Int[Array, "b c k"], valid: Bool[Array, "b c k"],
+    sink: Float[Array, " h"], pages: Float[Array, "P E d"], table: Int[Array, "b p"], visible: Int[Array, " c"],
+) -> Float[Array, "b c h d"]:
+    """Sink attention over the window keys and each query's first `visible` compressed entries of the row's
+    pages (every visible HCA entry)."""
+    pool = jnp.concatenate([kv, dense_view(pages, table)], axis=1)
+    return hca_attention_reference(q, pool, ids, valid, sink, kv.shape[1], visible)
+
+
+def paged_hca_attention(
+    q: Float[Array, "b c h d"], kv: Float[Array, "b n d"], ids: Int[Array, "b c k"], valid: Bool[Array, "b c k"],
+    sink: Float[Array, " h"], pages: Float[Array, "P E d"], table: Int[Array, "b p"], visible: Int[Array, " c"],
+) -> Float[Array, "b c h d"]:
+    """Pallas form of `paged_hca_attention_reference`: the visible entries' global slots (built once, as vLLM
+    builds its C128A slots per step; -1 past each query's count) read from the pages."""
+    b, c = ids.shape[:2]
+    entries = jnp.arange(table.shape[1] * pages.shape[1])
+    local = jnp.broadcast_to(jnp.where(entries < visible[:, None], entries, -1), (b, c, entries.shape[0]))
+    return paged_sink_attention(q, kv, ids, valid, sink, pages, table, local)
+
+
+def paged_index_scores_reference(
+    q: Float[Array, "b c h d"], pages: Float[Array, "P E d"], table: Int[Array, "b p"],
+    head_weights: Float[Array, "b c h"], visible: Int[Array, " c"],
+) -> Float[Array, "b c t"]:
+    """Indexer scores of the row's index keys (its pages, in table order); -inf past each query's `visible`."""
+    return visible_index_scores_reference(q, dense_view(pages, table), head_weights, visible)
+
+
+def paged_index_scores(
+    q: Float[Array, "b c h d"], pages: Float[Array, "P E d"], table: Int[Array, "b p"],
+    head_weights: Float[Array, "b c h"], visible: Int[Array, " c"],
+) -> Float[Array, "b c t"]:
+    """Pallas form of `paged_index_scores_reference`: one program per (row, query block, table page), which
+    reads that page of the pool (pages no query of the block sees are not read: -inf)."""
+    b, c, h, d = q.shape
+    per_page, p = pages.shape[1], table.shape[1]
+    tq = tuning.fit(QUERY_BLOCK, c)
+    kernel = functools.partial(_index_kernel, queries=tq, per_page=per_page, scale=d ** -0.5 * h ** -0.5)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((b, c, p * per_page), jnp.float32), grid=(b, c // tq, p),
+        in_specs=[pl.BlockSpec((None, tq, h, d), lambda i, j, k: (i, j, 0, 0)),
+                  pl.BlockSpec(pages.shape, lambda i, j, k: (0, 0, 0)),
+                  pl.BlockSpec((None, p), lambda i, j, k: (i, 0)),
+                  pl.BlockSpec((None, tq, h), lambda i, j, k: (i, j, 0)),
+                  pl.BlockSpec((tq,), lambda i, j, k: (j,))],
+        out_specs=pl.BlockSpec((None, tq, per_page), lambda i, j, k: (i, j, k)),
+        name="paged_index_scores", **tuning.call_options(),
+    )(q, pages, table.astype(jnp.int32), head_weights.astype(jnp.float32), visible.astype(jnp.int32))
+
+
+def _index_kernel(q_ref, pages_ref, table_ref, w_ref, vis_ref, o_ref, *, queries: int, per_page: int,
+                  scale: float):
+    """Scores of `queries` queries against table page `program_id(2)`, read from the pool at its page id."""
+    k = pl.program_id(2)
+    cols = k * per_page + jax.lax.broadcasted_iota(jnp.int32, (per_page,), 0)
+    visible = vis_ref[...]
+
+    @pl.when(k * per_page < jnp.max(visible))
+    def _():
+        keys = pages_ref[table_ref[k]]
+        for i in range(queries):
+            s = jax.lax.dot_general(q_ref[i], keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            score = jnp.sum(jax.nn.relu(s) * w_ref[i][:, None], axis=0) * scale
+            o_ref[i] = jnp.where(cols < visible[i], score, -jnp.inf)
+
+    @pl.when(k * per_page >= jnp.max(visible))
+    def _():
+        o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, o_ref.dtype)

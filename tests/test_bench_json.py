@@ -1,0 +1,69 @@
+"""Every `scripts/bench_*.py` prints its summary as one strict JSON line (`scripts/bench_json.json_line`)."""
+
+import ast
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from model.api import init_model
+from model.config import preset
+from serving.engine import Engine
+
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from bench_json import json_line  # noqa: E402
+
+
+def test_numpy_values_become_plain_json():
+    result = {"a": np.arange(3), "b": np.float32(0.5), "c": (np.int64(2), 3), "d": float("nan"),
+              "e": {np.str_("k"): [np.bool_(True)]}, "f": SCRIPTS / "x"}
+    assert json.loads(json_line(result)) == {"a": [0, 1, 2], "b": 0.5, "c": [2, 3], "d": None,
+                                             "e": {"k": [True]}, "f": str(SCRIPTS / "x")}
+
+
+def test_engine_stats_are_json_safe():
+    """bench_engine puts the engine's stats (numpy counters among them) into its line."""
+    engine = Engine(init_model(preset("tiny"), seed=0), max_slots=2, max_len=64)
+    stats = json.loads(json_line({"jaxseek_engine_stats": dict(engine.stats)}))["jaxseek_engine_stats"]
+    assert stats["verified_at"] == [] and stats["steps"] == 0
+
+
+def test_json_line_refuses_what_it_cannot_convert():
+    with pytest.raises(TypeError):
+        json_line({"x": object()})
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS.glob("bench_*.py")), ids=lambda p: p.name)
+def test_bench_scripts_print_through_json_line(script):
+    """No bench script prints `json.dumps(...)` (which fails on numpy values and writes NaN)."""
+    calls = [node for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, ast.Call)]
+    dumps_printed = [node.lineno for node in calls if getattr(node.func, "id", None) == "print"
+                     for arg in ast.walk(node) if isinstance(arg, ast.Attribute) and arg.attr == "dumps"]
+    assert not dumps_printed, f"{script.name} prints json.dumps at lines {dumps_printed}"
+
+
+def test_bench_context_summary_is_json_safe():
+    import bench_context
+
+    runs = {key: [np.float64(v), v] for key, v in (("tps_b1_1024", 50.0), ("tps_b1_65536", 45.0),
+                                                   ("tps_b8_1024", 200.0), ("tps_b8_65536", 190.0),
+                                                   ("tps_ctx1k_b1", 50.0), ("tps_ctx16k_b1", 40.0))}
+    line = json.loads(json_line(bench_context.summary(runs, {"read_bytes_per_s": np.float32(1e10)}, 0.95, {})))
+    assert line["maxlen_flatness_b1"] == pytest.approx(0.9) and line["context_ratio_over_ideal"] == pytest.approx(0.8 / 0.95)
+
+
+def test_bench_engine_roofline_figures_are_json_safe(monkeypatch):
+    import bench_engine
+
+    measured = {"gemm_flops_per_s_b1": np.float64(1e10), "gemm_flops_per_s_b16": np.float64(1e11),
+                "read_bytes_per_s": np.float64(1e10)}
+    monkeypatch.setattr(bench_engine.roofline, "measure", lambda config, rows: measured)
+    config = preset("tiny")
+    figures = json.loads(json_line(bench_engine.roofline_figures(config, {"jaxseek_decode_tps_b1": 100.0}, 40)))
+    cost = bench_engine.decode_step_cost(config, 1, 40)
+    ideal = max(cost["flops"] / 1e10, cost["bytes"] / 1e10)
+    assert figures["roofline_fraction_b1"] == pytest.approx(ideal * 100.0)
+    assert figures["roofline_fraction_b16"] is None  # no batch-16 figure measured

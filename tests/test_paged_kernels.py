@@ -1,0 +1,87 @@
+"""The paged kernels (`pallas_kernels.paged_attention`) equal their references, reading the shared page pool in
+place through block tables: every page no row's table lists, and every stale entry of a row's own pages past
+its live count, holds NaN for the kernels (the references see zeros there), so a kernel that reads an entry it
+may not use shows NaN."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_attention as paged
+from tests.test_kernels import close, in_bounds, triton_problems  # noqa: F401  (in_bounds: a fixture)
+
+pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("in_bounds")]  # no index outside an array
+B, C, H, D, N_WINDOW, PER_PAGE, ROW_PAGES, POOL_PAGES = 2, 2, 4, 16, 6, 4, 3, 9
+
+
+def paged_case(rng, live):
+    """q, window kv, window ids / valid, sink, block tables [B, ROW_PAGES] (distinct pages of a POOL_PAGES pool),
+    and the pool with NaN / zeros outside each row's first `live[row]` entries."""
+    q = rng.normal(size=(B, C, H, D)).astype(np.float32)
+    kv = rng.normal(size=(B, N_WINDOW, D)).astype(np.float32)
+    ids = rng.integers(0, N_WINDOW, size=(B, C, N_WINDOW)).astype(np.int32)
+    valid = rng.random((B, C, N_WINDOW)) < 0.7
+    valid[:, :, 0] = True
+    table = rng.permutation(POOL_PAGES)[:B * ROW_PAGES].reshape(B, ROW_PAGES).astype(np.int32)
+    pages = rng.normal(size=(POOL_PAGES, PER_PAGE, D)).astype(np.float32)
+    owned = np.zeros((POOL_PAGES, PER_PAGE), bool)
+    for row in range(B):
+        entries = np.arange(ROW_PAGES * PER_PAGE) < live[row]
+        owned[table[row]] = entries.reshape(ROW_PAGES, PER_PAGE)
+    sink = rng.normal(size=(H,)).astype(np.float32)
+    nan_pages = np.where(owned[..., None], pages, np.nan).astype(np.float32)
+    zero_pages = np.where(owned[..., None], pages, 0.0).astype(np.float32)
+    return tuple(map(jnp.asarray, (q, kv, ids, valid, sink, table, nan_pages, zero_pages)))
+
+
+def test_global_slots_resolve_through_the_table():
+    table = jnp.asarray([[5, 2], [0, 7]], jnp.int32)
+    ids = jnp.asarray([[[0, 3, 4, -1]], [[7, 1, -1, 5]]], jnp.int32)
+    expected = [[[20, 23, 8, -1]], [[31, 1, -1, 29]]]  # page * 4 + offset by hand
+    np.testing.assert_array_equal(paged.global_slots(table, ids, 4), expected)
+
+
+def test_paged_sink_attention_equals_reference():
+    rng = np.random.default_rng(0)
+    live = [9, 12]
+    q, kv, ids, valid, sink, table, nan_pages, zero_pages = paged_case(rng, live)
+    picks = np.stack([rng.integers(0, n, size=(C, 5)) for n in live]).astype(np.int32)
+    picks[:, :, -1] = -1  # a query's missing picks, as the indexer emits them
+    picks = jnp.asarray(picks)
+    expected = paged.paged_sink_attention_reference(q, kv, ids, valid, sink, zero_pages, table, picks)
+    close(paged.paged_sink_attention(q, kv, ids, valid, sink, nan_pages, table, picks), expected)
+
+
+@pytest.mark.parametrize("visible", [(0, 3), (5, 10)])  # nothing yet / a partial page / most of the table
+def test_paged_hca_attention_reads_only_visible_entries(visible):
+    rng = np.random.default_rng(sum(visible))
+    q, kv, ids, valid, sink, table, nan_pages, zero_pages = paged_case(rng, [10, 10])
+    visible = jnp.asarray(visible, jnp.int32)
+    expected = paged.paged_hca_attention_reference(q, kv, ids, valid, sink, zero_pages, table, visible)
+    close(paged.paged_hca_attention(q, kv, ids, valid, sink, nan_pages, table, visible), expected)
+
+
+def test_paged_index_scores_equal_reference():
+    rng = np.random.default_rng(2)
+    q, _, _, _, _, table, nan_pages, zero_pages = paged_case(rng, [7, 7])
+    weights = jnp.asarray(rng.normal(size=(B, C, H)), jnp.float32)
+    visible = jnp.asarray([3, 7], jnp.int32)
+    expected = paged.paged_index_scores_reference(q, zero_pages, table, weights, visible)
+    assert expected.shape == (B, C, ROW_PAGES * PER_PAGE) and np.isinf(np.asarray(expected)[:, 0, 3:]).all()
+    close(paged.paged_index_scores(q, nan_pages, table, weights, visible), expected)
+
+
+@pytest.mark.parametrize("variant", ["sm90", "sm100"])
+def test_paged_kernels_fit_triton(variant):
+    """At the GPU tile sizes every array the kernel bodies compute has power-of-two dimensions and every block
+    divides its array, for query, window and pick counts that are not powers of two (`triton_problems`)."""
+    z = jnp.zeros
+    q, kv, ids, valid, sink = z((2, 3, 4, 16)), z((2, 23, 16)), z((2, 3, 16), jnp.int32), z((2, 3, 16), bool), z((4,))
+    pages, table = z((9, 32, 16)), z((2, 3), jnp.int32)
+    cases = {"attention": (paged.paged_sink_attention, (q, kv, ids, valid, sink, pages, table,
+                                                         z((2, 3, 5), jnp.int32))),
+             "hca": (paged.paged_hca_attention, (q, kv, ids, valid, sink, pages, table, jnp.arange(3))),
+             "index scores": (paged.paged_index_scores, (z((2, 6, 4, 16)), pages, table, z((2, 6, 4)),
+                                                         jnp.arange(6)))}
+    for name, (fn, args) in cases.items():
+        assert triton_problems(variant, fn, *args) == [], name
