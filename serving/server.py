@@ -556,16 +556,14 @@ class Server:
 
 # ---- the command ----------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    """`jaxseek serve` flags (the model flags `--model`, `--config`, `--dtype`, `--seed` come from the CLI)."""
+    """`jaxseek serve` flags (the model flags `--model`, `--config`, `--dtype`, `--seed`, `--chat-template` come from
+    the CLI)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("JAXSEEK_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXSEEK_API_KEY; none: open)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint directory's "
                                                "name, or 'jaxseek-bundled')")
-    p.add_argument("--chat-format", default="auto", choices=["auto", "deepseek-v4", "jinja", "plain"],
-                   help="auto: DeepSeek-V4's when the tokenizer has its DSML token, else the checkpoint's Jinja "
-                        "chat_template (tokenizer_config.json) if it has one, else the plain scene template")
     p.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before 429 (default 256)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--max-logprobs", type=int, default=5, help="most top_logprobs a request may ask (default 5)")
@@ -613,6 +611,6 @@ def serve(args, model, **engine_args) -> int:
                     speculation=args.speculation, num_drafts=args.num_drafts, **engine_args)
     if not args.no_warmup:
         server.engine.warmup()
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
