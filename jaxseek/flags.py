@@ -9,21 +9,14 @@ import inspect
 import json
 import logging
 import re
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from serving.openai_api import package_version
 
 CHAT_FORMAT_NAMES = ("auto", "deepseek-v4", "jinja", "plain")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 PROJECT_LOGGERS = ("pallas_kernels", "model", "sharding", "serving", "training", "jaxseek", "uvicorn")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?", re.IGNORECASE)
-
-
-def package_version() -> str:
-    """The installed jaxseek's version (`--version`, the server's `/version`)."""
-    try:
-        return version("jaxseek")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "0+unknown"
 
 
 def int_at_least(low: int):
