@@ -66,12 +66,11 @@ def cmd_forward(args) -> int:
 
 def cmd_generate(args) -> int:
     """Offline batch inference: prompts in, one JSON result per request out (in input order)."""
-    from serving.batch import (encode_prompts, engine_shape, from_prompts, read_input, resolve_params, run_batch,
-                               submit, summary_lines)
-    from serving.chat_format import format_for
+    from serving.batch import (compact_record, engine_shape, from_prompts, openai_record, prepare, read_input,
+                               run_batch, submit, summary_lines)
     from serving.engine import Engine
+    from serving.openai_api import OpenAIRequests, model_name
     from serving.sampling import SamplingParams
-    from serving.tokenizer import tokenizer_for
 
     start = time.perf_counter()
     if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:  # a configured cache wins
@@ -83,7 +82,6 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         args.parser.error(f"invalid sampling flag: {e}")
     requests = read_input(args.input) if args.input else from_prompts(args.prompt)
-    resolve_params(requests, defaults, args.seed)
     try:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     except OSError as e:
@@ -93,16 +91,17 @@ def cmd_generate(args) -> int:
         print(f"jaxseek generate: no --model given: running a randomly initialised '{args.config}' model (seed "
               f"{args.seed}); its text is noise", file=sys.stderr)
     model = _load(args)
-    tokenizer = tokenizer_for(model)
-    encode_prompts(tokenizer, requests, format_for(tokenizer, args.chat_format, args.model))
-    num_top = max([r.params.logprobs for r in requests if r.params and r.params.logprobs] + [1])
+    api = OpenAIRequests.for_model(model, args.chat_format, args.model, args.max_len)
+    compact = args.output_format == "jsonl-compact"
+    prepare(requests, api, defaults, args.seed, one_choice=compact)
+    num_top = max([s.params.logprobs or 0 for r in requests if r.prepared for s in r.prepared.submissions] + [1])
     # batch-invariant runs keep the flags' shapes (a request's numbers must not depend on the batch's size), and
     # so do mesh runs (the slots split evenly over the attention ranks)
     slots, chunk = ((args.max_slots, args.prefill_chunk) if args.batch_invariant or args.mesh
                     else engine_shape(requests, args.max_slots, args.prefill_chunk))
     engine = Engine(model, max_slots=slots, max_len=args.max_len, prefill_chunk=chunk,
                     batch_invariant=args.batch_invariant, zero_overhead=not args.no_zero_overhead,
-                    num_top_logprobs=num_top, seed=args.seed, detokenize=tokenizer.decode,
+                    num_top_logprobs=num_top, seed=args.seed, detokenize=api.decode,
                     speculation=args.speculation, num_drafts=args.num_drafts, **_engine_cache_and_grammar(args))
     submit(engine, requests)
     loaded = time.perf_counter()
@@ -115,7 +114,7 @@ def cmd_generate(args) -> int:
         out.flush()
 
     try:
-        summary = run_batch(engine, requests, emit)
+        summary = run_batch(engine, requests, emit, compact_record if compact else openai_record(api, model_name(args.model, args.config)))
     finally:
         if out is not sys.stdout:
             out.close()
@@ -170,6 +169,8 @@ def _setup_platform(args) -> None:
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    from serving.batch import OUTPUT_FORMATS
+
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
     src.add_argument("--input", metavar="FILE",
@@ -179,6 +180,10 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                           "--chat-format) and sampling fields, which override the command-line flags")
     add_chat_template_arg(p)
     p.add_argument("--output", metavar="FILE.jsonl", help="where the results go (default: stdout)")
+    p.add_argument("--output-format", choices=OUTPUT_FORMATS, default="openai",
+                   help="openai: OpenAI's batch output lines {id, custom_id, response: {status_code, request_id, "
+                        "body}, error}, the body as the server answers; jsonl-compact: {custom_id, text, token_ids, "
+                        "finish_reason} (one choice per request)")
     p.add_argument("--model", help="checkpoint directory (default: the bundled model, a toy V4.1 trained on "
                                     "Shakespeare)")
     p.add_argument("--config", help="instead of a checkpoint, a randomly initialised preset (e.g. tiny)")

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from serving.chat_format import Reply, normalize_messages, normalize_tools
+from serving.chat_format import Reply, format_for, normalize_messages, normalize_tools
 from serving.constraints import CONSTRAINT_FIELDS, ConstraintSpec, constraint_from_body
+from serving.detokenize import markup_decoder
 from serving.engine_loop import Submission
 from serving.request import RequestOutput, TokenLogprob
 from serving.sampling import SEED_LIMIT, SamplingParams, sampling_fields
+from serving.tokenizer import tokenizer_for
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,12 @@ def package_version() -> str:
         return version("jaxseek")
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "0+unknown"
+
+
+def model_name(checkpoint: str | None, preset: str | None) -> str:
+    """The model's default name in responses: the checkpoint directory's name, the preset's, or the bundled
+    model's."""
+    return os.path.basename(os.path.normpath(checkpoint)) if checkpoint else preset or "jaxseek-bundled"
 
 
 class ApiError(Exception):
@@ -108,6 +117,15 @@ class OpenAIRequests:
 
     def __init__(self, tokenizer, fmt, decode: Callable[[list[int]], str], max_len: int):
         self.tokenizer, self.fmt, self.decode, self.max_len = tokenizer, fmt, decode, max_len
+
+    @classmethod
+    def for_model(cls, model, chat_format: str, checkpoint: str | None, max_len: int) -> OpenAIRequests:
+        """For `model`: its tokenizer, the chat format by name or template file (`chat_format.format_for`), and a
+        decoder that keeps the chat markup (so DeepSeek-V4 replies can be parsed) and drops bos / eos."""
+        tokenizer = tokenizer_for(model)
+        cfg = model.config
+        decode = markup_decoder(tokenizer, (cfg.eos_token_id, getattr(cfg, "bos_token_id", None)))
+        return cls(tokenizer, format_for(tokenizer, chat_format, checkpoint), decode, max_len)
 
     # ---- requests -----------------------------------------------------------------------------------------
     def completion(self, body: dict, fields: dict | None = None) -> Prepared:

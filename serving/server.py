@@ -28,15 +28,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.chat_format import format_for
-from serving.detokenize import ChoiceStream, markup_decoder
+from serving.detokenize import ChoiceStream
 from serving.disagg import DisaggregatedEngine
 from serving.engine import Engine
 from serving.engine_loop import Delta, Done, EngineLoop, Failed, Sink, Submission
 from serving.metrics import ServerMetrics
 from serving.openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, OpenAIRequests, check_fields,
-                                package_version)
-from serving.tokenizer import tokenizer_for
+                                model_name, package_version)
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -75,12 +73,11 @@ class Server:
 
     def __init__(self, model, config: ServerConfig = ServerConfig(), **engine_args):
         self.config, self.model = config, model
-        self.tokenizer = tokenizer_for(model)
-        self.fmt = format_for(self.tokenizer, config.chat_format, config.checkpoint)
-        cfg = model.config
-        self.decode = markup_decoder(self.tokenizer, (cfg.eos_token_id, getattr(cfg, "bos_token_id", None)))
+        self.api = OpenAIRequests.for_model(model, config.chat_format, config.checkpoint,
+                                            engine_args.get("max_len", 1024))
+        self.tokenizer, self.fmt, self.decode = self.api.tokenizer, self.api.fmt, self.api.decode
         self.engine = self.decode_engine = Engine(model, detokenize=self.decode, **engine_args)
-        self.api = OpenAIRequests(self.tokenizer, self.fmt, self.decode, self.engine.layout.max_len)
+        self.api.max_len = self.engine.layout.max_len
         if config.disaggregate:
             self.engine = DisaggregatedEngine(self.engine, config.checkpoint, engine_args,
                                               jax.config.jax_compilation_cache_dir)
@@ -469,8 +466,7 @@ def serve(args, model, **engine_args) -> int:
     if args.disaggregate and args.config:
         raise ValueError("--disaggregate loads the model again in the prefill process: give --model (or neither, "
                          "for the bundled model), not a random --config")
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else
-                                      args.config or "jaxseek-bundled")
+    name = args.served_model_name or model_name(args.model, args.config)
     config = ServerConfig(model_name=name, api_key=args.api_key, max_concurrency=args.max_concurrency,
                           max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model,
                           disaggregate=args.disaggregate)
