@@ -1,6 +1,6 @@
 """`jaxseek` command line: model facts (`info`), a forward pass over a prompt (`forward`), offline batch
-inference over the serving engine (`generate`), training the bundled default model's recipe (`train`),
-layout studies of a model on a device mesh (`study`)."""
+inference over the serving engine (`generate`), the OpenAI-compatible server (`serve`), training the bundled
+default model's recipe (`train`), benchmarks (`bench`), layout studies of a model on a device mesh (`study`)."""
 
 import argparse
 import json
@@ -139,6 +139,21 @@ def cmd_train(args) -> int:
     from training.train import run
 
     return run(args)
+
+
+BENCHMARKS = {  # `jaxseek bench NAME`: the module whose main(argv) runs it
+    "engine": "benchmarks.engine", "dspark": "benchmarks.dspark", "prefill": "benchmarks.prefill",
+    "grammar": "benchmarks.grammar", "kernels": "benchmarks.kernels", "serving": "benchmarks.serving",
+    "startup": "benchmarks.startup"}
+
+
+def cmd_bench(args) -> int:
+    """Run a benchmark (one JSON line on stdout); the arguments after its name are its own (`jaxseek bench NAME
+    --help`)."""
+    import importlib
+
+    status = importlib.import_module(BENCHMARKS[args.benchmark]).main(args.arguments)
+    return status if isinstance(status, int) else 0
 
 
 def cmd_study(args) -> int:
@@ -334,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
     from sharding.study import add_arguments as add_study_arguments
 
+    bench = sub.add_parser("bench", help=cmd_bench.__doc__, description=cmd_bench.__doc__)
+    bench.set_defaults(fn=cmd_bench)
+    bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
+    bench.add_argument("arguments", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     study = sub.add_parser("study", help=cmd_study.__doc__, description=cmd_study.__doc__)
     study.set_defaults(fn=cmd_study)
     add_study_arguments(study)

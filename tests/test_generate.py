@@ -385,3 +385,12 @@ def test_compact_output_refuses_several_choices(tmp_path, capsys):
     assert main(["generate", "--config", "tiny", "--input", str(path), "--output-format", "jsonl-compact"]) == 1
     [record] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert "--output-format jsonl-compact writes one: use --output-format openai" in record["error"]["message"]
+
+
+def test_the_example_batch_file_is_valid():
+    from pathlib import Path
+
+    requests = read_jsonl(Path(__file__).parents[1] / "examples" / "batch.jsonl")
+    prepare(requests, OpenAIRequests(TOK, PlainFormat(), TOK.decode, 1024), {}, seed=0)
+    assert len(requests) == 5 and [r.error for r in requests] == [None] * 5
+    assert [len(r.prepared.submissions) for r in requests] == [1, 1, 2, 2, 1]

@@ -168,6 +168,21 @@ def test_tokenize_detokenize_and_version(served):
     assert httpx.get(url + "/version").json() == {"version": package_version()}
 
 
+def test_the_example_client_runs(served, capsys):
+    """examples/client.py against the server: every call it makes answers."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "examples" / "client.py"
+    spec = importlib.util.spec_from_file_location("example_client", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--base-url", served[2], "--api-key", KEY, "--max-tokens", "4"])
+    out = capsys.readouterr().out
+    assert f"model: {MODEL} ({MAX_LEN} tokens of context)" in out
+    assert all(f"\n{key}:" in "\n" + out for key in ("completion", "chat", "json", "tokenize"))
+    assert isinstance(json.loads(out.split("completion: ")[1].splitlines()[0]), str)
+
+
 @pytest.mark.parametrize("body, status, message", [
     ("{not json", 400, "not valid JSON"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
