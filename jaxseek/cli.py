@@ -66,6 +66,7 @@ def cmd_forward(args) -> int:
 
 def cmd_generate(args) -> int:
     """Offline batch inference: prompts in, one JSON result per request out (in input order)."""
+    from serving.compile_progress import CompileProgress
     from serving.batch import (compact_record, engine_shape, from_prompts, openai_record, prepare, read_input,
                                run_batch, submit, summary_lines)
     from serving.engine import Engine
@@ -105,7 +106,8 @@ def cmd_generate(args) -> int:
                     speculation=args.speculation, num_drafts=args.num_drafts, **_engine_cache_and_grammar(args))
     submit(engine, requests)
     loaded = time.perf_counter()
-    if not args.no_warmup and engine.has_work:
+    progress = CompileProgress(engine, disable=None if engine.has_work else True)
+    if args.warmup and engine.has_work:
         engine.warmup()
     warm = time.perf_counter()
 
@@ -119,8 +121,8 @@ def cmd_generate(args) -> int:
         if out is not sys.stdout:
             out.close()
     summary.update(wall_s=time.perf_counter() - start, load_s=loaded - start, warmup_s=warm - loaded,
-                   warmup=not args.no_warmup)
-    for line in summary_lines(summary, engine.stats, list(engine.compiled)):
+                   warmup=args.warmup, first_token_s=summary["first_token_at"] - start)
+    for line in summary_lines(summary, engine.stats, list(engine.compiled)) + [progress.summary()]:
         print(f"jaxseek generate: {line}", file=sys.stderr)
     return 1 if summary["failed"] else 0
 
@@ -231,8 +233,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--num-drafts", type=int_at_least(1), help="drafts per step at most (default: the "
                    "drafter's block size)")
     _add_cache_and_grammar_flags(e)
-    e.add_argument("--no-warmup", action="store_true",
-                   help="compile step buckets when first used instead of all up front")
+    e.add_argument("--warmup", action="store_true",
+                   help="compile every step bucket up front (default: each when first used, so a batch compiles "
+                        "only the shapes it runs)")
+    e.add_argument("--no-warmup", dest="warmup", action="store_false", help="compile each step bucket when first "
+                   "used (the default)")
     e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
                    metavar="DIR", help="keep compiled steps on disk, so a later run of the same shapes starts "
                    "at once ($JAXSEEK_COMPILE_CACHE, default ~/.cache/jaxseek/xla; 'off' disables)")

@@ -257,7 +257,7 @@ def run_batch(engine, requests: list[BatchRequest], emit: Callable[[dict], None]
               record: Callable[[BatchRequest, list | None], dict], progress: bool = True) -> dict:
     """Run the submitted requests to completion, emitting each one's `record(request, outputs)` (`outputs` None for
     a request that failed) in input order; returns the run's figures (requests, failures, tokens, generation
-    seconds)."""
+    seconds, when the first token came)."""
     from tqdm import tqdm
 
     writer = OrderedWriter(emit)
@@ -266,11 +266,14 @@ def run_batch(engine, requests: list[BatchRequest], emit: Callable[[dict], None]
             writer.put(r.index, record(r, None))
     running = [r for r in requests if r.error is None]
     outputs: dict[int, list] = {r.index: [None] * len(r.prepared.submissions) for r in running}
-    generated, start = 0, time.perf_counter()
+    generated, start, first_token = 0, time.perf_counter(), None
     with tqdm(total=len(running), unit="req", file=sys.stderr, disable=not progress or not running,
               desc="generate") as bar:
         while engine.has_work:
-            for output in engine.step():
+            finished = engine.step()
+            if first_token is None and engine.stats["decode_tokens"]:
+                first_token = time.perf_counter()
+            for output in finished:
                 index, choice = (int(part) for part in output.request_id.split("/"))
                 if index not in outputs:
                     continue  # cancelled with its request
@@ -283,7 +286,7 @@ def run_batch(engine, requests: list[BatchRequest], emit: Callable[[dict], None]
                     bar.set_postfix(tokens=generated, refresh=False)
     return {"requests": len(requests), "failed": len(requests) - len(running),
             "prompt_tokens": sum(r.prepared.prompt_tokens for r in running), "generated_tokens": generated,
-            "generate_s": time.perf_counter() - start}
+            "generate_s": time.perf_counter() - start, "first_token_at": first_token or time.perf_counter()}
 
 
 def summary_lines(summary: dict, stats: dict, compiled: Sequence) -> list[str]:
@@ -294,8 +297,8 @@ def summary_lines(summary: dict, stats: dict, compiled: Sequence) -> list[str]:
         f"requests: {summary['requests']} ({summary['failed']} failed)",
         f"tokens: {summary['prompt_tokens']} prompt, {summary['generated_tokens']} generated",
         f"wall: {summary['wall_s']:.2f} s (load {summary['load_s']:.2f} s, warmup {summary['warmup_s']:.2f} s, "
-        f"generate {summary['generate_s']:.2f} s)",
+        f"generate {summary['generate_s']:.2f} s); first token after {summary['first_token_s']:.2f} s",
         f"throughput: prefill {prefill / seconds:.1f} tokens/s, decode {decode / seconds:.1f} tokens/s over the "
-        f"generation loop ({steps} steps" + (", incl. compiling: --no-warmup)" if not summary["warmup"] else ")"),
+        f"generation loop ({steps} steps" + (", incl. compiling each bucket on first use)" if not summary["warmup"] else ")"),
         f"compiled buckets (rows, tokens, verify): {len(compiled)} {sorted(compiled)}",
     ]

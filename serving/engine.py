@@ -116,6 +116,9 @@ class Engine:
     a window of `eplb_window` steps.
     """
 
+    # told about each step bucket compiled, before (seconds None) and after (e.g. a progress bar)
+    on_compile: Callable[[tuple[int, int, int], float | None], None] | None = None
+
     def __init__(self, model: Model, *, max_slots: int = 8, max_len: int = 1024, num_pages: int | None = None,
                  page_tokens: int | None = None, prefill_chunk: int = 64, max_prefill_rows: int = 2,
                  token_budget: int | None = None, batch_invariant: bool = False, zero_overhead: bool = True,
@@ -264,17 +267,25 @@ class Engine:
 
     def _executable(self, bucket: tuple[int, int, int]):
         if bucket not in self.compiled:
-            rows, width, verify_len = bucket
-            if self.data_parallel is not None:
-                self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache,
-                                                                   rows, width, verify_len, self._engram_shapes())
-                return self.compiled[bucket]
-            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len)
-            if width == verify_len:  # a decode / verify bucket: in halves, for masks filled during the forward
-                self.compiled[bucket] = CompiledHalves(self._halves, self.weights, self.cache, batch, verify_len)
-            else:
-                self.compiled[bucket] = compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)
+            if self.on_compile is not None:
+                self.on_compile(bucket, None)
+            start = time.perf_counter()
+            self._compile(bucket)
+            if self.on_compile is not None:
+                self.on_compile(bucket, time.perf_counter() - start)
         return self.compiled[bucket]
+
+    def _compile(self, bucket: tuple[int, int, int]) -> None:
+        rows, width, verify_len = bucket
+        if self.data_parallel is not None:
+            self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache,
+                                                               rows, width, verify_len, self._engram_shapes())
+            return
+        batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len)
+        if width == verify_len:  # a decode / verify bucket: in halves, for masks filled during the forward
+            self.compiled[bucket] = CompiledHalves(self._halves, self.weights, self.cache, batch, verify_len)
+        else:
+            self.compiled[bucket] = compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)
 
     def _prefix_cache(self, enabled: bool | None, replay: int | None, host_pages: int,
                       snapshots: int | None) -> PrefixAdmission | None:

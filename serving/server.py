@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.compile_progress import CompileProgress
 from serving.detokenize import ChoiceStream
 from serving.disagg import DisaggregatedEngine
 from serving.engine import Engine
@@ -474,7 +476,9 @@ def serve(args, model, **engine_args) -> int:
                     batch_invariant=args.batch_invariant, num_top_logprobs=args.max_logprobs, seed=args.seed,
                     speculation=args.speculation, num_drafts=args.num_drafts, **engine_args)
     if not args.no_warmup:
+        progress = CompileProgress(server.decode_engine)
         server.engine.warmup()
+        print(progress.summary(), file=sys.stderr)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
