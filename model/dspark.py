@@ -105,7 +105,8 @@ class DSparkConfig:
         """The drafter of a V4 checkpoint (V4-Flash-0731): its config.json's `dspark_*` fields (which V4's
         ModelConfig does not keep) and its `num_layers` stages, counted from its `mtp.*` tensors (its
         `num_nextn_predict_layers` is MTP's 1); experts and window default to the target's."""
-        fields = {f: raw[k] for f, k in _JSON_KEYS.items() if k in raw and f != "num_layers"}
+        fields = {f: tuple(raw[k]) if isinstance(raw[k], list) else raw[k] for f, k in _JSON_KEYS.items()
+                  if k in raw and f != "num_layers"}
         defaults = {"n_routed_experts": target.n_routed_experts, "num_experts_per_tok": target.num_experts_per_tok,
                     "window": raw.get("dspark_window_size", target.sliding_window)}
         if "target_layer_ids" not in fields:

@@ -157,8 +157,8 @@ class NgramHasher:
         return out
 
     def _sequence(self, canonical: Int[np.ndarray, "b s"], history: Int[np.ndarray, "b h"] | None,
-                  blocked: Bool[np.ndarray, "b s"] | None) -> Int64[np.ndarray, "b h+s"]:
-        """History followed by the chunk, with blocked tokens as DEAD (validated)."""
+                  blocked: Bool[np.ndarray, "b s"] | None) -> Int64[np.ndarray, "b n"]:
+        """History followed by the chunk (n = h + s tokens), with blocked tokens as DEAD (validated)."""
         canonical = np.asarray(canonical, np.int64)
         if canonical.ndim != 2:
             raise ValueError(f"canonical ids must be [batch, seq], got shape {canonical.shape}")

@@ -9,6 +9,7 @@ from jaxtyping import Array, Float, Int
 
 from model.axes import param
 from model.config import ModelConfig
+from model.config_v41 import V41Config
 from model.linear import Linear, normal_init
 from pallas_kernels import registry
 from pallas_kernels.moe import clamped_swiglu
@@ -58,7 +59,7 @@ class Gate(nnx.Module):
     text-only model never uses it) and skips the weight normalisation when a token picks one expert.
     """
 
-    def __init__(self, config: ModelConfig, hash_routed: bool, dtype, rngs: nnx.Rngs, v41: bool = False):
+    def __init__(self, config: ModelConfig | V41Config, hash_routed: bool, dtype, rngs: nnx.Rngs, v41: bool = False):
         e, k = config.n_routed_experts, config.num_experts_per_tok
         self.weight = param(normal_init(rngs, (e, config.hidden_size), dtype), "router", "embed")
         if hash_routed:
@@ -109,7 +110,7 @@ class Experts(nnx.Module):
     stacked per physical slot instead (redundant replicas included) and each pair goes to one replica of its
     expert; a dispatch with a `first_token(t)` method (a data-parallel rank's) offsets the replica choice."""
 
-    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig | V41Config, dtype, rngs: nnx.Rngs):
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.w1 = param(normal_init(rngs, (e, i, d), dtype), "expert", "mlp", "embed")
         self.w2 = param(normal_init(rngs, (e, d, i), dtype), "expert", "embed", "mlp")
@@ -135,7 +136,7 @@ class Experts(nnx.Module):
 class MoE(nnx.Module):
     """Routed experts plus the shared expert."""
 
-    def __init__(self, config: ModelConfig, hash_routed: bool, dtype, rngs: nnx.Rngs, v41: bool = False):
+    def __init__(self, config: ModelConfig | V41Config, hash_routed: bool, dtype, rngs: nnx.Rngs, v41: bool = False):
         self.gate = Gate(config, hash_routed, dtype, rngs, v41)
         self.experts = Experts(config, dtype, rngs)
         if config.n_shared_experts:

@@ -39,6 +39,7 @@ setting.
 from __future__ import annotations
 
 import dataclasses
+from typing import no_type_check
 
 import jax.numpy as jnp
 from jaxtyping import Array, Int
@@ -47,6 +48,7 @@ MODES = ("off", "mask", "compact")
 DEFAULT_KEEP = 140  # DeepInfer's default: window 128 + max backtracking 6, plus a margin
 
 
+@no_type_check  # a user's setting: `__post_init__` checks it with a message naming the field
 @dataclasses.dataclass(frozen=True)
 class Replay:
     """How a prefill runs the replay layers: `mode` (off / mask / compact) and `keep` (tokens per request)."""

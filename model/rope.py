@@ -37,9 +37,10 @@ def layer_frequencies(config, layer: int) -> np.ndarray:
 
 
 def apply_rope(
-    x: Float[Array, "*b s h d"], positions: Int[Array, "*b s"], freqs: np.ndarray, inverse: bool = False
+    x: Float[Array, "*b s h d"], positions: Int[Array, "*pb s"], freqs: np.ndarray, inverse: bool = False
 ) -> Float[Array, "*b s h d"]:
-    """Rotate the last 2*len(freqs) dims of every head by position*freq (by minus that when `inverse`)."""
+    """Rotate the last 2*len(freqs) dims of every head by position*freq (by minus that when `inverse`);
+    `positions` broadcast against x's leading dims."""
     rope_dim = 2 * freqs.shape[0]
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(freqs)  # [*b, s, rd/2]
     cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]

@@ -1,10 +1,14 @@
 """Offline batch inference (`jaxseek generate`): read prompts (command line, a text file, or an OpenAI batch JSONL
 file), run them through the `Engine`, write one JSON result per request in input order.
 
-A JSONL body may constrain its output (`response_format` as in the OpenAI API, or vLLM's `structured_outputs`;
-see `serving.constraints`). A request that fails validation (bad JSON, unknown sampling field, empty or too long
-prompt, invalid constraint, ...) becomes an error record `{"custom_id", "error": {"message"}}`; every other
-request still runs.
+A JSONL body is checked and run as the server runs it (`serving.openai_api`): completions with several prompts,
+chats with tools, thinking mode, `n` choices, output constraints (`response_format`, vLLM's `structured_outputs`);
+`stream` is ignored (a batch line holds the whole body). Results are written in OpenAI's batch output format
+(`openai_record`: `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`, the body a
+`text_completion` or `chat.completion` as the server answers) or as compact lines (`compact_record`:
+`{"custom_id", "text", "token_ids", "finish_reason"}`, one choice per request). A request that fails validation
+(bad JSON, a wrong sampling value, empty or too long prompt, invalid constraint, ...) gets an error record; every
+other request still runs.
 """
 
 from __future__ import annotations
@@ -13,36 +17,35 @@ import dataclasses
 import json
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from serving.chat_format import normalize_messages
-from serving.constraints import CONSTRAINT_FIELDS, ConstraintSpec, constraint_from_body
 from serving.engine_config import EngineConfig
-from serving.sampling import SEED_LIMIT, SamplingParams
+from serving.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, OpenAIRequests, Prepared, check_fields
+from serving.request import RequestOutput
+from serving.sampling import SEED_LIMIT, SamplingParams, sampling_fields
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-PROMPT_FIELDS = ("model", "prompt", "messages")  # body fields that are not sampling parameters
 BOM = b"\xef\xbb\xbf"
+OUTPUT_FORMATS = ("openai", "jsonl-compact")
 
 
 @dataclasses.dataclass
 class BatchRequest:
-    """One input request: its prompt (text, token ids, or chat messages rendered by the model's chat format),
-    sampling fields and output constraint, or why it cannot run."""
+    """One input request: its url and body (a prompt given on the command line or in a text file is a completion
+    body), the choices it runs once checked, or why it cannot run (with the HTTP status the server would give)."""
 
     index: int
     custom_id: str
-    prompt: str | list[int] | None = None
-    messages: list[dict] | None = None  # a chat request's checked messages (`chat_format.normalize_messages`)
-    sampling: dict[str, Any] = dataclasses.field(default_factory=dict)  # the body's own sampling fields
+    url: str = COMPLETIONS
+    body: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str | None = None
-    params: SamplingParams | None = None
-    prompt_ids: list[int] | None = None
-    constraint: ConstraintSpec | None = None
+    status: int = 400
+    prepared: Prepared | None = None
 
 
 # ---- reading inputs -------------------------------------------------------------------------------------------
@@ -67,7 +70,7 @@ def _decode_line(path: Path, number: int, raw: bytes) -> str:
 
 def from_prompts(prompts: Sequence[str]) -> list[BatchRequest]:
     """Requests from command-line prompts."""
-    return [BatchRequest(i, f"request-{i}", prompt=p) for i, p in enumerate(prompts)]
+    return [BatchRequest(i, f"request-{i}", body={"prompt": p}) for i, p in enumerate(prompts)]
 
 
 def read_txt(path: str | Path) -> list[BatchRequest]:
@@ -76,7 +79,7 @@ def read_txt(path: str | Path) -> list[BatchRequest]:
     for number, raw in _lines(path):
         request = BatchRequest(len(out), f"request-{len(out)}")
         try:
-            request.prompt = _decode_line(path, number, raw)
+            request.body = {"prompt": _decode_line(path, number, raw)}
         except ValueError as e:
             request.error = str(e)
         out.append(request)
@@ -120,25 +123,11 @@ def _parse_line(request: BatchRequest, line: dict) -> None:
         raise ValueError(f"unsupported url {url!r}: use {COMPLETIONS} or {CHAT}")
     if not isinstance(body, dict):
         raise ValueError(f"body must be a JSON object, got {type(body).__name__}")
-    if url == COMPLETIONS:
-        if "messages" in body:
-            raise ValueError(f"{COMPLETIONS} takes a prompt, not messages")
-        request.prompt = _completion_prompt(body.get("prompt"))
-    else:
-        if "prompt" in body:
-            raise ValueError(f"{CHAT} takes messages, not a prompt")
-        request.messages = normalize_messages(body.get("messages"))
-    request.constraint = constraint_from_body(body)
-    request.sampling = {k: v for k, v in body.items() if k not in PROMPT_FIELDS and k not in CONSTRAINT_FIELDS}
-
-
-def _completion_prompt(prompt) -> str | list[int]:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt  # token ids (checked against the vocabulary by the engine)
-    raise ValueError("prompt must be a string or a list of token ids (one prompt per request), got "
-                     f"{json.dumps(prompt)[:80]}")
+    if url == COMPLETIONS and "messages" in body:
+        raise ValueError(f"{COMPLETIONS} takes a prompt, not messages")
+    if url == CHAT and "prompt" in body:
+        raise ValueError(f"{CHAT} takes messages, not a prompt")
+    request.url, request.body = url, body
 
 
 def read_input(path: str | Path) -> list[BatchRequest]:
@@ -168,22 +157,36 @@ def request_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0]) % SEED_LIMIT
 
 
-def resolve_params(requests: list[BatchRequest], defaults: dict[str, Any], seed: int) -> None:
-    """Set each valid request's SamplingParams (or its error)."""
+def prepare(requests: list[BatchRequest], api: OpenAIRequests, defaults: dict[str, Any], seed: int,
+            one_choice: bool = False) -> None:
+    """Check each valid request's body as the server does and set its choices (or its error): the body's sampling
+    fields over the command-line `defaults`, 16 tokens when neither gives a length, and request i's seed drawn
+    from (seed, i) when the body has none. `one_choice`: refuse bodies with several choices (compact output)."""
     for r in requests:
-        if r.error is None:
-            try:
-                fields = merge_sampling(defaults, r.sampling)
-                fields.setdefault("seed", request_seed(seed, r.index))
-                r.params = SamplingParams.from_dict(fields)
-            except (ValueError, TypeError) as e:
-                r.error = str(e)
+        if r.error is not None:
+            continue
+        try:
+            check_fields(r.body, CHAT_FIELDS if r.url == CHAT else COMPLETION_FIELDS)
+            fields = merge_sampling(defaults, {k: v for k, v in r.body.items() if k in sampling_fields()})
+            if "max_tokens" not in fields and "max_completion_tokens" not in fields:
+                fields["max_tokens"] = SamplingParams.max_tokens
+            fields.setdefault("seed", request_seed(seed, r.index))
+            r.prepared = api.chat(r.body, fields) if r.url == CHAT else api.completion(r.body, fields)
+            if one_choice and len(r.prepared.submissions) > 1:
+                raise ApiError(400, f"the request has {len(r.prepared.submissions)} choices (n or several "
+                                    "prompts); --output-format jsonl-compact writes one: use --output-format openai")
+        except ApiError as e:
+            r.error, r.status, r.prepared = e.message, e.status, None
 
 
 # ---- running --------------------------------------------------------------------------------------------------
-def result_record(custom_id: str, output) -> dict[str, Any]:
-    """The JSON record of a finished request (`serving.request.RequestOutput`)."""
-    record = {"custom_id": custom_id, "text": output.text, "token_ids": output.token_ids,
+def compact_record(r: BatchRequest, outputs: list[RequestOutput] | None) -> dict[str, Any]:
+    """A compact line: `{"custom_id", "text", "token_ids", "finish_reason"[, "logprobs"]}` of the request's one
+    choice, or `{"custom_id", "error": {"message"}}`."""
+    if outputs is None:
+        return {"custom_id": r.custom_id, "error": {"message": r.error}}
+    [output] = outputs
+    record = {"custom_id": r.custom_id, "text": output.text, "token_ids": output.token_ids,
               "finish_reason": output.finish_reason}
     if output.logprobs is not None:
         record["logprobs"] = [{"token_id": lp.token, "logprob": lp.logprob,
@@ -192,8 +195,25 @@ def result_record(custom_id: str, output) -> dict[str, Any]:
     return record
 
 
-def error_record(custom_id: str, message: str) -> dict[str, Any]:
-    return {"custom_id": custom_id, "error": {"message": message}}
+def openai_record(api: OpenAIRequests, model_name: str) -> Callable[[BatchRequest, list | None], dict]:
+    """Lines in OpenAI's batch output format: the body the server would answer (its `model` the request's own, else
+    `model_name`), or the error with the status the server would give."""
+
+    def record(r: BatchRequest, outputs: list[RequestOutput] | None) -> dict[str, Any]:
+        line = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": r.custom_id}
+        request_id = f"batch-{uuid.uuid4().hex}"
+        if outputs is None:
+            kind = ApiError(r.status, r.error).kind
+            return {**line, "response": {"status_code": r.status, "request_id": request_id, "body": None},
+                    "error": {"code": kind, "message": r.error}}
+        model = r.body.get("model") if isinstance(r.body.get("model"), str) else model_name
+        created, p = int(time.time()), r.prepared
+        body = (api.chat_body(f"chatcmpl-{uuid.uuid4().hex}", created, model, outputs, p.prompt_tokens, p.thinking)
+                if r.url == CHAT else
+                api.completion_body(f"cmpl-{uuid.uuid4().hex}", created, model, outputs, p.prompt_tokens))
+        return {**line, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+    return record
 
 
 class OrderedWriter:
@@ -209,68 +229,70 @@ class OrderedWriter:
             self.next += 1
 
 
-def encode_prompts(tokenizer, requests: list[BatchRequest], chat_format) -> None:
-    """Token ids of each valid request's prompt, a chat request's messages rendered by `chat_format` (one of
-    `serving.chat_format`'s formats) first; a prompt that cannot be rendered or encoded becomes the request's
-    error."""
-    for r in requests:
-        if r.error is None:
-            try:
-                if r.messages is not None:
-                    r.prompt = chat_format.render(r.messages)
-                r.prompt_ids = list(r.prompt) if isinstance(r.prompt, list) else tokenizer.encode(r.prompt)
-            except ValueError as e:
-                r.error = str(e)
-
-
 def fitted_config(requests: list[BatchRequest], config: EngineConfig) -> EngineConfig:
-    """`config` fitted to a batch known up front: no more slots than requests, and a chunk no wider than the
+    """`config` fitted to a batch known up front: no more slots than submissions, and a chunk no wider than the
     bucket of the longest prompt (at least 8), so start-up compiles only buckets the batch can use. Batch-invariant
     configs keep their shapes (a request's numbers must not depend on the batch's size), and so do mesh ones (the
     slots split evenly over the attention ranks)."""
     if config.batch_invariant or config.mesh is not None:
         return config
-    lengths = [len(r.prompt_ids) for r in requests if r.error is None] or [1]
+    lengths = [len(s.prompt) for r in requests if r.error is None for s in r.prepared.submissions] or [1]
     return dataclasses.replace(config, max_slots=min(config.max_slots, len(lengths)), prefill_chunk=min(
         config.prefill_chunk, max(8, 1 << (max(lengths) - 1).bit_length())))
 
 
 def submit(engine, requests: list[BatchRequest]) -> None:
-    """Queue each encoded request on the engine (its id is its index); a prompt or constraint the engine refuses
-    (empty, too long, ids outside the vocabulary, an invalid schema / regex / grammar) becomes the request's
-    error."""
+    """Queue each checked request's choices on the engine (ids `index/choice`); a prompt or constraint the engine
+    refuses (empty, too long, ids outside the vocabulary, an invalid schema / regex / grammar) becomes the
+    request's error, and its choices already queued are cancelled."""
     for r in requests:
-        if r.error is None:
-            try:
-                constrained = {} if r.constraint is None else {"constraint": r.constraint}
-                engine.add_request(r.prompt_ids, r.params, request_id=str(r.index), **constrained)
-            except ValueError as e:
-                r.error = str(e)
+        if r.error is not None:
+            continue
+        queued = []
+        try:
+            for j, s in enumerate(r.prepared.submissions):
+                queued.append(engine.add_request(s.prompt, s.params, request_id=f"{r.index}/{j}",
+                                                 constraint=s.constraint, constraint_trigger=s.trigger))
+        except ValueError as e:
+            for request_id in queued:
+                engine.cancel(request_id)
+            r.error, r.prepared = str(e), None
 
 
-def run_batch(engine, requests: list[BatchRequest], emit: Callable[[dict], None], progress: bool = True) -> dict:
-    """Run the submitted requests to completion, emitting every record (errors too) in input order; returns the
-    run's figures (requests, failures, tokens, generation seconds)."""
+def run_batch(engine, requests: list[BatchRequest], emit: Callable[[dict], None],
+              record: Callable[[BatchRequest, list | None], dict], progress: bool = True) -> dict:
+    """Run the submitted requests to completion, emitting each one's `record(request, outputs)` (`outputs` None for
+    a request that failed) in input order; returns the run's figures (requests, failures, tokens, generation
+    seconds, when the first token came)."""
     from tqdm import tqdm
 
     writer = OrderedWriter(emit)
     for r in requests:
         if r.error is not None:
-            writer.put(r.index, error_record(r.custom_id, r.error))
+            writer.put(r.index, record(r, None))
     running = [r for r in requests if r.error is None]
-    generated, start = 0, time.perf_counter()
+    outputs: dict[int, list] = {r.index: [None] * len(r.prepared.submissions) for r in running}
+    generated, start, first_token = 0, time.perf_counter(), None
     with tqdm(total=len(running), unit="req", file=sys.stderr, disable=not progress or not running,
               desc="generate") as bar:
         while engine.has_work:
-            for output in engine.step():
-                r = requests[int(output.request_id)]
-                writer.put(r.index, result_record(r.custom_id, output))
+            finished = engine.step()
+            if first_token is None and engine.stats["decode_tokens"]:
+                first_token = time.perf_counter()
+            for output in finished:
+                index, choice = (int(part) for part in output.request_id.split("/"))
+                if index not in outputs:
+                    continue  # cancelled with its request
+                choices = outputs[index]
+                choices[choice] = output
                 generated += len(output.token_ids)
-                bar.update(1)
-                bar.set_postfix(tokens=generated, refresh=False)
+                if all(o is not None for o in choices):
+                    writer.put(index, record(requests[index], choices))
+                    bar.update(1)
+                    bar.set_postfix(tokens=generated, refresh=False)
     return {"requests": len(requests), "failed": len(requests) - len(running),
-            "prompt_tokens": sum(len(r.prompt_ids) for r in running), "generated_tokens": generated,
-            "generate_s": time.perf_counter() - start}
+            "prompt_tokens": sum(r.prepared.prompt_tokens for r in running), "generated_tokens": generated,
+            "generate_s": time.perf_counter() - start, "first_token_at": first_token or time.perf_counter()}
 
 
 def summary_lines(summary: dict, stats: dict, compiled: Sequence) -> list[str]:
@@ -281,8 +303,8 @@ def summary_lines(summary: dict, stats: dict, compiled: Sequence) -> list[str]:
         f"requests: {summary['requests']} ({summary['failed']} failed)",
         f"tokens: {summary['prompt_tokens']} prompt, {summary['generated_tokens']} generated",
         f"wall: {summary['wall_s']:.2f} s (load {summary['load_s']:.2f} s, warmup {summary['warmup_s']:.2f} s, "
-        f"generate {summary['generate_s']:.2f} s)",
+        f"generate {summary['generate_s']:.2f} s); first token after {summary['first_token_s']:.2f} s",
         f"throughput: prefill {prefill / seconds:.1f} tokens/s, decode {decode / seconds:.1f} tokens/s over the "
-        f"generation loop ({steps} steps" + (", incl. compiling: --no-warmup)" if not summary["warmup"] else ")"),
+        f"generation loop ({steps} steps" + (", incl. compiling each bucket on first use)" if not summary["warmup"] else ")"),
         f"compiled buckets (rows, tokens, verify, context pages): {len(compiled)} {sorted(compiled)}",
     ]

@@ -312,7 +312,7 @@ class JinjaFormat:
         try:
             self.template = env.from_string(template)
         except jinja2.TemplateError as e:
-            raise ValueError(f"the checkpoint's chat template does not compile: {e}") from None
+            raise ValueError(f"the chat template does not compile: {e}") from None
         self.bos_token, self.eos_token, self._errors = bos_token, eos_token, (jinja2.TemplateError,)
 
     def render(self, messages: list[dict], tools: list[dict] = (), thinking: bool = False,
@@ -369,9 +369,17 @@ FORMATS = {f.name: f for f in (DeepSeekV4Format, PlainFormat)}
 
 def format_for(tokenizer, name: str = "auto", checkpoint_dir=None):
     """The chat format by name, or (auto) DeepSeek-V4's when the tokenizer has the DSML token, else the
-    checkpoint's own Jinja template if it ships one, else plain."""
+    checkpoint's own Jinja template if it ships one, else plain; or a Jinja template file's (`name` its path;
+    bos / eos from the checkpoint's tokenizer_config.json when it has one)."""
     if name not in ("auto", "jinja", *FORMATS):
-        raise ValueError(f"unknown chat format {name!r}; choose auto, jinja, {', '.join(FORMATS)}")
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"unknown chat format {name!r}; choose auto, jinja, {', '.join(FORMATS)} or give a "
+                             "Jinja template file")
+        tokens = Path(checkpoint_dir or "") / "tokenizer_config.json"
+        config = json.loads(tokens.read_text(encoding="utf-8")) if checkpoint_dir and tokens.is_file() else {}
+        return JinjaFormat(path.read_text(encoding="utf-8"), _token_text(config.get("bos_token")),
+                           _token_text(config.get("eos_token")))
     if name in FORMATS:
         return FORMATS[name]()
     jinja = jinja_format(checkpoint_dir) if checkpoint_dir is not None else None

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import threading
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import llguidance as llg
 import numpy as np
@@ -56,8 +57,8 @@ class ConstraintSpec:
         return cls("regex", pattern)
 
     @classmethod
-    def json_schema(cls, schema: Mapping | str) -> ConstraintSpec:
-        """A JSON Schema given as an object or as its JSON text."""
+    def json_schema(cls, schema: Any) -> ConstraintSpec:
+        """A JSON Schema given as an object (a Mapping) or as its JSON text; anything else is a ValueError."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)

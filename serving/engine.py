@@ -96,6 +96,9 @@ class Engine:
     or `Engine(model, max_slots=..., max_len=...)` with keywords naming its fields; keywords given with a config
     replace those fields of it. `config` holds the settings, `model_config` the model's."""
 
+    # told about each step bucket compiled, before (seconds None) and after (e.g. a progress bar)
+    on_compile: Callable[[tuple[int, int, int, int], float | None], None] | None = None
+
     def __init__(self, model: Model, config: EngineConfig | None = None, **settings):
         config = EngineConfig(**settings) if config is None else dataclasses.replace(config, **settings)
         drafter = None if config.speculation == "none" else model.drafter or mtp_drafter(model.module())
@@ -226,17 +229,25 @@ class Engine:
 
     def _executable(self, bucket: tuple[int, int, int, int]):
         if bucket not in self.compiled:
-            rows, width, verify_len, pages = bucket
-            if self.data_parallel is not None:
-                self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache,
-                                                                   rows, width, verify_len, self._engram_shapes())
-                return self.compiled[bucket]
-            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
-            if width == verify_len:  # a decode / verify bucket: in halves, for masks filled during the forward
-                self.compiled[bucket] = CompiledHalves(self._halves, self.weights, self.cache, batch, verify_len)
-            else:
-                self.compiled[bucket] = compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)
+            if self.on_compile is not None:
+                self.on_compile(bucket, None)
+            start = time.perf_counter()
+            self._compile(bucket)
+            if self.on_compile is not None:
+                self.on_compile(bucket, time.perf_counter() - start)
         return self.compiled[bucket]
+
+    def _compile(self, bucket: tuple[int, int, int, int]) -> None:
+        rows, width, verify_len, pages = bucket
+        if self.data_parallel is not None:
+            self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache,
+                                                               rows, width, verify_len, self._engram_shapes())
+            return
+        batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
+        if width == verify_len:  # a decode / verify bucket: in halves, for masks filled during the forward
+            self.compiled[bucket] = CompiledHalves(self._halves, self.weights, self.cache, batch, verify_len)
+        else:
+            self.compiled[bucket] = compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)
 
     def _prefix_cache(self) -> PrefixAdmission | None:
         """The engine's prefix cache (None when off), with its device ops on `self.cache`."""

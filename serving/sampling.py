@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ def _check_float(name: str, value, low: float, high: float, low_open: bool = Fal
     return float(value)
 
 
+@no_type_check  # it takes a request's raw fields and checks them itself, naming the field (`__post_init__`)
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request samples, with OpenAI / vLLM semantics; invalid values raise `ValueError` naming the field.

@@ -29,24 +29,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.chat_format import Reply, format_for, normalize_messages, normalize_tools
-from serving.constraints import CONSTRAINT_FIELDS, ConstraintSpec, constraint_from_body
-from serving.detokenize import ChoiceStream, markup_decoder
+from serving.compile_progress import CompileProgress
+from serving.detokenize import ChoiceStream
 from serving.disagg import DisaggregatedEngine
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
 from serving.engine_loop import Delta, Done, EngineLoop, Failed, Sink, Submission
 from serving.metrics import ServerMetrics
-from serving.sampling import SEED_LIMIT, SamplingParams, sampling_fields
-from serving.tokenizer import tokenizer_for
-
-COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "user"}) | CONSTRAINT_FIELDS
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                               "thinking", "reasoning_effort"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older names
-MAX_CHOICES = 16
-
+from serving.openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, OpenAIRequests, check_fields,
+                                model_name, package_version)
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -63,19 +54,13 @@ class ServerConfig:
     disaggregate: bool = False  # prefill in a separate process (serving.disagg), loading `checkpoint`
 
 
-class ApiError(Exception):
-    """A request the server refuses: HTTP status and an OpenAI-style error."""
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "tool_choice", "chat_template_kwargs", "thinking",
+                             "reasoning_effort", "return_token_strs"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
-    def response(self) -> JSONResponse:
-        kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-                429: "rate_limit_error"}.get(self.status, "invalid_request_error" if self.status < 500 else
-                                             "server_error")
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
 
 
 def _sse(payload: dict) -> bytes:
@@ -92,11 +77,10 @@ class Server:
     def __init__(self, model, config: ServerConfig = ServerConfig(), engine_config: EngineConfig | None = None,
                  **engine_settings):
         self.config, self.model = config, model
-        self.tokenizer = tokenizer_for(model)
-        self.fmt = format_for(self.tokenizer, config.chat_format, config.checkpoint)
-        cfg = model.config
-        self.decode = markup_decoder(self.tokenizer, (cfg.eos_token_id, getattr(cfg, "bos_token_id", None)))
+        self.api = OpenAIRequests.for_model(model, config.chat_format, config.checkpoint, 1024)
+        self.tokenizer, self.fmt, self.decode = self.api.tokenizer, self.api.fmt, self.api.decode
         self.engine = self.decode_engine = Engine(model, engine_config, detokenize=self.decode, **engine_settings)
+        self.api.max_len = self.engine.layout.max_len
         if config.disaggregate:
             self.engine = DisaggregatedEngine(self.engine, config.checkpoint, jax.config.jax_compilation_cache_dir)
         self.metrics = ServerMetrics(config.model_name, self.decode_engine.speculation.num_drafts)
@@ -144,11 +128,11 @@ class Server:
         async def api_error(request: Request, e: ApiError):
             if e.status < 500:
                 self.metrics.observe_rejected(e.status)
-            return e.response()
+            return _error_response(e)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, e: StarletteHTTPException):
-            return ApiError(e.status_code, str(e.detail)).response()
+            return _error_response(ApiError(e.status_code, str(e.detail)))
 
         @app.get("/health")
         async def health():
@@ -161,11 +145,37 @@ class Server:
         async def metrics():
             return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
+        @app.get("/version")
+        async def version():
+            return {"version": package_version()}
+
         @app.get("/v1/models")
         async def models(request: Request):
             self._authorize(request)
-            return {"object": "list", "data": [{"id": self.config.model_name, "object": "model", "created": 0,
-                                                "owned_by": "jaxseek", "max_model_len": self.engine.layout.max_len}]}
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(request: Request, model_id: str):
+            self._authorize(request)
+            if model_id != self.config.model_name:
+                raise ApiError(404, f"the model {model_id!r} does not exist; this server serves "
+                                    f"{self.config.model_name!r}", param="model", code="model_not_found")
+            return self._model_card()
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            body = await self._body(request, TOKENIZE_FIELDS)
+            return self._tokenize(body)
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request):
+            body = await self._body(request, DETOKENIZE_FIELDS)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
+                                                       0 <= t < self.model.config.vocab_size for t in tokens):
+                raise ApiError(400, "tokens must be a list of token ids in [0, "
+                                    f"{self.model.config.vocab_size})", param="tokens")
+            return {"prompt": self.decode(tokens)}
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
@@ -178,6 +188,28 @@ class Server:
             return await self._completions(request, body)
 
         return app
+
+    def _model_card(self) -> dict:
+        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "jaxseek",
+                "root": self.config.checkpoint or self.config.model_name, "parent": None,
+                "max_model_len": self.engine.layout.max_len}
+
+    def _tokenize(self, body: dict) -> dict:
+        """vLLM's /tokenize: a prompt's token ids, or a chat's (its messages rendered as /v1/chat/completions
+        renders them)."""
+        if ("prompt" in body) == ("messages" in body):
+            raise ApiError(400, "give a prompt (a string) or messages", param="prompt")
+        if "prompt" in body:
+            if not isinstance(body["prompt"], str):
+                raise ApiError(400, "prompt must be a string", param="prompt")
+            tokens = self.tokenizer.encode(body["prompt"])
+        else:
+            tokens = self.api.chat_prompt(body)[0]
+        strs = body.get("return_token_strs")
+        if strs is not None and not isinstance(strs, bool):
+            raise ApiError(400, "return_token_strs must be a boolean", param="return_token_strs")
+        return {"count": len(tokens), "max_model_len": self.engine.layout.max_len, "tokens": tokens,
+                "token_strs": [self.decode([t]) for t in tokens] if strs else None}
 
     # ---- request checks -----------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -203,66 +235,8 @@ class Server:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-        guided = [f for f in GUIDED_FIELDS if f in body]
-        if guided:
-            raise ApiError(400, f"{guided[0]} is vLLM's older spelling; send structured_outputs "
-                                "({\"json\" | \"regex\" | \"choice\" | \"grammar\": ...}) or response_format",
-                           param=guided[0])
-        unknown = sorted(set(body) - allowed - sampling_fields())
-        if unknown:
-            raise ApiError(400, f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise ApiError(400, "model is required (a string; see GET /v1/models)", param="model")
-        if model != self.config.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.config.model_name!r}", param="model", code="model_not_found")
-        if not isinstance(body.get("stream", False), bool):
-            raise ApiError(400, "stream must be a boolean", param="stream")
-        options = body.get("stream_options")
-        if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-            raise ApiError(400, "stream_options must be {\"include_usage\": bool}", param="stream_options")
-        if options is not None and not body.get("stream"):
-            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        check_fields(body, allowed, self.config.model_name)
         return body
-
-    def _constraint(self, body: dict, thinking: bool = False) -> tuple[ConstraintSpec | None, int | None]:
-        """The body's output constraint, and the token it starts after (a thinking-mode chat's end of
-        reasoning) or None. The engine compiles it when the request is submitted."""
-        param = "response_format" if body.get("response_format") is not None else "structured_outputs"
-        try:
-            spec = constraint_from_body(body)
-        except ValueError as e:
-            raise ApiError(400, str(e), param=param) from None
-        if spec is None:
-            return None, None
-        if not thinking or self.fmt.reasoning_end is None:
-            return spec, None
-        end = self.tokenizer.encode(self.fmt.reasoning_end)
-        if len(end) != 1:
-            raise ApiError(400, f"structured outputs in thinking mode need {self.fmt.reasoning_end!r} to be one "
-                                f"token of this tokenizer (it is {len(end)}); disable thinking", param=param)
-        return spec, end[0]
-
-    def _params(self, body: dict, prompt_tokens: int) -> tuple[list[SamplingParams], int]:
-        """The sampling parameters of each of the body's `n` choices, and n."""
-        fields = {k: body[k] for k in sampling_fields() if k in body}
-        n = fields.pop("n", 1)
-        n = 1 if n is None else n
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
-            raise ApiError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", param="n")
-        if fields.get("max_tokens") is None and fields.get("max_completion_tokens") is None:
-            room = self.engine.layout.max_len - prompt_tokens
-            if room < 1:
-                raise ApiError(400, f"the prompt ({prompt_tokens} tokens) fills the model's context of "
-                                    f"{self.engine.layout.max_len} tokens", param="messages")
-            fields["max_tokens"] = room
-        try:
-            params = SamplingParams.from_dict(fields)
-        except (ValueError, TypeError) as e:
-            raise ApiError(400, str(e)) from None
-        seeds = [None if params.seed is None else (params.seed + i) % SEED_LIMIT for i in range(n)]
-        return [dataclasses.replace(params, seed=s) for s in seeds], n
 
     # ---- running ------------------------------------------------------------------------------------------
     async def _submit(self, requests: list[Submission]) -> tuple[Sink, list[str]]:
@@ -357,51 +331,15 @@ class Server:
         return Stream(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # ---- completions --------------------------------------------------------------------------------------
-    def _prompts(self, prompt) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            prompt = [prompt]
-        if not isinstance(prompt, list) or not prompt or len(prompt) > MAX_CHOICES:
-            raise ApiError(400, f"prompt must be a string, a list of token ids, or a list of up to {MAX_CHOICES} of "
-                                "those", param="prompt")
-        out = []
-        for p in prompt:
-            if isinstance(p, str):
-                out.append(self.tokenizer.encode(p))
-            elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                out.append(list(p))
-            else:
-                raise ApiError(400, "each prompt must be a string or a list of token ids", param="prompt")
-            if not out[-1]:
-                raise ApiError(400, "the prompt is empty", param="prompt")
-        return out
-
     async def _completions(self, request: Request, body: dict):
-        if body.get("echo"):
-            raise ApiError(400, "echo is not supported", param="echo")
-        prompts = self._prompts(body.get("prompt"))
-        constraint, _ = self._constraint(body)
-        subs, n = [], 1
-        for ids in prompts:
-            params, n = self._params(body, len(ids))
-            subs += [Submission(ids, p, constraint) for p in params]
+        prepared = self.api.completion(body)
+        subs = prepared.submissions
         sink, ids = await self._submit(subs)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name
-        usage_prompt = sum(len(p) for p in prompts)
-
-        def usage(outputs) -> dict:
-            done = sum(len(o.token_ids) for o in outputs)
-            return {"prompt_tokens": usage_prompt, "completion_tokens": done, "total_tokens": usage_prompt + done}
 
         if not body.get("stream"):
             outputs = await self._collect(request, sink, ids)
-            choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
-                        "logprobs": self._completion_logprobs(o.logprobs) if o.logprobs is not None else None}
-                       for i, o in enumerate(outputs)]
-            return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                    "usage": usage(outputs)}
+            return self.api.completion_body(rid, created, model, outputs, prepared.prompt_tokens)
 
         streams = [ChoiceStream(self.decode, s.params.stop) for s in subs]
         include_usage = (body.get("stream_options") or {}).get("include_usage", False)
@@ -414,11 +352,11 @@ class Server:
         def chunks(event) -> list[dict]:
             if event is None:
                 return [{"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                         "usage": usage(done)}] if include_usage else []
+                         "usage": self.api.usage(prepared.prompt_tokens, done)}] if include_usage else []
             if isinstance(event, Delta):
                 text = "".join(t for _, t in streams[event.index].push(event.token_ids))
                 wants = subs[event.index].params.logprobs is not None
-                lps = self._completion_logprobs(event.logprobs) if wants else None
+                lps = self.api.completion_logprobs(event.logprobs) if wants else None
                 return [chunk(event.index, text, logprobs=lps)] if text or lps else []
             done[event.index] = event.output
             text = "".join(t for _, t in streams[event.index].finish(event.output.text))
@@ -427,64 +365,16 @@ class Server:
         return self._stream(sink, ids, chunks)
 
     # ---- chat ---------------------------------------------------------------------------------------------
-    def _chat_options(self, body: dict) -> tuple[bool, str | None, list[dict]]:
-        """(thinking mode, reasoning effort, tools) of a chat request."""
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict) or set(kwargs) - {"thinking"}:
-            raise ApiError(400, "chat_template_kwargs may only hold {\"thinking\": bool}", param="chat_template_kwargs")
-        thinking = kwargs.get("thinking", False)
-        deepseek = body.get("thinking")
-        if deepseek is not None:
-            if not isinstance(deepseek, dict) or deepseek.get("type") not in ("enabled", "disabled"):
-                raise ApiError(400, "thinking must be {\"type\": \"enabled\" | \"disabled\"}", param="thinking")
-            thinking = deepseek["type"] == "enabled"
-        if not isinstance(thinking, bool):
-            raise ApiError(400, "chat_template_kwargs.thinking must be a boolean", param="chat_template_kwargs")
-        effort = body.get("reasoning_effort")
-        if effort not in (None, "low", "medium", "high", "max"):
-            raise ApiError(400, "reasoning_effort must be low, medium, high or max", param="reasoning_effort")
-        choice = body.get("tool_choice", "auto")
-        if choice not in ("auto", "none", None):
-            raise ApiError(400, "tool_choice must be 'auto' or 'none': forcing a tool call is not supported",
-                           param="tool_choice")
-        try:
-            tools = normalize_tools(body.get("tools"))
-        except ValueError as e:
-            raise ApiError(400, str(e), param="tools") from None
-        return thinking, effort, [] if choice == "none" else tools
-
     async def _chat(self, request: Request, body: dict):
-        thinking, effort, tools = self._chat_options(body)
-        try:
-            prompt = self.fmt.render(normalize_messages(body.get("messages")), tools, thinking, effort)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        prompt_ids = self.tokenizer.encode(prompt)
-        constraint, trigger = self._constraint(body, thinking)
-        params, n = self._params(body, len(prompt_ids))
-        sink, ids = await self._submit([Submission(prompt_ids, p, constraint, trigger) for p in params])
+        prepared = self.api.chat(body)
+        thinking, tools = prepared.thinking, prepared.tools
+        params, n = [s.params for s in prepared.submissions], len(prepared.submissions)
+        sink, ids = await self._submit(prepared.submissions)
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name
-
-        def usage(outputs) -> dict:
-            done = sum(len(o.token_ids) for o in outputs)
-            return {"prompt_tokens": len(prompt_ids), "completion_tokens": done,
-                    "total_tokens": len(prompt_ids) + done}
 
         if not body.get("stream"):
             outputs = await self._collect(request, sink, ids)
-            choices = []
-            for i, o in enumerate(outputs):
-                reply = self.fmt.parse(o.text, thinking)
-                message = {"role": "assistant", "content": reply.content}
-                if reply.reasoning is not None:
-                    message["reasoning_content"] = reply.reasoning
-                if reply.tool_calls:
-                    message["tool_calls"] = reply.tool_calls
-                choices.append({"index": i, "message": message, "finish_reason": self._finish(o, reply),
-                                "logprobs": {"content": self._chat_logprobs(o.logprobs)} if o.logprobs is not None
-                                else None})
-            return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                    "usage": usage(outputs)}
+            return self.api.chat_body(rid, created, model, outputs, prepared.prompt_tokens, thinking)
 
         markers = {"reasoning": self.fmt.reasoning_end, "content": self.fmt.tool_calls_start if tools else None}
         streams = [ChoiceStream(self.decode, p.stop, {k: v for k, v in markers.items() if v}, thinking)
@@ -508,13 +398,13 @@ class Server:
         def chunks(event) -> list[dict]:
             if event is None:
                 return [{"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "choices": [], "usage": usage(done)}] if include_usage else []
+                         "choices": [], "usage": self.api.usage(prepared.prompt_tokens, done)}] if include_usage else []
             first = [] if started[event.index] else [chunk(event.index, {"role": "assistant", "content": ""})]
             started[event.index] = True
             if isinstance(event, Delta):
                 out = deltas(event.index, streams[event.index].push(event.token_ids))
                 if params[event.index].logprobs is not None and event.logprobs:
-                    out.append(chunk(event.index, {}, logprobs={"content": self._chat_logprobs(event.logprobs)}))
+                    out.append(chunk(event.index, {}, logprobs={"content": self.api.chat_logprobs(event.logprobs)}))
                 return first + out
             done[event.index] = o = event.output
             stream = streams[event.index]
@@ -526,48 +416,21 @@ class Server:
                     out.append(chunk(event.index, {"tool_calls": calls}))
                 else:  # a malformed block: its text is content after all
                     out.append(chunk(event.index, {"content": reply.content[len(stream.emitted["content"]):]}))
-            return first + out + [chunk(event.index, {}, self._finish(o, reply))]
+            return first + out + [chunk(event.index, {}, self.api.finish(o, reply))]
 
         return self._stream(sink, ids, chunks)
-
-    @staticmethod
-    def _finish(output, reply: Reply) -> str:
-        return "tool_calls" if reply.tool_calls and output.finish_reason == "stop" else output.finish_reason
-
-    # ---- logprobs -----------------------------------------------------------------------------------------
-    def _token_text(self, token: int) -> str:
-        return self.decode([token])
-
-    def _chat_logprobs(self, logprobs) -> list[dict]:
-        def entry(token, lp):
-            text = self._token_text(token)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-        return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
-
-    def _completion_logprobs(self, logprobs) -> dict:
-        tokens = [self._token_text(lp.token) for lp in logprobs]
-        offsets, at = [], 0
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in logprobs],
-                "text_offset": offsets}
 
 
 # ---- the command ----------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    """`jaxseek serve` flags (the model flags `--model`, `--config`, `--weights`, `--seed` come from the CLI)."""
+    """`jaxseek serve` flags (the model flags `--model`, `--config`, `--weights` / `--dtype`, `--seed`,
+    `--chat-template` come from the CLI)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("JAXSEEK_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXSEEK_API_KEY; none: open)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the checkpoint directory's "
                                                "name, or 'jaxseek-bundled')")
-    p.add_argument("--chat-format", default="auto", choices=["auto", "deepseek-v4", "jinja", "plain"],
-                   help="auto: DeepSeek-V4's when the tokenizer has its DSML token, else the checkpoint's Jinja "
-                        "chat_template (tokenizer_config.json) if it has one, else the plain scene template")
     p.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before 429 (default 256)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--max-logprobs", type=int, default=5, help="most top_logprobs a request may ask (default 5)")
@@ -605,15 +468,16 @@ def serve(args, model, engine_config: EngineConfig) -> int:
     if args.disaggregate and args.config:
         raise ValueError("--disaggregate loads the model again in the prefill process: give --model (or neither, "
                          "for the bundled model), not a random --config")
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else
-                                      args.config or "jaxseek-bundled")
+    name = args.served_model_name or model_name(args.model, args.config)
     config = ServerConfig(model_name=name, api_key=args.api_key, max_concurrency=args.max_concurrency,
                           max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model,
                           disaggregate=args.disaggregate)
     server = Server(model, config, engine_config)
     print(f"jaxseek serve: {server.engine.startup_summary()}", file=sys.stderr)
     if not args.no_warmup:
+        progress = CompileProgress(server.decode_engine)
         server.engine.warmup()
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level="info")
+        print(progress.summary(), file=sys.stderr)
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

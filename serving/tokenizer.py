@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 REPLACEMENT = "\ufffd"
 
 
+@runtime_checkable
 class Tokenizer(Protocol):
     """What the serving layer needs of a tokenizer."""
 

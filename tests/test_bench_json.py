@@ -1,27 +1,26 @@
-"""Every `scripts/bench_*.py` prints its summary as one strict JSON line (`scripts/bench_json.json_line`)."""
+"""Every benchmark (`benchmarks/`, `jaxseek bench NAME`) prints its summary as one strict JSON line (`benchmarks.bench_json.json_line`)."""
 
 import ast
 import json
 import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-from model.api import init_model
+from model.initialize import init_model
 from model.config import preset
 from serving.engine import Engine
 
-SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-from bench_json import json_line  # noqa: E402
+from benchmarks.bench_json import json_line
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_numpy_values_become_plain_json():
     result = {"a": np.arange(3), "b": np.float32(0.5), "c": (np.int64(2), 3), "d": float("nan"),
-              "e": {np.str_("k"): [np.bool_(True)]}, "f": SCRIPTS / "x"}
+              "e": {np.str_("k"): [np.bool_(True)]}, "f": BENCHMARKS / "x"}
     assert json.loads(json_line(result)) == {"a": [0, 1, 2], "b": 0.5, "c": [2, 3], "d": None,
-                                             "e": {"k": [True]}, "f": str(SCRIPTS / "x")}
+                                             "e": {"k": [True]}, "f": str(BENCHMARKS / "x")}
 
 
 def test_engine_stats_are_json_safe():
@@ -36,9 +35,9 @@ def test_json_line_refuses_what_it_cannot_convert():
         json_line({"x": object()})
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS.glob("bench_*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("script", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.name)
 def test_bench_scripts_print_through_json_line(script):
-    """No bench script prints `json.dumps(...)` (which fails on numpy values and writes NaN)."""
+    """No benchmark prints `json.dumps(...)` (which fails on numpy values and writes NaN)."""
     calls = [node for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, ast.Call)]
     dumps_printed = [node.lineno for node in calls if getattr(node.func, "id", None) == "print"
                      for arg in ast.walk(node) if isinstance(arg, ast.Attribute) and arg.attr == "dumps"]
@@ -46,7 +45,7 @@ def test_bench_scripts_print_through_json_line(script):
 
 
 def test_bench_context_summary_is_json_safe():
-    import bench_context
+    from benchmarks import context as bench_context
 
     runs = {key: [np.float64(v), v] for key, v in (("tps_b1_1024", 50.0), ("tps_b1_65536", 45.0),
                                                    ("tps_b8_1024", 200.0), ("tps_b8_65536", 190.0),
@@ -56,7 +55,7 @@ def test_bench_context_summary_is_json_safe():
 
 
 def test_bench_engine_roofline_figures_are_json_safe(monkeypatch):
-    import bench_engine
+    from benchmarks import engine as bench_engine
 
     measured = {"gemm_flops_per_s_b1": np.float64(1e10), "gemm_flops_per_s_b16": np.float64(1e11),
                 "read_bytes_per_s": np.float64(1e10)}

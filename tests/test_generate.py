@@ -13,8 +13,9 @@ import pytest
 from model.initialize import init_model
 from jaxseek.cli import main
 from model.config import preset
-from serving.batch import encode_prompts, merge_sampling, read_jsonl, read_txt, request_seed
+from serving.batch import merge_sampling, prepare, read_jsonl, read_txt, request_seed
 from serving.chat_format import DeepSeekV4Format, PlainFormat
+from serving.openai_api import OpenAIRequests
 from serving.tokenizer import ByteTokenizer, tokenizer_for
 from tests.helpers import greedy_full_forward
 
@@ -92,7 +93,8 @@ def run(model, tmp_path_factory):
     with contextlib.redirect_stderr(err):
         status = main(["generate", "--config", "tiny", "--input", str(path), "--output", str(out), "--seed", str(SEED),
                        "--max-tokens", "4", "--temperature", "0.8", "--max-slots", "2", "--max-len", str(MAX_LEN),
-                       "--prefill-chunk", "16", "--batch-invariant", "--no-warmup"])
+                       "--prefill-chunk", "16", "--batch-invariant", "--no-warmup", "--output-format",
+                       "jsonl-compact"])
     records = [json.loads(x) for x in out.read_text().splitlines()]
     refs = {"fox": (fox_ref, fox_rows), "chat": (chat_ref, chat_rows), "once": once_ref, "stop": stop_expected}
     return {"records": records, "by_id": {r["custom_id"]: r for r in records if "error" not in r},
@@ -152,7 +154,6 @@ def test_bad_requests_get_clear_errors(run):
     errors = run["errors"]
     expected = {
         "request-8": "in.jsonl line 10: invalid JSON",
-        "unknown-field": "unknown sampling field(s): frobnicate",
         "bool-max-tokens": "max_tokens must be an integer [1, 1000000], got True",
         "negative-max-tokens": "max_tokens must be an integer [1, 1000000], got -3",
         "absurd-max-tokens": "max_tokens must be an integer [1, 1000000], got 1000000000",
@@ -165,6 +166,7 @@ def test_bad_requests_get_clear_errors(run):
         "bad-id": "outside the vocabulary",
     }
     assert set(errors) == set(expected)
+    assert "unknown-field" in run["by_id"]  # an unknown field is ignored (with a warning), as the server does
     for rid, message in expected.items():
         assert message in errors[rid], (rid, errors[rid])
 
@@ -172,10 +174,10 @@ def test_bad_requests_get_clear_errors(run):
 def test_stderr_says_random_model_shows_progress_and_summary(run):
     err, by_id = run["stderr"], run["by_id"]
     assert "no --model given: running a randomly initialised 'tiny' model (seed 3)" in err
-    assert "8/8" in err  # the progress bar reached every request that ran
-    prompts = [FOX, CHAT_TEXT, FOX, ONCE, ONCE, ONCE, FOX, FOX]
+    assert "9/9" in err  # the progress bar reached every request that ran
+    prompts = [FOX, CHAT_TEXT, FOX, ONCE, ONCE, ONCE, FOX, FOX, FOX]
     generated = sum(len(r["token_ids"]) for r in by_id.values())
-    assert "requests: 20 (12 failed)" in err
+    assert "requests: 20 (11 failed)" in err
     assert f"tokens: {sum(len(p.encode()) for p in prompts)} prompt, {generated} generated" in err
     assert "prefill" in err and "decode" in err and "tokens/s" in err
     assert ("compiled buckets (rows, tokens, verify, context pages): 2 [(2, 1, 1, 2), (2, 16, 1, 2)]"  # batch-invariant:
@@ -232,7 +234,7 @@ def test_txt_lines(tmp_path):
     path = tmp_path / "p.txt"
     path.write_bytes(b"\xef\xbb\xbffirst\r\n\n  \n second \n\xff\xfe\nlast")
     requests = read_txt(path)
-    assert [(r.custom_id, r.prompt, r.error) for r in requests] == [
+    assert [(r.custom_id, r.body.get("prompt"), r.error) for r in requests] == [
         ("request-0", "first", None), ("request-1", " second ", None),
         ("request-2", None, "p.txt line 5 is not valid UTF-8 (byte 0: b'\\xff')"), ("request-3", "last", None)]
 
@@ -245,16 +247,25 @@ def test_jsonl_requests(tmp_path):
              url="/v1/chat/completions"),
         json.dumps({"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": {"prompt": "p"}}),
         "[1, 2]",
-        line("d", {"prompt": ["a", "b"]}),
+        line("d", {"prompt": ["ab", "c"], "n": 2, "stream": True}),
         line("e", {"prompt": "p"}, url="/v1/chat/completions"),
+        line("f", {"prompt": {"text": "p"}}),
     ]))
     r = read_jsonl(path)
-    assert (r[0].prompt, r[0].sampling, r[0].error) == ("hi", {"temperature": 0.5}, None)
-    assert (r[1].messages, r[1].error) == ([{"role": "user", "content": "x"}], None)
+    assert (r[0].url, r[0].body, r[0].error) == ("/v1/completions", {"prompt": "hi", "model": "m",
+                                                                      "temperature": 0.5}, None)
     assert "line 3: method must be POST" in r[2].error
     assert "line 4: expected a JSON object" in r[3].error and r[3].custom_id == "request-3"
-    assert "prompt must be a string or a list of token ids" in r[4].error
     assert "takes messages, not a prompt" in r[5].error
+    prepare(r, OpenAIRequests(TOK, PlainFormat(), TOK.decode, MAX_LEN), {"max_tokens": 3}, seed=SEED)
+    assert [(s.prompt, s.params.temperature, s.params.max_tokens) for s in r[0].prepared.submissions] == [
+        (TOK.encode("hi"), 0.5, 3)]
+    assert r[1].prepared.submissions[0].prompt == TOK.encode("USER:\nx\n\nASSISTANT:\n")
+    # as the server: several prompts times n choices, seeds seed, seed + 1; stream is ignored
+    seed = request_seed(SEED, 4)
+    assert [(s.prompt, s.params.seed) for s in r[4].prepared.submissions] == [
+        (TOK.encode("ab"), seed), (TOK.encode("ab"), seed + 1), (TOK.encode("c"), seed), (TOK.encode("c"), seed + 1)]
+    assert (r[6].prepared, r[6].status) == (None, 400) and "prompt must be a string" in r[6].error
 
 
 def test_chat_messages_rendered_by_the_chat_format(tmp_path):
@@ -262,12 +273,12 @@ def test_chat_messages_rendered_by_the_chat_format(tmp_path):
     path.write_text("\n".join(json.dumps({"custom_id": c, "url": "/v1/chat/completions", "body": {"messages": m}})
                               for c, m in (("ok", MESSAGES), ("bad", [{"role": "user", "content": 3}]))))
     requests = read_jsonl(path)
+    prepare(requests, OpenAIRequests(TOK, PlainFormat(), TOK.decode, MAX_LEN), {}, seed=0)
     assert "messages[0].content must be a string" in requests[1].error
-    encode_prompts(TOK, requests, PlainFormat())
-    assert (requests[0].prompt, requests[0].prompt_ids) == (CHAT_TEXT, TOK.encode(CHAT_TEXT))
+    assert requests[0].prepared.submissions[0].prompt == TOK.encode(CHAT_TEXT)
     requests = read_jsonl(path)
-    encode_prompts(TOK, requests, DeepSeekV4Format())
-    assert requests[0].prompt.endswith("<｜User｜>Hi ☃<｜Assistant｜></think>")
+    prepare(requests, OpenAIRequests(TOK, DeepSeekV4Format(), TOK.decode, MAX_LEN), {}, seed=0)
+    assert TOK.decode(requests[0].prepared.submissions[0].prompt).endswith("<｜User｜>Hi ☃<｜Assistant｜></think>")
 
 
 def test_body_fields_override_flag_defaults():
@@ -302,14 +313,92 @@ def test_a_known_batch_compiles_only_the_shapes_it_can_use():
     configs keep their shapes."""
     from serving.batch import BatchRequest, fitted_config
     from serving.engine_config import EngineConfig
+    from serving.engine_loop import Submission
+    from serving.openai_api import Prepared
+    from serving.sampling import SamplingParams
 
     def shape(requests, **settings):
         config = fitted_config(requests, EngineConfig(**settings))
         return config.max_slots, config.prefill_chunk
 
-    requests = [BatchRequest(i, str(i), prompt_ids=[1] * n) for i, n in enumerate((3, 20))]
+    requests = [BatchRequest(i, str(i), prepared=Prepared([Submission([1] * n, SamplingParams())], n))
+                for i, n in enumerate((3, 20))]
     assert shape(requests, max_slots=8, prefill_chunk=64) == (2, 32)
     assert shape(requests[:1], max_slots=8, prefill_chunk=64) == (1, 8)
     assert shape(requests, max_slots=1, prefill_chunk=16) == (1, 16)
     assert shape([BatchRequest(0, "0", error="bad")], max_slots=8, prefill_chunk=64) == (1, 8)
     assert shape(requests, max_slots=8, prefill_chunk=64, batch_invariant=True) == (8, 64)
+
+
+# ---- OpenAI's batch output format (the default) ---------------------------------------------------------------
+BATCH_LINE = {  # OpenAI's batch output line; the body a completion or chat completion as the server answers
+    "type": "object", "required": ["id", "custom_id", "response", "error"], "additionalProperties": False,
+    "properties": {
+        "id": {"type": "string", "minLength": 1}, "custom_id": {"type": "string"},
+        "response": {"type": "object", "required": ["status_code", "request_id", "body"], "properties": {
+            "status_code": {"type": "integer"}, "request_id": {"type": "string", "minLength": 1},
+            "body": {"type": ["object", "null"]}}},
+        "error": {"anyOf": [{"type": "null"}, {"type": "object", "required": ["code", "message"]}]}}}
+BODY = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+    "object": {"enum": ["text_completion", "chat.completion"]},
+    "choices": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["index", "finish_reason"]}},
+    "usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"]}}}
+
+
+def test_openai_batch_output_lines(model, tmp_path):
+    """The default output: every line validates against OpenAI's batch output shape; bodies are what the server
+    answers (several prompts, n choices, chat with stream ignored), their greedy text the full forward's; a
+    request the server would refuse (tools with a format that has none) is an error line with its status."""
+    import jsonschema
+
+    (fox, _), (chat, _) = greedy_references(model, [TOK.encode(FOX), TOK.encode(CHAT_TEXT)], [5, 5])
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join([
+        line("two-prompts", {"prompt": [FOX, ONCE], "max_tokens": 5, "model": "mine", **GREEDY}),
+        line("chat-n", {"messages": MESSAGES, "n": 2, "stream": True, "max_tokens": 5, **GREEDY},
+             url="/v1/chat/completions"),
+        line("tools", {"messages": MESSAGES, "tools": [tool]}, url="/v1/chat/completions"),
+        line("wrong", {"prompt": FOX, "temperature": "hot"}),
+    ]) + "\n")
+    out = tmp_path / "out.jsonl"
+    with contextlib.redirect_stderr(io.StringIO()):
+        status = main(["generate", "--config", "tiny", "--input", str(path), "--output", str(out), "--seed", str(SEED),
+                       "--max-num-seqs", "2", "--max-model-len", str(MAX_LEN), "--prefill-chunk", "16",
+                       "--batch-invariant", "--no-warmup"])
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert status == 1 and [x["custom_id"] for x in lines] == ["two-prompts", "chat-n", "tools", "wrong"]
+    for x in lines:
+        jsonschema.validate(x, BATCH_LINE)
+    ok = {x["custom_id"]: x["response"]["body"] for x in lines if x["error"] is None}
+    for body in ok.values():
+        jsonschema.validate(body, BODY)
+    two, chat_n = ok["two-prompts"], ok["chat-n"]
+    assert (two["object"], two["model"], [c["index"] for c in two["choices"]]) == ("text_completion", "mine", [0, 1])
+    assert two["choices"][0]["text"] == TOK.decode(fox) and two["choices"][0]["finish_reason"] == "length"
+    assert two["usage"]["prompt_tokens"] == len(TOK.encode(FOX)) + len(TOK.encode(ONCE))
+    assert (chat_n["object"], chat_n["model"]) == ("chat.completion", "tiny")
+    assert [c["message"]["content"] for c in chat_n["choices"]] == [TOK.decode(chat)] * 2
+    assert chat_n["usage"] == {"prompt_tokens": len(TOK.encode(CHAT_TEXT)), "completion_tokens": 10,
+                               "total_tokens": len(TOK.encode(CHAT_TEXT)) + 10}
+    errors = {x["custom_id"]: x for x in lines if x["error"] is not None}
+    assert errors["tools"]["response"]["status_code"] == 400 and "no tool calls" in errors["tools"]["error"]["message"]
+    assert errors["wrong"]["error"] == {"code": "invalid_request_error",
+                                        "message": "temperature must be a finite number in [0, 100], got 'hot'"}
+
+
+def test_compact_output_refuses_several_choices(tmp_path, capsys):
+    path = tmp_path / "in.jsonl"
+    path.write_text(line("n", {"prompt": FOX, "n": 2}) + "\n")
+    assert main(["generate", "--config", "tiny", "--input", str(path), "--output-format", "jsonl-compact"]) == 1
+    [record] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert "--output-format jsonl-compact writes one: use --output-format openai" in record["error"]["message"]
+
+
+def test_the_example_batch_file_is_valid():
+    from pathlib import Path
+
+    requests = read_jsonl(Path(__file__).parents[1] / "examples" / "batch.jsonl")
+    prepare(requests, OpenAIRequests(TOK, PlainFormat(), TOK.decode, 1024), {}, seed=0)
+    assert len(requests) == 5 and [r.error for r in requests] == [None] * 5
+    assert [len(r.prepared.submissions) for r in requests] == [1, 1, 2, 2, 1]

@@ -1,4 +1,5 @@
-"""Imports point one way (DESIGN.md): pallas_kernels < model < sharding < serving < training < jaxseek < scripts.
+"""Imports point one way (DESIGN.md): pallas_kernels < model < sharding < serving < training < benchmarks < jaxseek
+< scripts.
 
 Every import counts, lazy ones inside functions and `importlib.import_module("...")` calls included, and no
 files import each other in a circle."""
@@ -9,7 +10,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = ("pallas_kernels", "model", "sharding", "serving", "training", "jaxseek", "scripts")
+LAYERS = ("pallas_kernels", "model", "sharding", "serving", "training", "benchmarks", "jaxseek", "scripts")
 
 
 def imported_modules(path: pathlib.Path) -> list[str]:

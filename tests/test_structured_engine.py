@@ -16,10 +16,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from model.initialize import init_model
 from model.dspark import init_drafter
-from serving.batch import read_jsonl, resolve_params, submit
+from serving.batch import prepare, read_jsonl, submit
 from serving.constraints import ConstraintSpec
 from serving.engine import Engine
 from serving.grammar_mask import RequestGrammar, fill_masks, speculate_masks
+from serving.openai_api import OpenAIRequests
 from serving.sampling import SamplingParams
 from tests.test_dspark import CONFIG, TARGET
 
@@ -136,17 +137,15 @@ def test_generate_reads_constraints_from_jsonl_bodies(engine, bundled, tmp_path)
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"custom_id": f"r{i}", **line}) + "\n" for i, line in enumerate(lines)))
     requests = read_jsonl(path)
-    resolve_params(requests, {"temperature": 0.0}, seed=0)
-    for r in requests:
-        if r.error is None:
-            r.prompt_ids = bundled.tokenizer.encode(r.prompt)
+    prepare(requests, OpenAIRequests.for_model(bundled, "auto", None, engine.layout.max_len), {"temperature": 0.0},
+            seed=0)
     assert "choice must be a non-empty list" in requests[3].error
     submit(engine, requests)
     assert "invalid regex" in requests[2].error
     assert requests[0].error is None and requests[1].error is None
     results = engine.run()
-    jsonschema.validate(json.loads(results["0"].text), schema)
-    assert results["1"].text in ("Ay!", "Nay!")
+    jsonschema.validate(json.loads(results["0/0"].text), schema)
+    assert results["1/0"].text in ("Ay!", "Nay!")
 
 
 # ---- zero-overhead scheduling with speculation: a tiny random model and a character tokenizer -----------------

@@ -1,0 +1,106 @@
+"""Start-up benchmark: how long the first command takes to its first token, and what compiling costs.
+
+    jaxseek bench startup                 # every figure (~10 min on 2 busy cores)
+    jaxseek bench startup --skip-dspark   # without the DSpark engine's start-up
+
+Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
+
+- `startup_cold_s` / `startup_warm_s`: the README's first command, `jaxseek generate --prompt "Hello" --prompt
+  "The sea" --max-tokens 16` (the bundled model), run as a fresh process with an empty and then with the warm
+  persistent compile cache: seconds from starting the process to the first generated token (the process's wall
+  time less what the command itself reports it spent after its first token).
+- `compile_s_by_layers`: seconds to compile one step bucket of a `small`-width model (V4-Flash's layer pattern,
+  random weights) with 4, 8 and 16 layers: a one-slot batch-invariant engine's two buckets (decode and a
+  16-token prefill), no persistent cache, halved.
+- `dspark_warmup_s`: the bundled model's DSpark engine with 16 slots, from construction to the end of
+  `Engine.warmup()` (every bucket compiled, the verify buckets profiled), no persistent cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+FIRST_COMMAND = ["generate", "--prompt", "Hello", "--prompt", "The sea", "--max-tokens", "16"]
+LAYERS = (4, 8, 16)
+
+
+def log(message: str) -> None:
+    print(f"bench startup: {message}", file=sys.stderr, flush=True)
+
+
+def first_token_s(cache_dir: str) -> float:
+    """Seconds from starting `jaxseek generate` (the README's first command) to its first token."""
+    command = [sys.executable, "-m", "jaxseek.cli", *FIRST_COMMAND, "--compile-cache", cache_dir]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    total = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    match = re.search(r"wall: ([\d.]+) s .*first token after ([\d.]+) s", done.stderr)
+    if match is None:
+        raise RuntimeError(f"no wall / first-token figures in the command's summary:\n{done.stderr[-2000:]}")
+    wall, first = float(match[1]), float(match[2])
+    return total - (wall - first)
+
+
+def compile_seconds(layers: int) -> float:
+    """Seconds per bucket to compile a one-slot engine's decode and prefill buckets, `small` widths."""
+    from model.initialize import init_model
+    from model.config import preset
+    from serving.engine import Engine
+
+    ratios = (0, 0) + (4, 32) * ((layers - 2) // 2) + (0,)
+    config = dataclasses.replace(preset("small"), num_hidden_layers=layers, compress_ratios=ratios)
+    engine = Engine(init_model(config, seed=0), max_slots=1, max_len=256, prefill_chunk=16, batch_invariant=True)
+    start = time.perf_counter()
+    engine.warmup()
+    return (time.perf_counter() - start) / len(engine.buckets())
+
+
+def dspark_warmup_seconds(slots: int) -> tuple[float, int]:
+    """(seconds, buckets): the bundled model's DSpark engine from construction through `warmup()`."""
+    from model.checkpoint import load_model
+    from serving.engine import Engine
+
+    model = load_model()
+    start = time.perf_counter()
+    engine = Engine(model, max_slots=slots, max_len=512, speculation="dspark")
+    engine.warmup()
+    return time.perf_counter() - start, len(engine.buckets())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--skip-dspark", action="store_true", help="leave out dspark_warmup_s")
+    parser.add_argument("--slots", type=int, default=16, help="the DSpark engine's slots (default 16)")
+    args = parser.parse_args(argv)
+    result = {"load_avg_1m_start": round(os.getloadavg()[0], 2)}
+    with tempfile.TemporaryDirectory() as cache:
+        log("the first command with an empty compile cache")
+        result["startup_cold_s"] = round(first_token_s(cache), 2)
+        log("... and with the warm cache")
+        result["startup_warm_s"] = round(first_token_s(cache), 2)
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", None)  # compile for real below
+    result["compile_s_by_layers"] = {}
+    for layers in LAYERS:
+        log(f"compiling a {layers}-layer small-width engine")
+        result["compile_s_by_layers"][str(layers)] = round(compile_seconds(layers), 2)
+    by = result["compile_s_by_layers"]
+    result["compile_ratio_16_over_4"] = round(by["16"] / by["4"], 2)
+    if not args.skip_dspark:
+        log(f"the DSpark engine's start-up, {args.slots} slots")
+        seconds, buckets = dspark_warmup_seconds(args.slots)
+        result.update(dspark_warmup_s=round(seconds, 2), dspark_buckets=buckets)
+    result["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(result))
+    return result

@@ -1,0 +1,88 @@
+"""`jaxseek generate` and `jaxseek serve` take vLLM's flag names; today's names stay aliases of the same settings."""
+
+import pytest
+
+from jaxseek.cli import _engine_cache_and_grammar, build_parser, main
+from jaxseek.flags import byte_size, package_version, resolve_dtype
+
+VLLM = ["--max-model-len", "256", "--max-num-seqs", "4", "--no-enable-prefix-caching", "--chat-template", "plain",
+        "--max-num-batched-tokens", "40", "--num-gpu-blocks-override", "96", "--seed", "5", "--log-level", "WARNING"]
+TODAY = ["--max-len", "256", "--max-slots", "4", "--no-prefix-cache", "--chat-format", "plain",
+         "--token-budget", "40", "--num-kv-pages", "96", "--seed", "5", "--log-level", "warning"]
+
+
+def settings(argv):
+    args = build_parser().parse_args(argv)
+    return {k: v for k, v in vars(args).items() if k not in ("fn", "parser")}, args
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"]])
+def test_vllm_names_and_todays_aliases_parse_to_the_same_settings(command):
+    vllm, args = settings(command + VLLM)
+    assert vllm == settings(command + TODAY)[0]
+    assert (args.max_len, args.max_slots, args.chat_format, args.seed, args.log_level) == (256, 4, "plain", 5,
+                                                                                          "warning")
+    engine = _engine_cache_and_grammar(args)
+    assert (engine["prefix_cache"], engine["token_budget"], engine["num_pages"]) == (False, 40, 96)
+
+
+@pytest.mark.parametrize("flag, expected", [([], None), (["--enable-prefix-caching"], True),
+                                            (["--no-enable-prefix-caching"], False)])
+def test_prefix_caching_default_on_and_off(flag, expected):
+    _, args = settings(["serve", *flag])
+    assert _engine_cache_and_grammar(args)["prefix_cache"] is expected  # None: on unless --batch-invariant
+
+
+def test_kv_cache_memory_is_a_size_and_needs_an_engine_that_budgets_by_memory():
+    assert [byte_size(t) for t in ("1024", "512M", "1.5GiB", "2k")] == [1024, 512 << 20, 3 << 29, 2048]
+    _, args = settings(["serve", "--kv-cache-memory", "8GiB"])
+    assert args.kv_cache_memory == 8 << 30
+    import inspect
+
+    from serving.engine import Engine
+
+    if "kv_cache_memory" in inspect.signature(Engine).parameters:
+        assert _engine_cache_and_grammar(args)["kv_cache_memory"] == 8 << 30
+    else:
+        with pytest.raises(ValueError, match="--kv-cache-memory: this engine cannot size its KV pool by memory"):
+            _engine_cache_and_grammar(args)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--kv-cache-memory", "lots"], "expected a size such as"),
+    (["serve", "--chat-template", "no/such/template.jinja"], "is neither a chat format"),
+    (["generate", "--prompt", "x", "--max-num-seqs", "0"], "--max-num-seqs/--max-slots: must be >= 1"),
+    (["serve", "--dtype", "float16"], "invalid choice: 'float16'"),
+    (["serve", "--log-level", "loud"], "invalid choice: 'loud'"),
+])
+def test_bad_values_exit_2_with_the_flag_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["serve", "--version"], ["generate", "--version"]])
+def test_version(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"jaxseek {package_version()}"
+
+
+def test_dtype_auto(tmp_path):
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert resolve_dtype("auto", str(tmp_path), "cpu") == "float32"
+    assert resolve_dtype("auto", str(tmp_path), "gpu") == "bfloat16"
+    assert resolve_dtype("auto", None, "gpu") == "float32"
+    assert resolve_dtype("bfloat16", None, "cpu") == "bfloat16"
+
+
+def test_chat_template_file_renders_messages(tmp_path):
+    from serving.chat_format import format_for
+    from serving.tokenizer import ByteTokenizer
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    _, args = settings(["serve", "--chat-template", str(template)])
+    fmt = format_for(ByteTokenizer(256), args.chat_format)
+    assert fmt.render([{"role": "user", "content": "Hi"}]) == "<user>Hi<assistant>"
