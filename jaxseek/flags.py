@@ -78,7 +78,7 @@ def add_engine_limit_args(e) -> None:
     e.add_argument("--max-num-batched-tokens", "--token-budget", dest="token_budget", type=int_at_least(1), metavar="N",
                    help="tokens one engine step processes at most, decode rows and prefill chunks together "
                         "(default: max-num-seqs + 2 x prefill-chunk)")
-    e.add_argument("--num-kv-pages", "--num-gpu-blocks-override", dest="num_pages", type=int_at_least(1), metavar="N",
+    e.add_argument("--num-kv-pages", "--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=int_at_least(1), metavar="N",
                    help="KV-cache pages in the pool (default: enough for every slot at max-model-len)")
     e.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES",
                    help="size the KV pool by memory instead (bytes, or e.g. 512M, 8GiB)")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxseek.cli import _engine_cache_and_grammar, build_parser, main
-from jaxseek.flags import byte_size, package_version, resolve_dtype
+from jaxseek.cli import _engine_config, build_parser, main
+from jaxseek.flags import byte_size, package_version
 
 VLLM = ["--max-model-len", "256", "--max-num-seqs", "4", "--no-enable-prefix-caching", "--chat-template", "plain",
         "--max-num-batched-tokens", "40", "--num-gpu-blocks-override", "96", "--seed", "5", "--log-level", "WARNING"]
@@ -22,30 +22,24 @@ def test_vllm_names_and_todays_aliases_parse_to_the_same_settings(command):
     assert vllm == settings(command + TODAY)[0]
     assert (args.max_len, args.max_slots, args.chat_format, args.seed, args.log_level) == (256, 4, "plain", 5,
                                                                                           "warning")
-    engine = _engine_cache_and_grammar(args)
-    assert (engine["prefix_cache"], engine["token_budget"], engine["num_pages"]) == (False, 40, 96)
+    engine = _engine_config(args)
+    assert (engine.prefix_cache, engine.token_budget, engine.num_pages, engine.max_len) == (False, 40, 96, 256)
 
 
 @pytest.mark.parametrize("flag, expected", [([], None), (["--enable-prefix-caching"], True),
                                             (["--no-enable-prefix-caching"], False)])
 def test_prefix_caching_default_on_and_off(flag, expected):
     _, args = settings(["serve", *flag])
-    assert _engine_cache_and_grammar(args)["prefix_cache"] is expected  # None: on unless --batch-invariant
+    assert _engine_config(args).prefix_cache is expected  # None: on unless --batch-invariant
 
 
-def test_kv_cache_memory_is_a_size_and_needs_an_engine_that_budgets_by_memory():
+def test_kv_cache_memory_is_a_size_and_excludes_a_page_count():
     assert [byte_size(t) for t in ("1024", "512M", "1.5GiB", "2k")] == [1024, 512 << 20, 3 << 29, 2048]
     _, args = settings(["serve", "--kv-cache-memory", "8GiB"])
-    assert args.kv_cache_memory == 8 << 30
-    import inspect
-
-    from serving.engine import Engine
-
-    if "kv_cache_memory" in inspect.signature(Engine).parameters:
-        assert _engine_cache_and_grammar(args)["kv_cache_memory"] == 8 << 30
-    else:
-        with pytest.raises(ValueError, match="--kv-cache-memory: this engine cannot size its KV pool by memory"):
-            _engine_cache_and_grammar(args)
+    assert args.kv_cache_memory == 8 << 30 and _engine_config(args).kv_cache_memory == 8 << 30
+    _, args = settings(["serve", "--kv-cache-memory", "8GiB", "--num-kv-pages", "64"])
+    with pytest.raises(ValueError, match="kv_cache_memory or num_pages, not both"):
+        _engine_config(args)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -68,12 +62,10 @@ def test_version(argv, capsys):
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"jaxseek {package_version()}"
 
 
-def test_dtype_auto(tmp_path):
-    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
-    assert resolve_dtype("auto", str(tmp_path), "cpu") == "float32"
-    assert resolve_dtype("auto", str(tmp_path), "gpu") == "bfloat16"
-    assert resolve_dtype("auto", None, "gpu") == "float32"
-    assert resolve_dtype("bfloat16", None, "cpu") == "bfloat16"
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"]])
+def test_dtype_is_the_resident_weights_flag(command):
+    assert settings(command + ["--dtype", "bfloat16"])[0] == settings(command + ["--weights", "bfloat16"])[0]
+    assert settings(command)[1].weights == "auto"  # the checkpoint's default format (model.checkpoint.default_weights)
 
 
 def test_chat_template_file_renders_messages(tmp_path):
