@@ -54,7 +54,7 @@ def timed(engine: Engine, prompts: list[list[int]], new_tokens: int, repeats: in
     return [decode_tps(engine, prompts, new_tokens) for _ in range(repeats)]
 
 
-def summary(runs: dict[str, list[float]], measured: dict[str, float], ideal_ratio: float, settings: dict) -> dict:
+def summary(runs: dict[str, list[float]], measured: dict[str, float | np.floating], ideal_ratio: float, settings: dict) -> dict:
     """The JSON line's figures from the timed runs (tok/s lists keyed like `tps_b1_1024`)."""
     tps = {key: statistics.median(values) for key, values in runs.items()}
     out = {"benchmark": "jaxseek decode tok/s against max_len and live context, small preset, fp32, CPU",

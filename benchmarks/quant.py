@@ -19,7 +19,6 @@ alternate within each round (fp32, bf16, checkpoint), so load from other jobs on
 """
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -30,10 +29,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from model.initialize import init_model
+from benchmarks.bench_json import json_line
 from model.checkpoint import load_model, save_checkpoint
 from model.config import preset
 from model.convert import convert
+from model.initialize import init_model
 from model.stats import resident_bytes
 
 FORMATS = ("float32", "bfloat16", "checkpoint")
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
             result[f"{name}_speedup_b{b}"] = tps[w][f"b{b}"] / tps["float32"][f"b{b}"]
         result[f"{name}_memory_ratio"] = result["resident_bytes"][w] / base_bytes
     result.update(decode_tps=tps, decode_runs_tps={w: {f"b{b}": r for b, r in v.items()} for w, v in runs.items()})
-    print(json.dumps(result))
+    print(json_line(result))
 
 
 if __name__ == "__main__":

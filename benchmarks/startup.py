@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks.bench_json import json_line
 
 FIRST_COMMAND = ["generate", "--prompt", "Hello", "--prompt", "The sea", "--max-tokens", "16"]
 LAYERS = (4, 8, 16)
@@ -53,8 +54,8 @@ def first_token_s(cache_dir: str) -> float:
 
 def compile_seconds(layers: int) -> float:
     """Seconds per bucket to compile a one-slot engine's decode and prefill buckets, `small` widths."""
-    from model.initialize import init_model
     from model.config import preset
+    from model.initialize import init_model
     from serving.engine import Engine
 
     ratios = (0, 0) + (4, 32) * ((layers - 2) // 2) + (0,)
@@ -102,5 +103,5 @@ def main(argv: list[str] | None = None) -> dict:
         seconds, buckets = dspark_warmup_seconds(args.slots)
         result.update(dspark_warmup_s=round(seconds, 2), dspark_buckets=buckets)
     result["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
-    print(json.dumps(result))
+    print(json_line(result))
     return result

@@ -11,6 +11,7 @@ router, compressors, wo_a) stays as the checkpoint stores it (reference/v4-archi
 from __future__ import annotations
 
 import re
+from collections.abc import Set as AbstractSet
 
 import jax
 import ml_dtypes
@@ -86,7 +87,7 @@ def rule_names(module) -> tuple[set[str], set[str]]:
     return fp8, fp4
 
 
-def as_stored(module, fp8: set[str], fp4: set[str], block: tuple[int, int]) -> None:
+def as_stored(module, fp8: AbstractSet[str], fp4: AbstractSet[str], block: tuple[int, int]) -> None:
     """Give an abstract module's FP8 linears (`fp8`, module paths) E4M3 weights with UE8M0 `scale` [ceil(out /
     block[0]), ceil(in / block[1])], and its FP4 expert stacks (`fp4`, `....experts.wN`) packed int8 weights
     [E, out, in / 2] with UE8M0 `wN_scale` [E, out, ceil(in / 32)]. All three stacks of a layer go together."""

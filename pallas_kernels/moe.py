@@ -58,8 +58,9 @@ def routed_experts_reference(
     tile = max(8, pl.next_power_of_2(-(-ids.size // n_exp)))
     rows, row_pair, tile_expert, slot = sort_pairs(ids, n_exp, tile)
     xs = jnp.where((rows >= 0)[:, None], x[jnp.maximum(rows, 0)], 0).reshape(-1, tile, dim)
-    empty = jnp.zeros((tile, dim), jnp.float32)
-    y = jax.lax.map(lambda a: jax.lax.cond(a[1] >= 0, lambda: expert(a[0], a[1]), lambda: empty), (xs, tile_expert))
+    # an empty tile's zeros are made from its rows, so they vary over the same mesh axes inside a shard_map
+    y = jax.lax.map(lambda a: jax.lax.cond(a[1] >= 0, lambda: expert(a[0], a[1]),
+                                           lambda: jnp.zeros_like(a[0], jnp.float32)), (xs, tile_expert))
     row_weight = jnp.where(row_pair >= 0, weights.reshape(-1)[jnp.maximum(row_pair, 0)], 0.0)
     return jnp.sum((y.reshape(-1, dim) * row_weight[:, None])[slot], axis=1)
 
