@@ -22,7 +22,7 @@ import jax
 from flax import nnx
 
 
-def param(value: jax.Array, *axes: str | None, variable: type[nnx.Variable] = nnx.Param) -> nnx.Variable:
+def param(value: jax.Array | jax.ShapeDtypeStruct, *axes: str | None, variable: type[nnx.Variable] = nnx.Param) -> nnx.Variable:
     """`value` as a `variable` (an `nnx.Param` unless given) carrying one logical axis name per dimension."""
     if len(axes) != len(value.shape):
         raise ValueError(f"a parameter of shape {value.shape} needs {len(value.shape)} logical axes, got {axes}")

@@ -19,12 +19,12 @@ def _count(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count)
 
 
-def describe(bucket: tuple[int, int, int]) -> str:
-    """A step bucket (rows, tokens, verify length) in words."""
-    rows, tokens, verify = bucket
+def describe(bucket: tuple[int, int, int, int]) -> str:
+    """A step bucket (rows, tokens, verify length, context pages) in words."""
+    rows, tokens, verify, pages = bucket
     if tokens == 1:
-        return f"decode {rows} row{'s' if rows > 1 else ''}"
-    return f"{'verify' if tokens == verify else 'prefill'} {rows}x{tokens}"
+        return f"decode {rows} row{'s' if rows > 1 else ''}, {pages} pages"
+    return f"{'verify' if tokens == verify else 'prefill'} {rows}x{tokens}, {pages} pages"
 
 
 class CompileProgress:
@@ -40,7 +40,7 @@ class CompileProgress:
         self.events = dict(_EVENTS)
         engine.on_compile = self
 
-    def __call__(self, bucket: tuple[int, int, int], seconds: float | None) -> None:
+    def __call__(self, bucket: tuple[int, int, int, int], seconds: float | None) -> None:
         if seconds is None:
             self.bar.set_postfix_str(describe(bucket) + " ...")
             return

@@ -112,8 +112,8 @@ def drafter_ring(cache: dict) -> int:
     return max((leaf.shape[1] for leaf in jax.tree.leaves(cache.get("drafter", [])) if leaf.ndim == 3), default=0)
 
 
-def gather_slots(tree, slots: Int[Array, " r"], empty, reset) -> dict:
-    """Rows `slots` of per-slot state leaves; rows flagged in `reset` start from the one-sequence `empty` state."""
+def gather_slots(tree, slots: Int[Array, " r"], empty, reset):
+    """Rows `slots` of per-slot state leaves (a pytree like `tree`); rows flagged in `reset` start from the one-sequence `empty` state."""
 
     def one(leaf, empty_leaf):
         rows = leaf[slots]
