@@ -40,7 +40,7 @@ RULES: dict[str, tuple[str, ...]] = {
 
 # parameter path pattern (dot-joined path in the model's state) -> logical axes of its dimensions
 PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"(^|\.)experts\.w[123]$", ("expert", None, None)),
+    (r"(^|\.)experts\.w[123](_scale)?$", ("expert", None, None)),
 )
 
 
