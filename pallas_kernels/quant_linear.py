@@ -47,8 +47,17 @@ def block_scales(scale: Shaped[Array, "rb cb"], block: tuple[int, int], shape: t
 
 def fp8_linear(x: Float[Array, "... i"], w: Shaped[Array, "o i"], scale: Shaped[Array, "ob ib"],
                block: tuple[int, int]) -> Float32[Array, "... o"]:
-    """x W^T for an FP8 weight with block scales, decoded inside the computation; fp32 out."""
+    """x W^T for an FP8 weight with block scales, decoded inside the computation; fp32 out. The decoding waits
+    for x (`after`), so a step holds the decodings of the weights it is using, never the whole model's."""
+    x, w, scale = after(x, w, scale)
     return dot_f32(x, w.astype(jnp.float32) * block_scales(scale, block, w.shape))
+
+
+def after(x: Array, *weights: Array) -> tuple[Array, ...]:
+    """(x, *weights) such that what is computed from the weights cannot start before x exists: XLA would
+    otherwise decode every stored weight of a step at its start (their inputs are all there) and hold them
+    all (measured: +34 MB of temp per `small` layer at batch 16)."""
+    return jax.lax.optimization_barrier((x, *weights))
 
 
 def fp8_linear_pallas(x: Float[Array, "... i"], w: Shaped[Array, "o i"], scale: Shaped[Array, "ob ib"],
