@@ -3,7 +3,8 @@
 # installs nothing, so bring what the image lacks, e.g. llguidance and flax as wheels on PYTHONPATH):
 #   1. the serving benchmarks on the bundled model, with the reference kernels (XLA-fused jnp):
 #      bench_dspark.py (speculation modes) and bench_grammar.py --engine (structured-output mask overhead),
-#   2. the `kernels` tests, compiled for the GPU (Pallas lowers through Triton; no interpret mode there),
+#   2. the `kernels` tests, compiled for the GPU (Pallas lowers through Triton; no interpret mode there), the
+#      FP8-weight GEMM and the FP4-weight grouped expert GEMM (weights as stored) among them,
 #   3. the kernel microbenchmark at V4-Flash shapes,
 # then one JSON line: {"gpu_check": ..., "tests": ..., "sparse_decode_hbm_fraction": ...}. Budget: < 10 minutes
 # (a session's device time is 15 minutes: run it once, as `run` with timeout_s 590, and give the machine back).
@@ -39,7 +40,7 @@ JAXSEEK_KERNELS=reference timeout 90 "$PY" scripts/bench_grammar.py --engine --r
     > "$OUT_DIR/gpu_grammar.json" 2> "$OUT_DIR/gpu_grammar.err"
 echo "bench_grammar rc=$?"; tail -n 3 "$OUT_DIR/gpu_grammar.err"
 
-timeout 100 "$PY" -m pytest -q -m kernels tests/test_kernels.py -p no:cacheprovider > "$OUT_DIR/gpu_kernel_tests.log" 2>&1
+timeout 150 "$PY" -m pytest -q -m kernels tests/test_kernels.py -p no:cacheprovider > "$OUT_DIR/gpu_kernel_tests.log" 2>&1
 tests_rc=$?
 tail -n 15 "$OUT_DIR/gpu_kernel_tests.log"
 
