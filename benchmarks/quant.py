@@ -15,7 +15,9 @@ Decode: `Model.step` (the jitted cached forward the engine also runs) on a batch
 prefilled, two untimed decode steps, then `--repeats` rounds of `--steps` greedy decode steps each (the next
 tokens read back to the host every step, as a serving loop does). tokens/s = B * steps / seconds of a round;
 each figure is the median over rounds, and `*_speedup_b{1,16}` = that format's tokens/s / fp32's. The formats
-alternate within each round (fp32, bf16, checkpoint), so load from other jobs on the machine hits them alike.
+alternate within each round (fp32, bf16, checkpoint), so load from other jobs on the machine hits them alike;
+`*_speedup_paired_b{1,16}` (the median over rounds of the ratio within a round) is the figure least moved by
+a load that changes between rounds.
 """
 
 import argparse
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, w in (("bf16", "bfloat16"), ("quant", "checkpoint")):
         for b in BATCHES:
             result[f"{name}_speedup_b{b}"] = tps[w][f"b{b}"] / tps["float32"][f"b{b}"]
+            result[f"{name}_speedup_paired_b{b}"] = statistics.median(
+                ours / base for ours, base in zip(runs[w][b], runs["float32"][b]))
         result[f"{name}_memory_ratio"] = result["resident_bytes"][w] / base_bytes
     result.update(decode_tps=tps, decode_runs_tps={w: {f"b{b}": r for b, r in v.items()} for w, v in runs.items()})
     print(json_line(result))

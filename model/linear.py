@@ -41,5 +41,4 @@ class GroupedLinear(nnx.Module):
 
     def __call__(self, x: Float[Array, "... g i"]) -> Float[Array, "... g o"]:
         w = self.weight[...]
-        w = w.reshape(self.groups, -1, w.shape[-1])
-        return jnp.einsum("...gi,goi->...go", x.astype(w.dtype), w)
+        return dot_f32(x, w.reshape(self.groups, -1, w.shape[-1])).astype(w.dtype)

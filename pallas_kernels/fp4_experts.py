@@ -21,6 +21,7 @@ from jaxtyping import Array, Float, Float32, Int, Shaped
 
 from pallas_kernels import tuning
 from pallas_kernels.moe import sort_pairs, unpermute
+from pallas_kernels.quant_linear import after
 
 
 def e2m1_values(codes: Int[Array, "..."]) -> Float32[Array, "..."]:
@@ -57,14 +58,17 @@ def routed_experts_fp4(
     """Sum over each token's chosen experts of weight * w2 (silu(min(w1 x, limit)) * clip(w3 x, +-limit)),
     in fp32, the weights decoded from packed FP4 inside the computation."""
     x32, n_exp = x.astype(jnp.float32), w1.shape[0]
+    x32, w1, s1, w3, s3 = after(x32, w1, s1, w3, s3)  # decoded when needed, not all at the step's start
     swiglu = lambda g, u: jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)  # noqa: E731
     if ids.size < n_exp:  # decode: only the chosen experts' weights are decoded
         chosen = lambda w, s: dequant_fp4(w[ids], s[ids])  # noqa: E731  [t, k, out, in]
         h = swiglu(jnp.einsum("td,tkid->tki", x32, chosen(w1, s1)), jnp.einsum("td,tkid->tki", x32, chosen(w3, s3)))
+        h, w2, s2 = after(h, w2, s2)
         y = jnp.einsum("tki,tkdi->tkd", h, chosen(w2, s2))
         return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), y)
     combine = jnp.sum(jax.nn.one_hot(ids, n_exp, dtype=jnp.float32) * weights[..., None], axis=1)
     h = swiglu(jnp.einsum("td,eid->tei", x32, dequant_fp4(w1, s1)), jnp.einsum("td,eid->tei", x32, dequant_fp4(w3, s3)))
+    h, w2, s2 = after(h, w2, s2)
     return jnp.einsum("te,tei,edi->td", combine, h, dequant_fp4(w2, s2))
 
 

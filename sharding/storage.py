@@ -148,27 +148,3 @@ def kv_figures(config, kv_format: str | None = None, module=None) -> dict[str, f
             "kv_bytes_per_token_global": growing,
             "kv_bytes_per_token_swa": window_bytes / slots if slots else 0.0,
             "kv_fixed_bytes_per_sequence": fixed}
-
-
-# ---- parameters --------------------------------------------------------------------------------
-
-PARAM_FORMATS = ("checkpoint", "bf16", "reference")
-
-
-def param_element_bytes(path: str, shape: tuple[int, ...], dtype, param_format: str) -> float:
-    """Bytes per element of a parameter: `checkpoint` stores routed experts FP4 (UE8M0 per 32), other
-    matrices FP8 (UE8M0 per 128x128 block), embedding and head BF16, vectors and integers as they are;
-    `bf16` stores every float in 2 bytes; `reference` uses the array's dtype."""
-    if param_format not in PARAM_FORMATS:
-        raise ValueError(f"unknown parameter format {param_format!r}; choose one of {PARAM_FORMATS}")
-    itemsize = np.dtype(dtype).itemsize
-    if param_format == "reference" or jnp.issubdtype(dtype, jnp.integer):
-        return itemsize
-    if param_format == "bf16":
-        return 2
-    name = path.split(".")
-    if "experts" in name and name[-1] in ("w1", "w2", "w3"):
-        return 0.5 + 1 / 32
-    if name[0] in ("embed", "head") or len(shape) < 2:
-        return 2 if len(shape) >= 2 else 4
-    return 1 + 1 / (128 * 128)

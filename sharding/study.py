@@ -24,13 +24,15 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from model.axes import logical_axes
+from model.checkpoint import WEIGHTS, layout_for
 from sharding.expert_parallel import expert_parallel
 from sharding.mesh import MeshSpec, MeshSpecError, batch_sharded, make_mesh, model_forward, param_shardings
 from sharding.platform import PROFILES, DeviceProfile
-from sharding.storage import PARAM_FORMATS, KV_FORMATS, kv_figures, param_element_bytes, v32
+from sharding.storage import KV_FORMATS, kv_figures, v32
 
 DEVICE_ALIASES = {"h200": "H200", "sm90": "H200", "b200": "B200", "sm100": "B200", "gb300": "GB300",
                   "b300": "GB300", "sm103": "GB300", "ascend950": "Ascend 950", "ascend": "Ascend 950"}
@@ -71,8 +73,8 @@ class StudyOptions:
         device_profile(self.device)
         if self.kv_format is not None and self.kv_format not in KV_FORMATS:
             raise ValueError(f"unknown KV format {self.kv_format!r}; choose one of {sorted(KV_FORMATS)}")
-        if self.param_format not in PARAM_FORMATS:
-            raise ValueError(f"unknown parameter format {self.param_format!r}; choose one of {PARAM_FORMATS}")
+        if self.param_format not in WEIGHTS:
+            raise ValueError(f"unknown parameter format {self.param_format!r}; choose one of {WEIGHTS}")
         if self.engram not in ENGRAM_PLACEMENTS:
             raise ValueError(f"Engram placement must be one of {ENGRAM_PLACEMENTS}, got {self.engram!r}")
         if not 0 < self.hbm_utilization <= 1:
@@ -89,7 +91,8 @@ class StudyOptions:
 
 
 def parameter_bytes(model, config, spec: MeshSpec, options: StudyOptions) -> dict:
-    """Per-device parameter bytes: backbone (replicated), routed experts (their `ep` share of the physical
+    """Per-device parameter bytes of `model` (abstract, in the format the engine would hold:
+    `model.checkpoint.layout_for`): backbone (replicated), routed experts (their `ep` share of the physical
     slots, redundant ones included), Engram tables (by placement)."""
     n_experts = config.n_routed_experts
     slots = n_experts + options.redundant_experts
@@ -99,7 +102,7 @@ def parameter_bytes(model, config, spec: MeshSpec, options: StudyOptions) -> dic
     backbone = experts = 0.0
     for path, var in nnx.to_flat_state(model.params):
         name = ".".join(map(str, path))
-        size = math.prod(var.shape) * param_element_bytes(name, var.shape, var.dtype, options.param_format)
+        size = math.prod(var.shape) * np.dtype(var.dtype).itemsize
         if "expert" in logical_axes(var):
             experts += size * slots / n_experts / spec.ep
         else:
@@ -263,7 +266,7 @@ def study(config_name: str, spec: MeshSpec, options: StudyOptions) -> dict:
     context = options.context or config.max_position_embeddings
     if context > config.max_position_embeddings:
         raise ValueError(f"context {context} exceeds the model's {config.max_position_embeddings} positions")
-    params = parameter_bytes(model, config, spec, options)
+    params = parameter_bytes(layout_for(config, options.param_format).model(config), config, spec, options)
     report = {"config": config_name, "mesh": str(spec), "devices": spec.num_devices, "device": profile.name,
               "hbm_bytes": profile.hbm_bytes, "param_format": options.param_format, **params,
               "redundant_experts": options.redundant_experts, "engram_placement": options.engram, **kv,
@@ -356,8 +359,9 @@ def add_arguments(p) -> None:
                    f"({', '.join(DEVICE_ALIASES)})")
     p.add_argument("--kv-format", choices=sorted(KV_FORMATS), help="cache storage (default: v41 for V4.1, v4 "
                    "otherwise: FP8 entries with BF16 RoPE dims, FP4 index keys)")
-    p.add_argument("--param-format", choices=PARAM_FORMATS, default="checkpoint",
-                   help="checkpoint: FP4 experts, FP8 matrices, BF16 embedding/head (default)")
+    p.add_argument("--param-format", choices=WEIGHTS, default="checkpoint",
+                   help="weights as the engine would hold them (`load_model(weights=...)`); checkpoint: FP8 "
+                        "linears and FP4 experts as DeepSeek ships them, BF16 elsewhere (default)")
     p.add_argument("--redundant-experts", type=int, default=0, metavar="N",
                    help="EPLB redundant expert slots per MoE layer (experts + N must divide by ep)")
     p.add_argument("--engram", choices=ENGRAM_PLACEMENTS, default="sharded",

@@ -200,3 +200,24 @@ def test_fp4_needs_an_even_column_count(tmp_path):
     with pytest.raises(ValueError, match=r"layers\.0\.ffn\.experts\.w2: packed FP4 needs an even number of inputs, "
                                          r"got 33"):
         load_model(_rewrite(tmp_path / "odd", tmp_path / "packed", **packed), weights="checkpoint")
+
+
+def test_transient_memory_does_not_grow_with_depth():
+    """Compiled memory analysis of a 16-row decode step: the temp bytes the stored form needs beyond the fp32
+    model's stay under one layer's decoded experts, for 1 layer as for 3 (XLA would otherwise decode every
+    layer's weights at the step's start and hold them all)."""
+    extra = {}
+    for layers in (1, 3):
+        config = dataclasses.replace(CONFIG, hidden_size=64, moe_intermediate_size=256, n_routed_experts=8,
+                                     num_hidden_layers=layers, num_nextn_predict_layers=0,
+                                     compress_ratios=(0, 4, 16)[:layers])
+        temp = {}
+        for weights in ("checkpoint", "float32"):
+            model = dataclasses.replace(layout_for(config, weights), dtype="float32").model(config)
+            cache = jax.eval_shape(lambda m=model: m.init_cache(16, 32))
+            compiled = model._forward.lower(model.params, jax.ShapeDtypeStruct((16, 1), np.int32), cache).compile()
+            temp[weights] = compiled.memory_analysis().temp_size_in_bytes
+        extra[layers] = temp["checkpoint"] - temp["float32"]
+    layer_experts_fp32 = 3 * 8 * 256 * 64 * 4
+    assert extra[1] <= layer_experts_fp32 and extra[3] <= layer_experts_fp32
+    assert extra[3] - extra[1] <= layer_experts_fp32 / 4
