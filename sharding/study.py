@@ -100,8 +100,7 @@ def parameter_bytes(model, config, spec: MeshSpec, options: StudyOptions) -> dic
         raise MeshSpecError(f"{n_experts} experts + {options.redundant_experts} redundant slots do not divide "
                             f"over ep={spec.ep}; choose --redundant-experts so the sum is a multiple of {spec.ep}")
     backbone = experts = 0.0
-    for path, var in nnx.to_flat_state(model.params):
-        name = ".".join(map(str, path))
+    for _, var in nnx.to_flat_state(model.params):
         size = math.prod(var.shape) * np.dtype(var.dtype).itemsize
         if "expert" in logical_axes(var):
             experts += size * slots / n_experts / spec.ep
