@@ -135,7 +135,7 @@ def _pool(path, leaf: jax.Array, layout: CacheLayout, span: int) -> jax.Array:
     return leaf
 
 
-def gather_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], empty: list, reset) -> dict:
+def gather_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], empty: list, reset) -> list:
     """The batched reference state of `slots` (row axis first) over the `p` pages of their block-table rows
     `tables` (the step's context bucket: its entries span p * page_tokens positions); rows flagged in `reset`
     start from the one-sequence empty state `empty` (a fresh request in a reused slot)."""
