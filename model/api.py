@@ -32,15 +32,16 @@ class Model:
     (`self.params`), so a call costs tens of microseconds of host time.
     """
 
-    def __init__(self, module: DeepseekV4, tokenizer=None, engram=None, drafter=None):
+    def __init__(self, module: nnx.Module, tokenizer=None, engram=None, drafter=None):
         self.graphdef, self.params = nnx.split(module)
         self.config: ModelConfig = module.config
         self.tokenizer = tokenizer
         self.engram = engram  # model.engram.EngramMemory for V4.1 models with Engram layers
         self.drafter = drafter  # model.dspark.Drafter when the checkpoint ships a DSpark drafter
 
-    def module(self) -> DeepseekV4:
-        """A stateful view of the model (for research code that wants to call layers directly)."""
+    def module(self) -> nnx.Module:
+        """A stateful view of the model, a DeepseekV4 or DeepseekV41 (for research code that wants to call layers
+        directly)."""
         return nnx.merge(self.graphdef, self.params)
 
     @functools.cached_property

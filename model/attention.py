@@ -81,7 +81,7 @@ class LatentAttention(nnx.Module):
         self.wo_b = Linear(g * config.o_lora_rank, d, dtype, rngs)
         self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32))
 
-    def output(self, out: Float[Array, "b c h d"], positions: Int[Array, " c"], freqs) -> Float[Array, "b c D"]:
+    def output(self, out: Float[Array, "b c h d"], positions: Int[Array, "*pb c"], freqs) -> Float[Array, "b c D"]:
         """Inverse RoPE at the query positions, then the grouped low-rank output projection."""
         b, c = out.shape[:2]
         out = apply_rope(out, positions, freqs, inverse=True)

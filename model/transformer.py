@@ -27,7 +27,7 @@ class Embedding(nnx.Module):
     def __init__(self, vocab: int, dim: int, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(normal_init(rngs, (vocab, dim), dtype))
 
-    def __call__(self, tokens: Int[Array, "b s"]) -> Float[Array, "b s d"]:
+    def __call__(self, tokens: Int[Array, "*t"]) -> Float[Array, "*t d"]:
         return self.weight[...][tokens]
 
 

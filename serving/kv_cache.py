@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Int, PyTree
 
 PAGED_LEAVES = ("entries", "index_keys")  # state leaves [b, n, d] that grow with the sequence
 
@@ -95,7 +95,7 @@ def drafter_ring(cache: dict) -> int:
     return max((leaf.shape[1] for leaf in jax.tree.leaves(cache.get("drafter", [])) if leaf.ndim == 3), default=0)
 
 
-def gather_slots(tree, slots: Int[Array, " r"], empty, reset) -> dict:
+def gather_slots(tree: PyTree, slots: Int[Array, " r"], empty: PyTree, reset) -> PyTree:
     """Rows `slots` of per-slot state leaves; rows flagged in `reset` start from the one-sequence `empty` state."""
 
     def one(leaf, empty_leaf):
@@ -118,7 +118,7 @@ def _pool(path, leaf: jax.Array, layout: CacheLayout, span: int) -> jax.Array:
     return leaf
 
 
-def gather_rows(cache: dict, slots: Int[Array, " r"], empty: dict, reset) -> dict:
+def gather_rows(cache: dict, slots: Int[Array, " r"], empty: list[dict], reset) -> list[dict]:
     """The batched reference state of `slots` (row axis first); rows flagged in `reset` start from the
     one-sequence empty state `empty` (a fresh request in a reused slot)."""
     tables = cache["block_tables"][slots]  # [r, pages]
@@ -131,7 +131,7 @@ def gather_rows(cache: dict, slots: Int[Array, " r"], empty: dict, reset) -> dic
     return jax.tree.map_with_path(one, cache["layers"], empty)
 
 
-def scatter_rows(cache: dict, slots: Int[Array, " r"], rows: dict, first_page: Int[Array, " r"],
+def scatter_rows(cache: dict, slots: Int[Array, " r"], rows: list[dict], first_page: Int[Array, " r"],
                  num_pages: int) -> dict:
     """Write batched states back: slot leaves by slot; of the paged leaves only the `num_pages` pages from
     each row's `first_page` on (the pages its chunk can have completed entries in, past the pages it shares
