@@ -114,7 +114,7 @@ class Attention(LatentAttention):
         return state
 
     def __call__(
-        self, x: Float[Array, "b c d"], start: Int[Array, ""], state: dict, count=None
+        self, x: Float[Array, "b c d"], start: Int[Array, "*start"], state: dict, count=None
     ) -> tuple[Float[Array, "b c d"], dict]:
         """Attend for tokens at positions start..start+c-1 (x already normed); returns output and new state.
 

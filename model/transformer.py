@@ -52,7 +52,7 @@ class Block(HyperBlock):
         self.ffn = MoE(config, config.is_hash_layer(layer), dtype, rngs)
 
     def __call__(
-        self, streams: Float[Array, "b c n d"], tokens: Int[Array, "b c"], start: Int[Array, ""], state: dict,
+        self, streams: Float[Array, "b c n d"], tokens: Int[Array, "b c"], start: Int[Array, "*start"], state: dict,
         count=None,
     ) -> tuple[Float[Array, "b c n d"], dict]:
         _, post, comb, h = self.hc_attn.site(streams)
