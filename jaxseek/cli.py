@@ -116,7 +116,8 @@ def cmd_generate(args) -> int:
         out.flush()
 
     try:
-        summary = run_batch(engine, requests, emit, compact_record if compact else openai_record(api, model_name(args.model, args.config)))
+        record = compact_record if compact else openai_record(api, model_name(args.model, args.config))
+        summary = run_batch(engine, requests, emit, record)
     finally:
         if out is not sys.stdout:
             out.close()

@@ -40,7 +40,8 @@ class Model:
         self.drafter = drafter  # model.dspark.Drafter when the checkpoint ships a DSpark drafter
 
     def module(self) -> nnx.Module:
-        """A stateful view of the model (for research code that wants to call layers directly)."""
+        """A stateful view of the model, a DeepseekV4 or DeepseekV41 (for research code that wants to call layers
+        directly)."""
         return nnx.merge(self.graphdef, self.params)
 
     @functools.cached_property

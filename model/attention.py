@@ -82,7 +82,7 @@ class LatentAttention(nnx.Module):
         self.wo_b = Linear(g * config.o_lora_rank, d, dtype, rngs)
         self.attn_sink = param(jnp.zeros((h,), jnp.float32), "heads")
 
-    def output(self, out: Float[Array, "b c h d"], positions: Int[Array, " c"], freqs) -> Float[Array, "b c D"]:
+    def output(self, out: Float[Array, "b c h d"], positions: Int[Array, "*pb c"], freqs) -> Float[Array, "b c D"]:
         """Inverse RoPE at the query positions, then the grouped low-rank output projection."""
         b, c = out.shape[:2]
         out = apply_rope(out, positions, freqs, inverse=True)
@@ -115,7 +115,7 @@ class Attention(LatentAttention):
         return state
 
     def __call__(
-        self, x: Float[Array, "b c d"], start: Int[Array, ""], state: dict, count=None
+        self, x: Float[Array, "b c d"], start: Int[Array, "*start"], state: dict, count=None
     ) -> tuple[Float[Array, "b c d"], dict]:
         """Attend for tokens at positions start..start+c-1 (x already normed); returns output and new state.
 

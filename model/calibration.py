@@ -39,7 +39,7 @@ def prefix_ece(accept_prob: Float[np.ndarray, "n g"], confidence: Float[np.ndarr
     return np.array([binned_ece(predicted[:, k], target[:, k], bins) for k in range(predicted.shape[1])])
 
 
-def sts_confidence(conf_logits: Float[np.ndarray, "*n"], temperatures) -> Float[np.ndarray, "*n"]:
+def sts_confidence(conf_logits: Float[np.ndarray, "*n"], temperatures) -> Float[np.ndarray, "*m"]:
     """sigmoid(logit / T): the confidence head's raw logits calibrated by STS temperatures (broadcast)."""
     return 1 / (1 + np.exp(-conf_logits / np.asarray(temperatures)))
 

@@ -40,7 +40,7 @@ class Compressor(nnx.Module):
                 **recent_slots(batch, (2 if self.overlap else 1) * r + backtrack, width)}
 
     def __call__(
-        self, x: Float[Array, "b c d"], start: Int[Array, ""], state: dict, freqs, count=None
+        self, x: Float[Array, "b c d"], start: Int[Array, "*start"], state: dict, freqs, count=None
     ) -> dict[str, jax.Array]:
         """Feed the first `count` (default all) tokens at positions start..; every window they complete is
         written to `entries`."""

@@ -444,7 +444,7 @@ class Drafter:
     """A DSpark drafter ready to run beside its target Model: the graph, a pure parameter pytree (`params`) and
     a jitted `draft` (the row states are donated)."""
 
-    def __init__(self, module: DSparkDrafter):
+    def __init__(self, module: nnx.Module):
         self.graphdef, self.params = nnx.split(module)
         self.config: DSparkConfig = module.config
 

@@ -37,7 +37,8 @@ def layer_frequencies(config, layer: int) -> np.ndarray:
 
 
 def apply_rope(
-    x: Float[Array, "*b s h d"], positions: Int[Array, "*pb s"], freqs: np.ndarray | Array, inverse: bool = False
+    x: Float[Array, "*b s h d"], positions: Int[Array, "*pb s"], freqs: Float[Array | np.ndarray, " f"],
+    inverse: bool = False,
 ) -> Float[Array, "*b s h d"]:
     """Rotate the last 2*len(freqs) dims of every head by position*freq (by minus that when `inverse`);
     `positions` broadcast against x's leading dims."""

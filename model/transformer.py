@@ -28,7 +28,7 @@ class Embedding(nnx.Module):
     def __init__(self, vocab: int, dim: int, dtype, rngs: nnx.Rngs):
         self.weight = param(normal_init(rngs, (vocab, dim), dtype), "vocab", "embed")
 
-    def __call__(self, tokens: Int[Array, "b s"]) -> Float[Array, "b s d"]:
+    def __call__(self, tokens: Int[Array, "*t"]) -> Float[Array, "*t d"]:
         return self.weight[...][tokens]
 
 
@@ -53,7 +53,7 @@ class Block(HyperBlock):
         self.ffn = MoE(config, config.is_hash_layer(layer), dtype, rngs)
 
     def __call__(
-        self, streams: Float[Array, "b c n d"], tokens: Int[Array, "b c"], start: Int[Array, ""], state: dict,
+        self, streams: Float[Array, "b c n d"], tokens: Int[Array, "b c"], start: Int[Array, "*start"], state: dict,
         count=None,
     ) -> tuple[Float[Array, "b c n d"], dict]:
         _, post, comb, h = self.hc_attn.site(streams)

@@ -305,6 +305,7 @@ def summary_lines(summary: dict, stats: dict, compiled: Sequence) -> list[str]:
         f"wall: {summary['wall_s']:.2f} s (load {summary['load_s']:.2f} s, warmup {summary['warmup_s']:.2f} s, "
         f"generate {summary['generate_s']:.2f} s); first token after {summary['first_token_s']:.2f} s",
         f"throughput: prefill {prefill / seconds:.1f} tokens/s, decode {decode / seconds:.1f} tokens/s over the "
-        f"generation loop ({steps} steps" + (", incl. compiling each bucket on first use)" if not summary["warmup"] else ")"),
+        f"generation loop ({steps} steps"
+        + (", incl. compiling each bucket on first use)" if not summary["warmup"] else ")"),
         f"compiled buckets (rows, tokens, verify, context pages): {len(compiled)} {sorted(compiled)}",
     ]

@@ -33,10 +33,11 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_token_bitmask(logits: Float[Array, "*rows vocab"], bitmask: Int[Array, "*rows words"]
+def apply_token_bitmask(logits: Float[Array, "*rows vocab"], bitmask: Int[Array, "*mask_rows words"]
                         ) -> Float[Array, "*rows vocab"]:
     """The logits with every token the bitmask leaves out set to -inf (bit i % 32 of word i // 32 allows
-    token i). Pure and vectorised, for use inside the jitted sampler; the leading axes of the two match."""
+    token i). Pure and vectorised, for use inside the jitted sampler; the bitmask's leading axes broadcast
+    against the logits'."""
     vocab, words = logits.shape[-1], bitmask.shape[-1]
     if words * 32 < vocab:
         raise ValueError(f"a bitmask of {words} words covers {words * 32} tokens, fewer than the {vocab} logits")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Int, PyTree
 
 from model.axes import batch_axes
 
@@ -112,8 +112,8 @@ def drafter_ring(cache: dict) -> int:
     return max((leaf.shape[1] for leaf in jax.tree.leaves(cache.get("drafter", [])) if leaf.ndim == 3), default=0)
 
 
-def gather_slots(tree, slots: Int[Array, " r"], empty, reset):
-    """Rows `slots` of per-slot state leaves (a pytree like `tree`); rows flagged in `reset` start from the one-sequence `empty` state."""
+def gather_slots(tree: PyTree, slots: Int[Array, " r"], empty: PyTree, reset) -> PyTree:
+    """Rows `slots` of per-slot state leaves; rows flagged in `reset` start from the one-sequence `empty` state."""
 
     def one(leaf, empty_leaf):
         rows = leaf[slots]
@@ -135,7 +135,8 @@ def _pool(path, leaf: jax.Array, layout: CacheLayout, span: int) -> jax.Array:
     return leaf
 
 
-def gather_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], empty: list, reset) -> list:
+def gather_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], empty: list[dict],
+                reset) -> list[dict]:
     """The batched reference state of `slots` (row axis first) over the `p` pages of their block-table rows
     `tables` (the step's context bucket: its entries span p * page_tokens positions); rows flagged in `reset`
     start from the one-sequence empty state `empty` (a fresh request in a reused slot)."""
@@ -148,7 +149,7 @@ def gather_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"],
     return jax.tree.map_with_path(one, cache["layers"], empty)
 
 
-def scatter_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], rows: dict,
+def scatter_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], rows: list[dict],
                  first_page: Int[Array, " r"], num_pages: int) -> dict:
     """Write batched states (of `gather_rows(cache, slots, tables, ...)`) back: slot leaves by slot; of the
     paged leaves only the `num_pages` pages from each row's `first_page` on (the pages its chunk can have

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from model.sampling_keys import PURPOSE_ACCEPT, PURPOSE_RESIDUAL, PURPOSE_SAMPLE, first_argmax, request_key
@@ -85,7 +86,8 @@ def verify(
     return jax.lax.cond(jnp.all(greedy), rows(False), rows(True))
 
 
-def admit(survival: Float[Array, "r g"], caps: Int[Array, " r"], budget: Int[Array, ""]) -> Int[Array, " r"]:
+def admit(survival: Float[Array | np.ndarray, "r g"], caps: Int[Array | np.ndarray, " r"],
+          budget: Int[Array | np.ndarray, ""]) -> Int[Array, " r"]:
     """Drafts to verify per row: the `budget` (row, position) pairs of highest prefix survival among each row's
     first `caps` positions. Survival never rises along a row and ties go to the earlier position, so every row
     gets a prefix of its block."""

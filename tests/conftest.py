@@ -13,10 +13,15 @@ jax.config.update("jax_compilation_cache_dir", str(__import__("pathlib").Path(__
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 # Every annotated function and dataclass of the project's packages is checked when called: jaxtyping shapes and
-# dtypes, and plain annotations by beartype (an int passes for a float, as PEP 484 says). Modules imported after
-# this line are instrumented; JAXSEEK_TYPECHECK=0 turns it off.
-if os.environ.get("JAXSEEK_TYPECHECK", "1") != "0":
+# dtypes, and plain annotations, by beartype (tests/typecheck.py). JAXSEEK_TYPECHECK=warn (the default) reports a
+# violation as an AnnotationViolation warning in the session's summary, =strict fails the call, =0 checks nothing.
+# Modules imported after this line are instrumented.
+TYPECHECK = os.environ.get("JAXSEEK_TYPECHECK", "warn")
+if TYPECHECK not in ("warn", "strict", "0"):
+    raise ValueError(f"JAXSEEK_TYPECHECK must be warn, strict or 0, got {TYPECHECK!r}")
+if TYPECHECK != "0":
+    import tests.typecheck  # noqa: F401  (the hook's checker)
     from jaxtyping import install_import_hook
 
     install_import_hook(["pallas_kernels", "model", "sharding", "serving", "training", "benchmarks", "jaxseek"],
-                        "beartype.beartype(conf=beartype.BeartypeConf(is_pep484_tower=True))")
+                        f"tests.typecheck.{TYPECHECK}")

@@ -78,3 +78,14 @@ def test_chat_template_file_renders_messages(tmp_path):
     _, args = settings(["serve", "--chat-template", str(template)])
     fmt = format_for(ByteTokenizer(256), args.chat_format)
     assert fmt.render([{"role": "user", "content": "Hi"}]) == "<user>Hi<assistant>"
+
+
+@pytest.mark.parametrize("name", ["engine", "dspark", "prefill", "grammar", "kernels", "serving", "startup"])
+def test_bench_reaches_each_benchmark(name, capsys):
+    """`jaxseek bench NAME ARGS` hands ARGS to the benchmark's own parser (here --help: nothing runs)."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", name, "--help"])
+    doc = importlib.import_module(f"benchmarks.{name}").__doc__.split("\n")[0]
+    assert e.value.code == 0 and doc.split(":")[0][:30] in " ".join(capsys.readouterr().out.split())
