@@ -91,7 +91,7 @@ class Model:
             cache["engram_history"] = jnp.asarray(self.engram.empty_history(batch), jnp.int32)
         return cache
 
-    def step(self, tokens: Int[Array, "b c"], cache: dict, replay=None, prompt_end=None
+    def step(self, tokens: Int[Array | np.ndarray, "b c"], cache: dict, replay=None, prompt_end=None
              ) -> tuple[Float[Array, "b c v"], dict]:
         """Run the next chunk (prefill chunk or one decode token) of every sequence; the cache is donated.
         V4.1 takes `replay` and `prompt_end` as `logits` does."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from jax.sharding import Mesh
 
@@ -46,7 +46,7 @@ class EngineConfig:
     # ---- speculative decoding (the model's DSpark drafter, else a V4 checkpoint's MTP block: `model.mtp_drafter`)
     speculation: str = "none"  # "none"; "fixed": verify every draft; "dspark": drafts per row by confidence and cost
     num_drafts: int | None = None  # drafts verified per step at most (None: the drafter's block size)
-    verify_widths: tuple[int, ...] | None = None  # DSpark verify buckets, 1 + drafts (None: 2 .. num_drafts + 1)
+    verify_widths: Sequence[int] | None = None  # DSpark verify buckets, 1 + drafts (None: 2 .. num_drafts + 1)
     backtrack: int = 0  # extra window-ring slots (speculation takes at least num_drafts + 1)
     draft_fallback: bool = True  # DSpark: when no verify budget pays, decode without drafting, probing now and then
     probe_every: int = 8  # DSpark fallback: plain steps before a drafting probe (doubled per futile probe, to 8x)

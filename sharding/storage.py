@@ -119,7 +119,7 @@ def cache_bytes(layers, config, kv_format: str) -> dict[str, float]:
     return out
 
 
-def kv_figures(config, kv_format: str | None = None, module=None) -> dict[str, float]:
+def kv_figures(config, kv_format: str | None = None, module=None) -> dict[str, float | str]:
     """KV bytes of one sequence, from the cache structure: per token of context (global: the growing
     compressed / shared entries and index keys), per window token (SWA rings of every layer) and fixed per
     sequence (rings, open compressor windows, positions)."""
