@@ -202,7 +202,7 @@ def load_model(path: str | Path | None = None, weights: str | None = None, engra
     if plan.drafter_tensors is not None:
         drafter = _load_drafter(config, plan.raw_config, path,
                                 _stack_experts(_dequantize(plan.drafter_tensors, layout.block)),
-                                "bfloat16" if layout.dtype == "bfloat16" else "float32")
+                                layout.dtype)
     model = layout.model(config)
     tensors = _stack_experts(_dequantize(plan.tensors, layout.block, layout.fp8 | layout.fp4))
     _fill(model.params, _expected(model.params), tensors, path)

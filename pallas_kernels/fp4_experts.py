@@ -98,7 +98,7 @@ def _grouped(kernel, halves, per_row, tile_expert, weights, limit, tm, tiles):
     """One grouped-matmul pass over the sorted rows: `halves` are the even and odd input columns (of the
     tokens for gate/up, gathered by `per_row` row -> token; of the sorted rows for down, where `per_row`
     holds the routing weights)."""
-    n_exp, out, half = weights[0].shape
+    out, half = weights[0].shape[1:]
     tn, n_tiles = tuning.fit(tiles.moe_block_n, out), tile_expert.shape[0]
     rows_total = n_tiles * tm
     ints = [w if w.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(w, jnp.uint8) for w in weights]

@@ -72,7 +72,7 @@ def test_resident_model_computes_its_fp32_decoding(converted):
 
 
 def test_resident_bytes_follow_the_formats(converted):
-    model, fp32_dir, fp8_dir = converted
+    model, _, fp8_dir = converted
     fp32_bytes = resident_bytes(model)
     assert fp32_bytes == 4 * sum(x.size for x in jax.tree.leaves(model.params) if x.dtype == np.float32) + \
         4 * sum(x.size for x in jax.tree.leaves(model.params) if x.dtype == np.int32)
