@@ -1,26 +1,8 @@
 """DSpark: a drafter for speculative decoding that drafts a block of tokens in two stages.
 
-1. A parallel backbone of a few mHC layers runs on the block [anchor, noise x (gamma - 1)] (the anchor is the
-   last committed token, the first prediction slot). Its attention keys are the block itself (bidirectional)
-   plus the target's context: the target's features at each committed position (the output streams of the
-   `target_layer_ids` layers, averaged over the hc copies) projected by `main_proj` / `main_norm`, then by each
-   layer's own `wkv` / `kv_norm`, roped at their positions, in a sliding window of `window` positions.
-2. A low-rank Markov head adds `head(embed[previous token])` to each block position's logits and samples the
-   block left to right (the previous token of position 0 is the anchor), so each draft's distribution is an
-   exact softmax. The confidence head gives each draft's conditional survival probability,
-   sigmoid(proj . [pre-norm hidden ; Markov embedding of the previous token] / T_k), with one temperature T_k
-   per block position fitted after training (STS, `model.calibration`).
-
-Embedding and LM head are the target's (frozen, passed in). The drafter's context lives in a per-row ring of
-`window + backtrack` slots addressed by position: a draft sees the entries of positions [anchor - window,
-anchor), so restarting at an earlier position (a rejected block, a preemption) needs no other rollback.
-Tensor names follow DeepSeek's checkpoints (`mtp.{s}.*`, see `checkpoint_name`).
-
-The draft layers take the target's form. Beside a V4.1 target they are V4.1 layers (single-pass mHC, V4.1's
-gate) and the backbone's output is the streams collapsed by the last site's `pre` weights. Beside a V4 target
-(V4-Flash-0731 / V4-Flash-DSpark) they are V4 layers: each mHC site collapses its own input, the gate is V4's,
-queries are RMS-normalised per head as in V4's attention, and the last stage's own `hc_head` collapses the
-streams; V4's taps are the flattened streams, averaged over the hc copies here.
+A parallel backbone of a few mHC layers runs on the block, attending to it and to a window of the target's
+features; a low-rank Markov head then samples the block left to right, and a confidence head gives each draft's
+survival probability. The draft layers take the target's form (V4 or V4.1). See docs/speculative-decoding.md.
 """
 
 from __future__ import annotations

@@ -2,18 +2,8 @@
 drafter protocol of the engine's step (`init_state`, `serve`, `config.block_size`, `config.target_layer_ids`;
 see `model.dspark.DSparkDrafter`).
 
-The MTP block predicts the token two places after a position p from the target's final streams at p and the
-embedding of the token at p + 1. The target's step gives the streams of the positions it runs, and the row's
-tokens are the tokens *after* the positions one place earlier, so the block runs lagged by one: a step at
-positions start .. start + count - 1 feeds the block positions start - 1 .. start + count - 1, pairing the
-streams carried over from the previous step (position start - 1) and this step's first count streams with the
-row's tokens and, last, the anchor (the token at start + count, just sampled). The last output drafts the token
-at start + count + 1. A slot with no carried streams (a fresh or reset one) starts at `start` instead.
-
-A position whose next token was not yet known (the end of a prompt chunk that does not sample) enters the
-block's window ring with a placeholder and is rewritten by the next step, which starts one position earlier; the
-attention never reads ring slots at or past a chunk's first position, so the placeholder is never seen. Only
-committed positions enter the ring, so a rejected draft needs no rollback.
+The block runs one position behind the target, carrying the target's last streams between steps, so a V4
+checkpoint without a DSpark drafter can still speculate. See docs/speculative-decoding.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,9 @@
 """Bounded decoder replay in prefill for causal encoder-decoder (CED) models (DeepSeek-V4.1, "YOCO").
 
-In a CED model the layers up to and including the last KV source (`n_prefill_layer` of them: the encoder and
-the decoder's KV source) produce every piece of state that outlives the prompt except the decoder layers'
-sliding windows. The layers after it (the "replay layers") keep nothing but a window ring of
-`sliding_window + backtracking` slots. So a prefill may run the replay layers on each request's last `keep`
-prompt tokens only: the rest of the prompt never reaches them.
-
-What the replay layers see, exactly. For a request whose prompt ends at position E (per row: `prompt_end`,
-by default the end of this chunk), the kept tokens are positions >= F = E - keep (the floor). A replay
-layer runs on the kept tokens of the chunk only; every window key (ring slot or earlier chunk token) at a
-position below F is invisible, so a kept token at p attends to window positions [max(p - W + 1, F), p] (plus
-its compressed-KV picks, which come from the fully-run KV sources and are unaffected). Only kept tokens enter
-a replay layer's ring, and because keep >= the ring size (validated), the ring after prefill holds the same
-positions as after a full prefill: decode continues from it unchanged. Tokens before F skip the replay
-layers: their streams (and any `collect` taps of replay layers) are the streams after the last KV source,
-so their logits are not next-token predictions. Three modes:
-- `off`: every layer on every token (a full prefill);
-- `mask`: every row runs through the replay layers with the narrowed visibility above, then rows below F
-  keep their pre-replay streams; the reference for `compact`;
-- `compact`: each row's kept tokens (contiguous at the chunk's tail) are gathered into a static bucket of
-  min(chunk, keep) rows, run, and scattered back; a step in which no row keeps a token skips the replay
-  layers altogether. Same numbers as `mask` up to float reassociation of the smaller shapes.
-
-Why replay is not bit-identical to a full prefill: the first replay layer sees exact inputs, but its output
-at a kept token p < F + W - 1 lacks the window keys below F; the next replay layer's keys (its window KV of
-those tokens) inherit that error, and so on, each replay layer moving the inexact region W - 1 tokens
-further right. A kept token's output is exact only at p >= F + D * (W - 1) for D replay layers, and the ring of
-the last replay layer is exact only when keep >= ring + (D - 1) * (W - 1) (`exact_keep`). DeepInfer keeps
-140 >= 128 + 6 for V4.1-Flash (D = 19), so its final hidden states differ slightly from a full prefill,
-by design. With one replay layer (the bundled model) the default keep is exact for the last keep - W + 1
-tokens and for the ring.
-
-The serving engine bounds its prefill rows the same way (`serving.engine.Engine(replay=...)`, compact by default
-on a CED model): each prefill row passes where its request's prompt ends; `for_engine` picks and validates the
-setting.
+The layers after the last KV source keep nothing but a window ring, so a prefill may run them on each request's
+last `keep` prompt tokens only. Modes `off`, `mask` (the reference) and `compact`; `exact_keep` gives the keep at
+which replay is exact, and `for_engine` picks and validates the engine's setting.
+See docs/prefix-cache-and-replay.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
-"""The serving engine: continuous batching over ahead-of-time compiled steps, with zero-overhead scheduling and
-speculative decoding.
+"""The serving engine: continuous batching over ahead-of-time compiled steps, with zero-overhead scheduling,
+speculative decoding, prefix caching and structured outputs.
 
-Each iteration dispatches a decode step (every running request: one token, or a verify block of drafts) and a
-prefill step (chunks of prompts), then reads the results of the previous iteration: the host prepares step N+1
-while the device still runs step N, and decode inputs come from the device (the slot's last token, position and
-drafts). Steps are compiled once per static bucket at start-up; an iteration never compiles.
-
-Speculation (`speculation`): "none"; "fixed" verifies every drafted token (up to `num_drafts`); "dspark" lets
-the verification scheduler (`serving.verify_plan`) choose the drafts per row from the drafter's confidences and
-the profiled cost of each verify bucket. Verification is lossless: greedy outputs are those of plain decoding
-and sampled outputs are distributed as the target's.
-
-Prefix caching (`prefix_cache`): a request adopts the cached pages of its prompt's longest cached prefix and
-prefills from the deepest window-state snapshot in it (`serving.window_snapshots`) or, without one, from shortly
-before the hit's end, replaying enough tokens to rebuild its window state exactly (`serving.prefix_admission`);
-evicted pages may wait in a host-memory tier.
-
-Structured outputs (`add_request(..., constraint=)`): a constrained request's rows carry packed token masks that
-the compiled step applies before sampling and verification. A mask depends on every token before it, so decode
-and verify buckets are compiled in two halves (`serving.step.StepHalves`): a step with constrained rows launches
-its forward half, then the host reads the previous step, fills the masks while the device runs the forward, and
-launches the decide half (sampling, verification, drafting); zero-overhead scheduling carries on. (With
-`jump_forward`, whose forced tokens are scheduled, and on a mesh, which runs whole steps, the host reads a
-constrained request's tokens in flight before scheduling.) A verify row gets one mask per position; the
-matcher takes the drafts tentatively and settles on the number the device accepted. A draft the grammar refuses
-has probability 0 under its mask, so verification rejects it and draws from the residual; its row is not cut
-short before it, since whether a draft is verified must not depend on the draft (a sampled row would then lose
-the target's distribution). A request ends ("stop") when its constraint is complete and admits no more tokens,
-or with an EOS the constraint allows. In its last tokens a constrained request's masks close the output so it
-ends complete within `max_tokens` (`constraint_close`, `serving.grammar_budget`). With `jump_forward` the
-tokens a constraint forces are appended without sampling (`serving.jump_forward`).
+Each iteration dispatches a decode step and a prefill step, then reads the previous iteration's results, so the
+host prepares step N+1 while the device runs step N. Steps are compiled once per static bucket at start-up.
+See docs/engine.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Attention data parallelism inside the serving engine, with expert parallelism and EPLB over the same mesh.
 
-`Engine(model, mesh="dp=4,ep=2")` splits the request slots over the mesh's attention ranks (`dp` of the spec:
-the mesh axes `dp` and `ep` together, `sharding.mesh.RULES["batch"]`). Rank d owns slots
-[d·S/dp, (d+1)·S/dp) and pages [d·N/dp, (d+1)·N/dp) of the pool, each rank a cache of its own with its own
-scratch slot and scratch page. The scheduler places a new request on the rank running the fewest requests
-(`DataParallelScheduler`), and its page allocator gives a slot pages of its own rank only (`ShardedPages`);
-block tables hold global page ids on the host and rank-local ones on the device.
-
-The compiled step is the single-device step (`serving.step.StepHalves.step`, both halves in one function) inside one
-`jax.shard_map` over the whole mesh: every rank runs its own rows (a bucket is rows per rank) against its own slots
-and pages, so the cache is never gathered; parameters are replicated except the routed experts, which are split over
-`ep`. With ep > 1 each MoE layer's (token, expert) pairs go to their expert shards by all-to-all inside the rank's
-data-parallel group (`sharding.expert_parallel`), which also counts the pairs per physical expert slot. Those counts
-feed EPLB (`sharding.expert_balance.ExpertSlots`): with `eplb_every` the engine rebalances every that many steps,
-moving expert weights between the `ep` shards (replicas hold identical weights: no output changes), and
-`stats["eplb_balancedness"]` is the mean over max pairs per `ep` shard under the current placement.
+`Engine(model, mesh="dp=4,ep=2")` splits the request slots and the page pool over the attention ranks, each with
+a cache of its own, and runs the single-device step inside one `jax.shard_map`; the routed experts are split
+over `ep` and rebalanced by EPLB. See docs/sharding.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """Budget-aware closing of constrained outputs: finish the grammar before `max_tokens` cuts it.
 
-A constrained request that reaches its token limit mid-structure returns output its constraint refuses (an open
-string, an unbounded number still growing). Close mode prevents that without changing what the grammar allows
-early on: while a request has more than `window` tokens left its masks are the grammar's alone; in the last
-`window` tokens the host also searches a *closing path*, the bytes of a short completion of the output from the
-matcher's current state (`closing_path`: depth-first over single-byte tokens, forced runs taken whole, closing
-bytes tried first: quotes and brackets, sentence ends, spaces and separators, then digits and letters, openers
-last). Once the tokens left are no more than the fewest tokens that spell the path plus `margin` (plus one for
-the EOS when the completion needs one), the mask allows only the tokens that spell a prefix of the path and leave
-enough tokens for the rest of it (the model still picks among them), or the EOS at its end; so the output ends
-complete within the limit whenever the path fits in it.
-
-Outputs that end with more than `window` tokens to spare are never touched. Within the window the path is
-checked every step near the point where closing starts, and every few tokens before it (`ClosePolicy.watch`).
-While the model follows the path it carries over; once a token leaves it, the check first tries the old path from
-the new state (`reconnect`, one `validate_tokens` call: another letter of a string or digit of a number leaves the
-closing unchanged) and searches anew only when that fails.
-A single sampled token that lengthens the shortest completion by more than `margin` tokens just before the
-closing starts (opening a structure with many required fields) can still leave too little; a larger `margin`
-trades the model's freedom at the end for that safety. When the search finds no completion within its node
-budget the mask stays the grammar's.
+In a constrained request's last tokens the host searches a short completion of the output (`closing_path`);
+once the tokens left barely cover it, the mask allows only the tokens that spell it, so the output ends complete
+within the limit whenever the path fits. `ClosePolicy` holds the settings. See docs/structured-outputs.md.
 """
 
 from __future__ import annotations

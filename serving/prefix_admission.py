@@ -1,30 +1,9 @@
 """Prefix caching in the engine: requests share the compressed-KV and index-key pages of a cached prompt prefix.
 
-On admission a request matches its prompt in the radix tree (`serving.prefix_cache`, blocks = pages, aligned
-with every compression ratio) and adopts the matched pages (a reference each, read-only). Everything else a
-step needs is per slot and not cached: the window rings, the compressors' open windows, the DSpark drafter's
-context ring and the Engram n-gram history. The request restores them from the deepest window-state snapshot
-inside its hit (`serving.window_snapshots`: copies of a slot's state taken at page-aligned prefill chunk ends) and
-prefills from there; without a usable snapshot they are rebuilt by prefilling from `replay` tokens before the
-end of the hit instead of from the hit's end. The replayed tokens run through every layer, but their compressed
-entries are not written again: the step marks the shared tokens `frozen` (`model.compressor.store_complete`
-keeps their entries, which the queries read from the shared pages; `serving.kv_cache.scatter_rows` writes no
-shared page).
-
-Exact replay: a replayed token's first-layer output is exact once its whole window lies after the replay start;
-each later layer's keys inherit the error of the one below, moving the exact region W - 1 tokens further right
-per layer. So every per-slot ring (window + backtracking, compressor open windows: `ring` slots at most) is
-exactly what a cold prefill leaves when replay >= ring + (L - 1)(W - 1) for L layers (and the drafter's context
-ring of C positions, fed from the last layers' outputs, when replay >= C + L(W - 1)): `exact_replay_tokens`.
-A hit then gives the same tokens as a cold run, up to float reassociation from the different chunking. A shorter
-replay (at least the window ring) is the approximate variant vLLM and DeepInfer use: cheaper, not exact.
-
-A request's full prompt pages enter the tree when its prefill has been dispatched (from the next scheduling
-round on, so no step reads pages the same step writes); on finish, the full pages of its prompt and output. The
-tree holds one reference per cached page; when the pool is short it evicts unlocked tree pages (least recently
-used) before the scheduler preempts running requests. With a host tier, an evicted page's contents are copied to
-host memory (up to `host_pages` pages, least recently used dropped first) and copied back on a later hit
-instead of recomputed.
+A request adopts the pages of its prompt's longest cached prefix (`serving.prefix_cache`) and rebuilds its
+per-slot state from a window-state snapshot or by replaying tokens before the hit's end (`exact_replay_tokens`).
+Prompt and output pages enter the tree; evicted pages may wait in a host tier (`HostTier`).
+See docs/prefix-cache-and-replay.md.
 """
 
 from __future__ import annotations

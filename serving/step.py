@@ -1,23 +1,9 @@
 """The engine's compiled step: `(weights, cache, batch) -> (outputs, cache)` for one static (rows, tokens, verify)
 bucket.
 
-Each row is one request's chunk: a prefill chunk, one decode token, or a verify block (the last committed token
-and the drafts the drafter left in the slot). The model runs all rows as one batch, each at its own position:
-the weight-heavy parts (projections, MoE, mHC) as batched matmuls, the attention against each row's own state as
-vmapped one-row calls, so a row's numbers depend only on its own inputs and the bucket shape. A decode or verify
-row takes its tokens and start position from the device (the slot's last token, position and drafts), so the
-host can dispatch step N+1 before it has read step N, however many drafts step N accepted.
-
-A constrained request's rows carry packed token masks (`serving.grammar_mask`), one per verify position,
-applied to the picked logits before anything reads them: sampling, verification (a draft the grammar refuses has
-probability 0 and is always rejected) and the reported logprobs all see the masked distribution. Since a mask
-follows every token before it, the step comes in two halves (`StepHalves`): `forward` runs the model up to the
-verify positions' logits, `decide` masks, samples or verifies, commits and drafts; the host fills the masks of
-a step while the device runs its forward (the engine compiles decode and verify buckets this way).
-
-With a DSpark drafter the step also verifies (`serving.speculative.verify`: greedy matching or rejection
-sampling), commits the accepted drafts and the final token, and drafts the slot's next block from the target's
-features of the committed positions, all on the device.
+Each row (a prefill chunk, a decode token or a verify block) runs in one batch at its own position. `StepHalves`
+compiles decode and verify buckets as a forward and a decide half, so the host fills token masks while the
+device runs the forward. See docs/engine.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """DSpark's verification scheduler (host side): how many drafts each request verifies in the next step.
 
-A draft at block position j survives verification only if every draft before it does, so its chance of being
-accepted is the prefix survival a_j = c_0 * ... * c_j of the drafter's calibrated confidences. The planner
-admits (request, position) pairs in descending a and picks the total budget B that maximises
-(expected tokens emitted) x (steps per second): every verifying row emits its accepted drafts plus one token,
-so a step emits rows + sum of the admitted a in expectation, and its time is that of the compiled verify bucket
-the admitted pairs need (rows bucket x width = 1 + the longest admitted prefix), from a cost table profiled at
-start-up and corrected online by the periods of the steps the engine runs, host work included.
-
-A plain decode step still drafts the next blocks, which costs nearly as much as the step itself on a small
-target. With the no-draft fallback the cost table also holds width 0, a decode step whose drafter only absorbs
-the new features: when no verify budget beats its rate the planner picks it (`Plan.draft` False) and drafting
-pauses; the engine resumes it with a probing decode step that drafts again every few steps, since the
-confidences it would plan with age meanwhile.
-
-The budget must not depend on the drafts it verifies: with a Markov-conditioned confidence head a_{r,j+1}
-depends on the sampled draft x_{r,j}, so planning with the verified block's own confidences would let x_{r,j}
-decide whether it is verified at all, which biases the output distribution (the paper's Appendix A). The
-paper's Algorithm 1 keeps it lossless by stopping at the first pair that lowers the rate, which gets stuck at
-the first cliff of the cost staircase (from no drafting to the narrowest verify bucket, say). The engine
-instead plans B and the width with a full search over confidences one block older (DeepInfer's production
-variant): with zero-overhead scheduling those the host read while the block to verify was still being drafted,
-otherwise the block before the slots' current one. The device then splits B over the rows by rank of the
-newest confidences (`serving.speculative.admit`): a pair is outranked only by pairs of higher survival, none of
-which depends on its own draft.
+The planner picks the verify budget and width that maximise expected tokens per second, from the drafter's
+calibrated confidences and a cost table of the compiled verify buckets, or a step without drafting when no
+budget beats plain decoding. It plans with confidences one block older than the drafts it verifies, so sampled
+outputs keep the target's distribution. See docs/speculative-decoding.md.
 """
 
 from __future__ import annotations

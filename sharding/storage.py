@@ -1,19 +1,9 @@
 """Bytes of parameters and cache entries in their serving storage formats, read off real (abstract) shapes.
 
-The reference model keeps its cache in float32; deployments store it compactly. A `KVFormat` says how each
-kind of cache row is stored (value bytes per element, block scales, BF16 RoPE dims); the byte figures then
-follow from the shapes of the model's own `init_cache` (evaluated abstractly, nothing allocated). Formats:
-
-- `v4`: DeepSeek-V4 as its report accounts it: compressed and window KV as FP8 with the 64 RoPE dims in
-  BF16 (576 B per 512-d entry, no scales), indexer keys FP4 with a UE8M0 scale per 32 (68 B per 128-d key);
-- `v41`: DeepSeek-V4.1's reference: latents FP4 with an E4M3 scale per 16 (288 B per 512-d entry), indexer
-  keys as in `v4`, window KV FP8 with a UE8M0 scale per 32;
-- `v32`: DeepSeek-V3.2 (MLA + DSA) as FlashMLA stores it: 512 FP8 latent dims with an fp32 scale per 128 plus
-  64 BF16 RoPE dims (656 B), indexer keys FP8 with one fp32 scale per 128 (132 B);
-- `bf16`: every element in 2 bytes (vLLM's accounting); `reference`: the arrays' own dtypes.
-
-`MLAConfig` is the V3.2 accounting preset: an MLA + DSA cache structure (one latent and one index key per
-token per layer) with V3.2's published sizes, for comparing V4 against its predecessor.
+A KV format (`KV_FORMATS`: `v4`, `v41`, `v32`, `bf16`, `reference`) says how each kind of cache row is stored
+(`RowStorage`); the byte figures follow from the model's own `init_cache` shapes, evaluated abstractly.
+`MLAConfig` is the V3.2 MLA + DSA accounting preset, for comparing V4 against its predecessor.
+See docs/sharding.md.
 """
 
 from __future__ import annotations
