@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, no_type_check
 
 from model.config_base import SCORING_FUNCS, ConfigError, YarnScaling, read_config_json, read_rope
 from model.config_v41 import V41Config, tiny_v41, v41_flash
@@ -19,6 +19,7 @@ SLIDING, CSA, HCA = "sliding", "csa", "hca"
 CSA_RATIO = 4  # the ratio whose layers get overlapping windows and an indexer (DeepSeek-V4 `inference/model.py`)
 
 
+@no_type_check  # built from config.json's raw values, which `__post_init__` coerces and `validate` checks
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Every hyper-parameter that affects the math of a DeepSeek-V4 (Flash / Pro) model."""

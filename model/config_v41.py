@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, no_type_check
 
 from model.config_base import SCORING_FUNCS, ConfigError, YarnScaling, read_config_json, read_rope
 
 
+@no_type_check  # built from config.json's raw values, which `__post_init__` coerces and `validate` checks
 @dataclasses.dataclass(frozen=True)
 class V41Config:
     """Every hyper-parameter that affects the math of a DeepSeek-V4.1 text model."""

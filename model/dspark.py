@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, no_type_check
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,7 @@ _JSON_KEYS = {  # DSparkConfig field -> its key in a checkpoint's config.json / 
 }
 
 
+@no_type_check  # built from config.json's raw values, which `__post_init__` coerces and checks
 @dataclasses.dataclass(frozen=True)
 class DSparkConfig:
     """The drafter's own sizes; everything else (widths, heads, norms, RoPE) is the target's config."""
@@ -87,8 +88,7 @@ class DSparkConfig:
         """The drafter of a V4 checkpoint (V4-Flash-0731): its config.json's `dspark_*` fields (which V4's
         ModelConfig does not keep) and its `num_layers` stages, counted from its `mtp.*` tensors (its
         `num_nextn_predict_layers` is MTP's 1); experts and window default to the target's."""
-        fields = {f: tuple(raw[k]) if isinstance(raw[k], list) else raw[k] for f, k in _JSON_KEYS.items()
-                  if k in raw and f != "num_layers"}
+        fields = {f: raw[k] for f, k in _JSON_KEYS.items() if k in raw and f != "num_layers"}
         defaults = {"n_routed_experts": target.n_routed_experts, "num_experts_per_tok": target.num_experts_per_tok,
                     "window": raw.get("dspark_window_size", target.sliding_window)}
         if "target_layer_ids" not in fields:

@@ -236,8 +236,8 @@ def table_names(layer: int) -> tuple[str, str]:
 
 
 def dequantize_rows(
-    rows: Shaped[Array, "*idx d"], scales: Shaped[Array, "*idx blocks"] | None
-) -> Float32[Array, "*idx d"]:
+    rows: Shaped[Array | np.ndarray, "*idx d"], scales: Shaped[Array | np.ndarray, "*idx blocks"] | None
+) -> Float32[Array | np.ndarray, "*idx d"]:
     """Gathered table rows to float32: FP8 value x 2^(scale byte - 127) per 32 channels (rows as-is unscaled).
     jax or numpy arrays in, the same kind out (both exact: FP8 to float32 and power-of-two scales); call it
     inside a jitted function for jax arrays (`_dequantize_on_device`)."""

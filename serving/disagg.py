@@ -51,7 +51,7 @@ class SlotState:
     logprobs: list[TokenLogprob]
     computed: int
     page_tokens: int
-    layers: dict  # the cache's layer tree: paged leaves [pages, entries per page, d], slot leaves [...]
+    layers: list[dict]  # one dict per layer: paged leaves [pages, entries per page, d], slot leaves [...]
     slot: dict  # every other per-slot cache entry at this slot: last token, penalty statistics, ...
     engram_history: np.ndarray | None
     drafts: list[int]  # speculative decoding: the drafted block the host last read, and its confidences
