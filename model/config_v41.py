@@ -197,8 +197,6 @@ class V41Config:
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ConfigError(f"unknown config fields {unknown}")
-        tuple_fields = {f.name for f in dataclasses.fields(cls) if str(f.type).startswith("tuple")}
-        d = {k: tuple(v) if k in tuple_fields and isinstance(v, list) else v for k, v in d.items()}
         try:
             config = cls(**d)
         except TypeError as e:
