@@ -1,0 +1,30 @@
+"""The work a decode step needs (`model.step_cost`), against figures computed by hand for the tiny preset:
+layers (sliding, CSA ratio 4, HCA ratio 16, CSA ratio 4), window 8, 4 heads of 32, indexer 16 heads of 16,
+top-4, 2 of 4 experts."""
+
+import pytest
+
+from model.config import preset
+from model.step_cost import attention_cost, expected_experts_hit, weight_cost
+
+TINY = preset("tiny")
+
+
+def test_attention_cost_by_hand():
+    # position 40: 41 tokens, window 8; CSA: 10 visible entries, 4 picked; HCA: 2 visible entries
+    flops = 4 * 4 * 32 * 8 + 2 * (2 * 16 * 16 * 10 + 4 * 4 * 32 * 12) + 4 * 4 * 32 * 10
+    state = 8 * 32 * 4 + 2 * (10 * 16 * 4 + 12 * 32 * 4) + 10 * 32 * 4
+    assert attention_cost(TINY, 2, 40) == {"flops": 2 * flops, "bytes": 2 * state}
+
+
+def test_experts_hit_and_weights_per_row():
+    assert expected_experts_hit(TINY, 1) == 2 and expected_experts_hit(TINY, 64) == pytest.approx(4)
+    one, two = weight_cost(TINY, 1), weight_cost(TINY, 2)
+    assert two["flops"] == 2 * one["flops"]
+    # a second row reads one more embedding row and, in expectation, 1 / 2 more of each layer's experts
+    expert_bytes = 3 * 64 * 32 * 4  # w1, w2, w3 of one expert, fp32
+    embed_row = 64 * 4
+    layers_with_experts = TINY.num_hidden_layers
+    extra_hash_row = 2 * 4 * TINY.num_hash_layers  # tid2eid: k int32 per token in each hash layer
+    assert two["bytes"] - one["bytes"] == pytest.approx(
+        embed_row + extra_hash_row + layers_with_experts * (expected_experts_hit(TINY, 2) - 2) * expert_bytes)
