@@ -60,7 +60,8 @@ def test_generate_runs_the_bundled_model_by_default(model, capsys):
     # the engine tests/test_disagg.py, test_router.py and test_server.py run (2 slots, 96 tokens, 8-token prefill
     # chunks, batch-invariant, 5 top logprobs), so the persistent compile cache serves all four modules
     status = main(["generate", "--prompt", PROMPT, "--max-tokens", "12", "--temperature", "0", "--logprobs", "5",
-                   "--max-slots", "2", "--max-len", "96", "--prefill-chunk", "8", "--batch-invariant", "--no-warmup"])
+                   "--max-slots", "2", "--max-len", "96", "--prefill-chunk", "8", "--batch-invariant", "--no-warmup",
+                   "--output-format", "jsonl-compact"])
     out, err = capsys.readouterr()
     record = json.loads(out)
     assert status == 0 and "randomly initialised" not in err
