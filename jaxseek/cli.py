@@ -247,11 +247,6 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="a request's tokens never depend on what else runs (one bucket per step kind)")
     e.add_argument("--no-zero-overhead", action="store_true",
                    help="read each step's results before dispatching the next")
-    e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
-                   help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
-                   "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
-    e.add_argument("--num-drafts", type=int_at_least(1), help="drafts per step at most (default: the "
-                   "drafter's block size)")
     _add_cache_and_grammar_flags(e)
     e.add_argument("--warmup", action="store_true",
                    help="compile every step bucket up front (default: each when first used, so a batch compiles "
@@ -266,6 +261,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 def _add_cache_and_grammar_flags(e) -> None:
     """Engine flags `generate` and `serve` share: prefix caching, jump-forward decoding of grammar-forced
     tokens, bounded decoder replay."""
+    e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
+                   help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
+                   "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
+    e.add_argument("--num-drafts", type=int_at_least(1), help="drafts per step at most (default: the "
+                   "drafter's block size)")
     e.add_argument("--enable-prefix-caching", dest="no_prefix_cache", action="store_false", default=None,
                    help="share the KV pages of cached prompt prefixes (the default unless --batch-invariant)")
     e.add_argument("--no-enable-prefix-caching", "--no-prefix-cache", dest="no_prefix_cache", action="store_true",
@@ -325,11 +325,6 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per request (default 1024)")
     e.add_argument("--prefill-chunk", type=int_at_least(1), default=64, help="prompt tokens per prefill row")
     e.add_argument("--batch-invariant", action="store_true", help="tokens never depend on what else runs")
-    e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
-                   help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
-                   "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
-    e.add_argument("--num-drafts", type=int_at_least(1), help="drafts per step at most (default: the "
-                   "drafter's block size)")
     _add_cache_and_grammar_flags(e)
     e.add_argument("--no-warmup", action="store_true", help="compile step buckets when first used")
     e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
