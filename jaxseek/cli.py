@@ -259,8 +259,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_cache_and_grammar_flags(e) -> None:
-    """Engine flags `generate` and `serve` share: prefix caching, jump-forward decoding of grammar-forced
-    tokens, bounded decoder replay."""
+    """Engine flags `generate` and `serve` share: speculation, prefix caching, the KV pool, jump-forward decoding
+    of grammar-forced tokens, bounded decoder replay."""
     e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
                    help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
                    "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
