@@ -13,7 +13,6 @@ kernels run in interpret mode: use `--small` there (shapes scaled down; timings 
 import argparse
 import statistics
 import sys
-import time
 
 
 import jax
@@ -23,6 +22,7 @@ import numpy as np
 from pallas_kernels import registry
 from sharding.platform import PROFILES, profile_for
 from benchmarks.bench_json import json_line
+from benchmarks.roofline import call_seconds
 
 # V4-Flash: 64 heads x 512, window 128, top-512 CSA picks, 64 x 128 indexer, 256 experts top-6, D 4096, I 2048
 FLASH = dict(rows=32, heads=64, head_dim=512, window=128, topk=512, context=65536, hca_context=1048576,
@@ -105,14 +105,7 @@ def timed(fn, args, repeats: int) -> float:
         it = iter(arrays)
         return fn(*(a if i in static else next(it) for i, a in enumerate(args)))
 
-    compiled = jax.jit(call)
-    jax.block_until_ready(compiled(*dynamic))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*dynamic))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(call_seconds(jax.jit(call), *dynamic, repeats=repeats))
 
 
 def main(argv=None) -> int:

@@ -12,16 +12,20 @@ import numpy as np
 from model.config import ModelConfig
 
 
-def best_seconds(fn, *args, repeats: int = 20) -> float:
-    """The fastest of `repeats` calls of the jitted `fn` after one warm-up call."""
-    jitted = jax.jit(fn)
+def call_seconds(jitted, *args, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of the jitted `jitted`, after one warm-up call (which compiles)."""
     jax.block_until_ready(jitted(*args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(jitted(*args))
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def best_seconds(fn, *args, repeats: int = 20) -> float:
+    """The fastest of `repeats` calls of the jitted `fn` after one warm-up call."""
+    return min(call_seconds(jax.jit(fn), *args, repeats=repeats))
 
 
 def step_matmul_shapes(config: ModelConfig, rows: int) -> list[tuple[int, int, int]]:
