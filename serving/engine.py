@@ -33,7 +33,9 @@ from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
-from serving.step import CompiledHalves, DrafterSpec, Forwarded, StepBatch, build_step_halves, compile_step, empty_batch
+from serving.executable_cache import ExecutableCache, describe, directory
+from serving.step import (CompiledHalves, DrafterSpec, Forwarded, StepBatch, build_step_halves, compile_halves,
+                          compile_step, empty_batch)
 from serving.speculation_policy import SpeculationPolicy
 from serving.structured_outputs import StructuredOutputs
 from serving.verify_plan import CostTable, monotone_in_width
@@ -131,6 +133,12 @@ class Engine:
                                          self.layout.page_tokens, config.num_top_logprobs, config.return_logits,
                                          spec, self.replay)
         self.compiled: dict[tuple[int, int, int, int], Callable] = {}
+        # compiled buckets kept on disk beside JAX's compile cache (not for a data-parallel engine's steps)
+        stored = directory() if self.data_parallel is None else None
+        self.executables = None if stored is None else ExecutableCache(
+            stored, model.config, drafter.config if drafter else None, self.layout, self.replay,
+            config.num_top_logprobs, config.return_logits, self._engram_shapes(), describe(self.weights),
+            describe(self.cache))
         self.requests: dict[str, Request] = {}
         self.pending: list[tuple[list[Row], object]] = []
         self._cancelled: list[RequestOutput] = []
@@ -217,11 +225,19 @@ class Engine:
             self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache,
                                                                rows, width, verify_len, self._engram_shapes())
             return
+        halves = width == verify_len  # a decode / verify bucket: in halves, for masks filled during the forward
+        loaded = self.executables.load(bucket) if self.executables is not None else None
+        if loaded is not None:
+            self.compiled[bucket] = CompiledHalves(loaded, self._halves.head_leaves) if halves else loaded[0]
+            return
         batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
-        if width == verify_len:  # a decode / verify bucket: in halves, for masks filled during the forward
-            self.compiled[bucket] = CompiledHalves(self._halves, self.weights, self.cache, batch, verify_len)
+        if halves:
+            compiled = compile_halves(self._halves, self.weights, self.cache, batch, verify_len)
         else:
-            self.compiled[bucket] = compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)
+            compiled = compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)
+        self.compiled[bucket] = compiled
+        if self.executables is not None:
+            self.executables.store(bucket, compiled.executables if halves else [compiled])
 
     def _prefix_cache(self) -> PrefixAdmission | None:
         """The engine's prefix cache (None when off), with its device ops on `self.cache`."""
