@@ -226,18 +226,16 @@ class Engine:
                                                                rows, width, verify_len, self._engram_shapes())
             return
         halves = width == verify_len  # a decode / verify bucket: in halves, for masks filled during the forward
-        loaded = self.executables.load(bucket) if self.executables is not None else None
-        if loaded is not None:
-            self.compiled[bucket] = CompiledHalves(loaded, self._halves.head_leaves) if halves else loaded[0]
-            return
-        batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
-        if halves:
-            compiled = compile_halves(self._halves, self.weights, self.cache, batch, verify_len)
-        else:
-            compiled = compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)
-        self.compiled[bucket] = compiled
-        if self.executables is not None:
-            self.executables.store(bucket, compiled.executables if halves else [compiled])
+
+        def compile_bucket() -> list:
+            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
+            if halves:
+                return compile_halves(self._halves, self.weights, self.cache, batch, verify_len).executables
+            return [compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)]
+
+        executables = (compile_bucket() if self.executables is None else
+                       self.executables.load_or_compile(bucket, compile_bucket))
+        self.compiled[bucket] = CompiledHalves(executables, self._halves.head_leaves) if halves else executables[0]
 
     def _prefix_cache(self) -> PrefixAdmission | None:
         """The engine's prefix cache (None when off), with its device ops on `self.cache`."""

@@ -17,6 +17,8 @@ import os
 import pathlib
 import pickle
 import tempfile
+import threading
+from collections.abc import Callable
 
 import jax
 import jaxlib
@@ -27,7 +29,16 @@ from pallas_kernels import registry
 LOG = logging.getLogger(__name__)
 
 SUBDIR = "jaxseek-executables"
+_JAX_CACHE_HITS = threading.local()  # per thread: compilations JAX's persistent cache served
 TRACED_PACKAGES = ("model", "serving", "pallas_kernels", "sharding")  # the source a step's trace runs
+
+
+def _count_hit(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _JAX_CACHE_HITS.n = getattr(_JAX_CACHE_HITS, "n", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_hit)
 
 
 def directory() -> pathlib.Path | None:
@@ -65,9 +76,9 @@ def describe(tree) -> str:
 
 class ExecutableCache:
     """One engine's compiled buckets on disk (`directory()`): `load(bucket)` gives the executables stored for a
-    bucket (None when absent or unreadable), `store(bucket, executables)` keeps them. `parts` are the engine's
-    inputs to every trace (model config, layout, step options, weights and cache as `describe` text); `loaded`
-    and `stored` count buckets."""
+    bucket (None when absent or unreadable), `store(bucket, executables)` keeps them, `load_or_compile` does
+    both around a compilation. `parts` are the engine's inputs to every trace (model config, layout, step
+    options, weights and cache as `describe` text); `loaded` and `stored` count buckets."""
 
     def __init__(self, root: pathlib.Path, *parts):
         self.root = root
@@ -80,8 +91,9 @@ class ExecutableCache:
     def load(self, bucket: tuple) -> list[jax.stages.Compiled] | None:
         path = self.path(bucket)
         try:
-            entries = pickle.loads(path.read_bytes())
-            executables = [deserialize_and_load(*entry) for entry in entries]
+            devices = {d.id: d for d in jax.devices()}
+            executables = [deserialize_and_load(*entry, execution_devices=[devices[i] for i in ids])
+                           for *entry, ids in pickle.loads(path.read_bytes())]
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001  (a truncated, corrupt or incompatible entry is compiled again)
@@ -93,7 +105,8 @@ class ExecutableCache:
     def store(self, bucket: tuple, executables: list[jax.stages.Compiled]) -> None:
         temporary = None
         try:
-            data = pickle.dumps([serialize(e) for e in executables])
+            data = pickle.dumps([(*serialize(e), [d.id for d in e.runtime_executable().local_devices()])
+                                 for e in executables])
             self.root.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=self.root, delete=False) as f:  # written whole, then renamed
                 temporary = f.name
@@ -105,3 +118,15 @@ class ExecutableCache:
                 os.unlink(temporary)
             return
         self.stored += 1
+
+    def load_or_compile(self, bucket: tuple, compile_bucket: Callable[[], list]) -> list[jax.stages.Compiled]:
+        """The bucket's stored executables, else `compile_bucket()`'s, stored unless JAX's persistent cache
+        served them: XLA:CPU cannot serialize again an executable it loaded from there (it would fail when
+        run), so such a bucket is stored once it is compiled afresh."""
+        executables = self.load(bucket)
+        if executables is None:
+            hits = getattr(_JAX_CACHE_HITS, "n", 0)
+            executables = compile_bucket()
+            if getattr(_JAX_CACHE_HITS, "n", 0) == hits:
+                self.store(bucket, executables)
+        return executables
