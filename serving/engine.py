@@ -38,7 +38,7 @@ from serving.step import (CompiledHalves, DrafterSpec, Forwarded, StepBatch, bui
                           compile_step, empty_batch)
 from serving.speculation_policy import SpeculationPolicy
 from serving.structured_outputs import StructuredOutputs
-from serving.verify_plan import CostTable, monotone_in_width
+from serving.verify_plan import CostTable, interpolated, monotone_in_width
 
 LOG = logging.getLogger(__name__)
 
@@ -173,41 +173,46 @@ class Engine:
         return [(*shape, pages) for shape in shapes for pages in self.context_pages]
 
     def warmup(self) -> None:
-        """Compile every bucket ahead of time (afterwards no step ever compiles); DSpark also profiles the
-        decode and verify buckets for its cost table. On an accelerator the buckets compile in parallel
-        threads, one per host core (XLA releases the GIL while it compiles); XLA:CPU already spreads one
-        compilation over the cores."""
-        missing = [bucket for bucket in self.buckets() if bucket not in self.compiled]
+        """Compile every bucket ahead of time (afterwards no step ever compiles), except that a DSpark engine
+        compiles only the decode / verify buckets it profiles for its cost table (`profile`): its other buckets,
+        up to every rows x width x context, compile when first used. On an accelerator the buckets compile in
+        parallel threads, one per host core (XLA releases the GIL while it compiles); XLA:CPU already spreads
+        one compilation over the cores."""
+        dspark = self.speculation.mode == "dspark"
+        missing = [] if dspark else [bucket for bucket in self.buckets() if bucket not in self.compiled]
         workers = 1 if jax.default_backend() == "cpu" else min(len(missing), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(self._executable, missing))
         if self.scheduler.prefix is not None:
             self.device_pages.warmup()
-        if self.speculation.mode == "dspark" and self.speculation.costs is None:
+        if dspark and self.speculation.costs is None:
             self.speculation.costs = self.profile()
 
     def profile(self, repeats: int = 5) -> CostTable:
-        """Seconds of each decode / verify bucket on padding rows that sample at temperature 1 (the costlier
-        path: drafts and verification draw noise) and write only the scratch slot; with the no-draft fallback
-        also of decode steps that do not draft (width 0). Each is the fastest of `repeats` runs after two
-        warm-up runs: interference only ever adds time, and the observed periods add the host's work later
-        (`CostTable`); the table is then made non-decreasing in the width (`monotone_in_width`)."""
+        """Seconds of the decode / verify buckets at the extremes of the rows and the widths (the fewest and
+        the most rows, plain decoding and the widest verify bucket, at the shortest context), on padding rows
+        that sample at temperature 1 (the costlier path: drafts and verification draw noise) and write only the
+        scratch slot; with the no-draft fallback also of decode steps that do not draft (width 0). Each is the
+        fastest of `repeats` runs after two warm-up runs: interference only ever adds time, and the observed
+        periods add the host's work later (`CostTable`). The table is made non-decreasing in the width
+        (`monotone_in_width`) and the other buckets interpolated (`interpolated`)."""
+        pages, widest = self.context_pages[0], self.speculation.verify_widths[-1]
         seconds = {}
-        for rows, width, verify_len, pages in self.buckets():
-            if (width != verify_len and width != 1) or pages != self.context_pages[0]:
-                continue  # a prefill bucket, or a longer context than the shortest
-            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
-            batch = batch._replace(sampling=SamplingBatch.from_params([SamplingParams(seed=0)] * rows, rows))
-            for draft in (True, False) if self.speculation.draft_fallback and width == 1 else (True,):
-                times = []
-                for _ in range(repeats + 2):
-                    start = time.perf_counter()
-                    outputs, self.cache = self._executable((rows, width, verify_len, pages))(
-                        self.weights, self.cache, batch._replace(draft=np.asarray(draft)))
-                    jax.block_until_ready(outputs)
-                    times.append(time.perf_counter() - start)
-                seconds[rows, width if draft else 0] = min(times[2:])
-        return CostTable(monotone_in_width(seconds))
+        for rows in sorted({self.decode_rows[0], self.decode_rows[-1]}):
+            for width in (1, widest):
+                batch = empty_batch(self.layout, rows, width, self._engram_shapes(), width, pages)
+                batch = batch._replace(sampling=SamplingBatch.from_params([SamplingParams(seed=0)] * rows, rows))
+                for draft in (True, False) if self.speculation.draft_fallback and width == 1 else (True,):
+                    times = []
+                    for _ in range(repeats + 2):
+                        start = time.perf_counter()
+                        outputs, self.cache = self._executable((rows, width, width, pages))(
+                            self.weights, self.cache, batch._replace(draft=np.asarray(draft)))
+                        jax.block_until_ready(outputs)
+                        times.append(time.perf_counter() - start)
+                    seconds[rows, width if draft else 0] = min(times[2:])
+        widths = (1,) + self.speculation.verify_widths
+        return CostTable(interpolated(monotone_in_width(seconds), self.decode_rows, widths))
 
     def _executable(self, bucket: tuple[int, int, int, int]):
         if bucket not in self.compiled:
