@@ -27,13 +27,13 @@ from model.replay import for_engine
 from serving.constraints import ConstraintSpec
 from serving.engine_config import EngineConfig
 from serving.engine_dp import DataParallel
+from serving.executable_cache import ExecutableCache, describe, directory
 from serving.jump_forward import jump_forward
 from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache, page_bytes
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
-from serving.executable_cache import ExecutableCache, describe, directory
 from serving.step import (CompiledHalves, DrafterSpec, Forwarded, StepBatch, build_step_halves, compile_halves,
                           compile_step, empty_batch)
 from serving.speculation_policy import SpeculationPolicy
@@ -198,19 +198,18 @@ class Engine:
         (`monotone_in_width`) and the other buckets interpolated (`interpolated`)."""
         pages, widest = self.context_pages[0], self.speculation.verify_widths[-1]
         seconds = {}
-        for rows in sorted({self.decode_rows[0], self.decode_rows[-1]}):
-            for width in (1, widest):
-                batch = empty_batch(self.layout, rows, width, self._engram_shapes(), width, pages)
-                batch = batch._replace(sampling=SamplingBatch.from_params([SamplingParams(seed=0)] * rows, rows))
-                for draft in (True, False) if self.speculation.draft_fallback and width == 1 else (True,):
-                    times = []
-                    for _ in range(repeats + 2):
-                        start = time.perf_counter()
-                        outputs, self.cache = self._executable((rows, width, width, pages))(
-                            self.weights, self.cache, batch._replace(draft=np.asarray(draft)))
-                        jax.block_until_ready(outputs)
-                        times.append(time.perf_counter() - start)
-                    seconds[rows, width if draft else 0] = min(times[2:])
+        for rows, width in itertools.product(sorted({self.decode_rows[0], self.decode_rows[-1]}), (1, widest)):
+            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), width, pages)
+            batch = batch._replace(sampling=SamplingBatch.from_params([SamplingParams(seed=0)] * rows, rows))
+            for draft in (True, False) if self.speculation.draft_fallback and width == 1 else (True,):
+                times = []
+                for _ in range(repeats + 2):
+                    start = time.perf_counter()
+                    outputs, self.cache = self._executable((rows, width, width, pages))(
+                        self.weights, self.cache, batch._replace(draft=np.asarray(draft)))
+                    jax.block_until_ready(outputs)
+                    times.append(time.perf_counter() - start)
+                seconds[rows, width if draft else 0] = min(times[2:])
         widths = (1,) + self.speculation.verify_widths
         return CostTable(interpolated(monotone_in_width(seconds), self.decode_rows, widths))
 

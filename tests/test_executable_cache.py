@@ -16,7 +16,7 @@ from serving.step import build_step_halves
 from tests.helpers import random_model
 
 CONFIG = preset("tiny")
-SETTINGS = dict(max_slots=2, max_len=64, prefill_chunk=16, max_prefill_rows=1)
+SETTINGS = {"max_slots": 2, "max_len": 64, "prefill_chunk": 16, "max_prefill_rows": 1}
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
