@@ -249,8 +249,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="read each step's results before dispatching the next")
     _add_cache_and_grammar_flags(e)
     e.add_argument("--warmup", action="store_true",
-                   help="compile every step bucket up front (default: each when first used, so a batch compiles "
-                        "only the shapes it runs)")
+                   help="compile every step bucket up front, DSpark only those it profiles (default: each when "
+                        "first used, so a batch compiles only the shapes it runs)")
     e.add_argument("--no-warmup", dest="warmup", action="store_false", help="compile each step bucket when first "
                    "used (the default)")
     e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),

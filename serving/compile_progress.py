@@ -1,5 +1,6 @@
 """What start-up compiles, shown while it happens: a progress bar over an engine's step buckets (the one being
-compiled, then how long it took), and how many of the compilations the persistent compile cache served."""
+compiled, then how long it took), how many buckets the executable cache served whole (`serving.executable_cache`)
+and how many of the compilations the persistent compile cache served."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def describe(bucket: tuple[int, int, int, int]) -> str:
 
 class CompileProgress:
     """Set as `engine.on_compile`: a tqdm bar over the engine's buckets; `summary()` tells what was compiled,
-    in how many seconds, and how many compilations came from the persistent cache."""
+    in how many seconds, how many buckets came whole from the executable cache and how many compilations from
+    the persistent cache."""
 
     def __init__(self, engine, file=None, disable: bool | None = None):
         from tqdm import tqdm
@@ -38,6 +40,8 @@ class CompileProgress:
                         disable=disable, leave=True)
         self.seconds, self.compiled, self.started = 0.0, [], time.perf_counter()
         self.events = dict(_EVENTS)
+        self.executables = engine.executables
+        self.loaded_before = 0 if engine.executables is None else engine.executables.loaded
         engine.on_compile = self
 
     def __call__(self, bucket: tuple[int, int, int, int], seconds: float | None) -> None:
@@ -58,6 +62,8 @@ class CompileProgress:
         self.bar.close()
         hits, misses = self.cache_counts()
         where = jax.config.jax_compilation_cache_dir
-        cache = (f"compile cache {where}: {hits} loaded, {misses} compiled and stored" if where else
-                 "compile cache off")
+        whole = ("" if self.executables is None else
+                 f"{self.executables.loaded - self.loaded_before} buckets loaded without tracing, ")
+        cache = (f"compile cache {where}: {whole}{hits} compilations loaded, {misses} compiled and stored" if where
+                 else "compile cache off")
         return f"compiled {len(self.compiled)} step buckets in {self.seconds:.2f} s ({cache})"

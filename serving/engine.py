@@ -27,16 +27,18 @@ from model.replay import for_engine
 from serving.constraints import ConstraintSpec
 from serving.engine_config import EngineConfig
 from serving.engine_dp import DataParallel
+from serving.executable_cache import ExecutableCache, describe, directory
 from serving.jump_forward import jump_forward
 from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache, page_bytes
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
-from serving.step import CompiledHalves, DrafterSpec, Forwarded, StepBatch, build_step_halves, compile_step, empty_batch
+from serving.step import (CompiledHalves, DrafterSpec, Forwarded, StepBatch, build_step_halves, compile_halves,
+                          compile_step, empty_batch)
 from serving.speculation_policy import SpeculationPolicy
 from serving.structured_outputs import StructuredOutputs
-from serving.verify_plan import CostTable, monotone_in_width
+from serving.verify_plan import CostTable, interpolated, monotone_in_width
 
 LOG = logging.getLogger(__name__)
 
@@ -131,6 +133,12 @@ class Engine:
                                          self.layout.page_tokens, config.num_top_logprobs, config.return_logits,
                                          spec, self.replay)
         self.compiled: dict[tuple[int, int, int, int], Callable] = {}
+        # compiled buckets kept on disk beside JAX's compile cache (not for a data-parallel engine's steps)
+        stored = directory() if self.data_parallel is None else None
+        self.executables = None if stored is None else ExecutableCache(
+            stored, model.config, drafter.config if drafter else None, self.layout, self.replay,
+            config.num_top_logprobs, config.return_logits, self._engram_shapes(), describe(self.weights),
+            describe(self.cache))
         self.requests: dict[str, Request] = {}
         self.pending: list[tuple[list[Row], object]] = []
         self._cancelled: list[RequestOutput] = []
@@ -165,41 +173,45 @@ class Engine:
         return [(*shape, pages) for shape in shapes for pages in self.context_pages]
 
     def warmup(self) -> None:
-        """Compile every bucket ahead of time (afterwards no step ever compiles); DSpark also profiles the
-        decode and verify buckets for its cost table. On an accelerator the buckets compile in parallel
-        threads, one per host core (XLA releases the GIL while it compiles); XLA:CPU already spreads one
-        compilation over the cores."""
-        missing = [bucket for bucket in self.buckets() if bucket not in self.compiled]
+        """Compile every bucket ahead of time (afterwards no step ever compiles), except that a DSpark engine
+        compiles only the decode / verify buckets it profiles for its cost table (`profile`): its other buckets,
+        up to every rows x width x context, compile when first used. On an accelerator the buckets compile in
+        parallel threads, one per host core (XLA releases the GIL while it compiles); XLA:CPU already spreads
+        one compilation over the cores."""
+        dspark = self.speculation.mode == "dspark"
+        missing = [] if dspark else [bucket for bucket in self.buckets() if bucket not in self.compiled]
         workers = 1 if jax.default_backend() == "cpu" else min(len(missing), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(self._executable, missing))
         if self.scheduler.prefix is not None:
             self.device_pages.warmup()
-        if self.speculation.mode == "dspark" and self.speculation.costs is None:
+        if dspark and self.speculation.costs is None:
             self.speculation.costs = self.profile()
 
     def profile(self, repeats: int = 5) -> CostTable:
-        """Seconds of each decode / verify bucket on padding rows that sample at temperature 1 (the costlier
-        path: drafts and verification draw noise) and write only the scratch slot; with the no-draft fallback
-        also of decode steps that do not draft (width 0). Each is the fastest of `repeats` runs after two
-        warm-up runs: interference only ever adds time, and the observed periods add the host's work later
-        (`CostTable`); the table is then made non-decreasing in the width (`monotone_in_width`)."""
+        """Seconds of the decode / verify buckets at the extremes of the rows and the widths (the fewest and
+        the most rows, plain decoding and the widest verify bucket, at the shortest context), on padding rows
+        that sample at temperature 1 (the costlier path: drafts and verification draw noise) and write only the
+        scratch slot; with the no-draft fallback also of decode steps that do not draft (width 0). Each is the
+        fastest of `repeats` runs after two warm-up runs: interference only ever adds time, and the observed
+        periods add the host's work later (`CostTable`). The table is made non-decreasing in the width
+        (`monotone_in_width`) and the other buckets interpolated (`interpolated`)."""
+        pages, widest = self.context_pages[0], self.speculation.verify_widths[-1]
         seconds = {}
-        for rows, width, verify_len, pages in self.buckets():
-            if (width != verify_len and width != 1) or pages != self.context_pages[0]:
-                continue  # a prefill bucket, or a longer context than the shortest
-            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
+        for rows, width in itertools.product(sorted({self.decode_rows[0], self.decode_rows[-1]}), (1, widest)):
+            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), width, pages)
             batch = batch._replace(sampling=SamplingBatch.from_params([SamplingParams(seed=0)] * rows, rows))
             for draft in (True, False) if self.speculation.draft_fallback and width == 1 else (True,):
                 times = []
                 for _ in range(repeats + 2):
                     start = time.perf_counter()
-                    outputs, self.cache = self._executable((rows, width, verify_len, pages))(
+                    outputs, self.cache = self._executable((rows, width, width, pages))(
                         self.weights, self.cache, batch._replace(draft=np.asarray(draft)))
                     jax.block_until_ready(outputs)
                     times.append(time.perf_counter() - start)
                 seconds[rows, width if draft else 0] = min(times[2:])
-        return CostTable(monotone_in_width(seconds))
+        widths = (1,) + self.speculation.verify_widths
+        return CostTable(interpolated(monotone_in_width(seconds), self.decode_rows, widths))
 
     def _executable(self, bucket: tuple[int, int, int, int]):
         if bucket not in self.compiled:
@@ -217,11 +229,17 @@ class Engine:
             self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache,
                                                                rows, width, verify_len, self._engram_shapes())
             return
-        batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
-        if width == verify_len:  # a decode / verify bucket: in halves, for masks filled during the forward
-            self.compiled[bucket] = CompiledHalves(self._halves, self.weights, self.cache, batch, verify_len)
-        else:
-            self.compiled[bucket] = compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)
+        halves = width == verify_len  # a decode / verify bucket: in halves, for masks filled during the forward
+
+        def compile_bucket() -> list:
+            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
+            if halves:
+                return compile_halves(self._halves, self.weights, self.cache, batch, verify_len).executables
+            return [compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)]
+
+        executables = (compile_bucket() if self.executables is None else
+                       self.executables.load_or_compile(bucket, compile_bucket))
+        self.compiled[bucket] = CompiledHalves(executables, self._halves.head_leaves) if halves else executables[0]
 
     def _prefix_cache(self) -> PrefixAdmission | None:
         """The engine's prefix cache (None when off), with its device ops on `self.cache`."""

@@ -312,29 +312,30 @@ def split_cache(cache: dict) -> tuple[dict, dict]:
             {k: v for k, v in cache.items() if k in LAYER_STATE})
 
 
+def _abstract(tree):
+    """Shapes and dtypes of a pytree's leaves (no shardings: the step compiles for the default device)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
 def compile_step(step_fn, weights: tuple, cache: dict, batch: StepBatch, verify_len: int):
     """Ahead-of-time compile for one bucket (the cache is donated); calling it never recompiles."""
-    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
-    return jax.jit(step_fn, donate_argnums=1, static_argnums=3).lower(
-        jax.tree.map(spec, weights), jax.tree.map(spec, cache), jax.tree.map(spec, batch), verify_len).compile()
+    return jax.jit(step_fn, donate_argnums=1, static_argnums=3).lower(*_abstract((weights, cache, batch)),
+                                                                      verify_len).compile()
 
 
 class CompiledHalves:
     """One bucket's step compiled as its two halves (`StepHalves`): `forward` launches the model, `decide` the
     masking, sampling / verification and drafting, which may follow later (the host fills the batch's token
-    masks in between, while the device runs the forward); calling it runs both. Neither ever recompiles."""
+    masks in between, while the device runs the forward); calling it runs both. Neither ever recompiles.
+    `executables` are the two compiled halves (`compile_halves`)."""
 
-    def __init__(self, halves: StepHalves, weights: tuple, cache: dict, batch: StepBatch, verify_len: int):
-        spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
-        self.head_leaves = halves.head_leaves
-        forward = jax.jit(halves.forward, donate_argnums=1, static_argnums=3)
-        args = jax.tree.map(spec, (weights[0], cache, batch))
-        self._forward = forward.lower(*args, verify_len).compile()
-        fwd = jax.eval_shape(forward, *args, verify_len)[0]
-        decided = split_cache(jax.tree.map(spec, cache))[0]
-        self._decide = jax.jit(halves.decide, donate_argnums=1, static_argnums=4).lower(
-            decide_weights(jax.tree.map(spec, weights), self.head_leaves), decided,
-            jax.tree.map(spec, decide_batch(batch)), fwd, verify_len).compile()
+    def __init__(self, executables: list, head_leaves: tuple[int, ...]):
+        self._forward, self._decide = executables
+        self.head_leaves = head_leaves
+
+    @property
+    def executables(self) -> list:
+        return [self._forward, self._decide]
 
     def forward(self, weights: tuple, cache: dict, batch: StepBatch) -> tuple[Forwarded, dict]:
         return self._forward(weights[0], cache, batch)
@@ -347,3 +348,14 @@ class CompiledHalves:
     def __call__(self, weights: tuple, cache: dict, batch: StepBatch) -> tuple[StepOutput, dict]:
         fwd, cache = self.forward(weights, cache, batch)
         return self.decide(weights, cache, batch, fwd)
+
+
+def compile_halves(halves: StepHalves, weights: tuple, cache: dict, batch: StepBatch, verify_len: int
+                   ) -> CompiledHalves:
+    """Ahead-of-time compile one bucket's step as its two halves (each donating its cache)."""
+    forward = jax.jit(halves.forward, donate_argnums=1, static_argnums=3).lower(
+        *_abstract((weights[0], cache, batch)), verify_len).compile()
+    decide = jax.jit(halves.decide, donate_argnums=1, static_argnums=4).lower(
+        *_abstract((decide_weights(weights, halves.head_leaves), split_cache(cache)[0], decide_batch(batch),
+                    forward.out_info[0])), verify_len).compile()
+    return CompiledHalves([forward, decide], halves.head_leaves)

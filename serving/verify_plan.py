@@ -79,6 +79,23 @@ def monotone_in_width(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, 
     return out
 
 
+def interpolated(seconds: dict[tuple[int, int], float], rows: tuple[int, ...], widths: tuple[int, ...]
+                 ) -> dict[tuple[int, int], float]:
+    """A cost table over every (rows, width) bucket from one profiled at a few of them (the extremes): at each
+    profiled rows, linear in the width between its profiled widths >= 1 (width 0, the no-draft decode, stays
+    as profiled); then at every rows, linear in the rows between the profiled rows (both clamped at the
+    extremes). A table non-decreasing in the width (`monotone_in_width`) stays so."""
+    profiled = sorted({r for r, _ in seconds})
+    at_rows = {}
+    for r in profiled:
+        known = sorted(w for q, w in seconds if q == r and w >= 1)
+        at_rows |= {(r, w): float(np.interp(w, known, [seconds[r, k] for k in known])) for w in widths}
+        at_rows |= {(r, 0): seconds[r, 0]} if (r, 0) in seconds else {}
+    every_width = sorted({w for _, w in at_rows})
+    return {(r, w): float(np.interp(r, profiled, [at_rows[p, w] for p in profiled])) for r in rows
+            for w in every_width}
+
+
 def prefix_survival(confidence: Float[np.ndarray, "*r g"]) -> Float[np.ndarray, "*r g"]:
     """a[..., j] = c[..., 0] * ... * c[..., j]: the chance that draft j of a block and all before it are
     accepted."""

@@ -11,7 +11,7 @@ from model.dspark import init_drafter
 from serving.engine import Engine
 from serving.sampling import SamplingParams
 from serving.speculative import admit
-from serving.verify_plan import CostTable, monotone_in_width, plan_verify, prefix_survival
+from serving.verify_plan import CostTable, interpolated, monotone_in_width, plan_verify, prefix_survival
 from tests.helpers import greedy_full_forward
 from tests.test_dspark import CONFIG, TARGET
 
@@ -153,6 +153,20 @@ def test_a_narrower_bucket_is_never_costlier_than_a_wider_one():
     timed = {(1, 0): 1.0, (1, 1): 3.0, (1, 2): 2.0, (1, 3): 2.5, (4, 1): 5.0, (4, 2): 4.0}
     assert monotone_in_width(timed) == {(1, 0): 1.0, (1, 1): 2.0, (1, 2): 2.0, (1, 3): 2.5, (4, 1): 4.0,
                                         (4, 2): 4.0}
+
+
+def test_a_table_profiled_at_the_extremes_is_interpolated_in_width_then_rows():
+    """Profiled at 1 and 16 rows, widths 0 (no drafting), 1 and 6: linear in the width at each profiled rows,
+    then linear in the rows; still non-decreasing in the width."""
+    profiled = {(1, 0): 1.0, (1, 1): 2.0, (1, 6): 4.0, (16, 0): 3.0, (16, 1): 4.0, (16, 6): 14.0}
+    table = interpolated(profiled, (1, 2, 4, 8, 16), (1, 2, 4, 6))
+    assert set(table) == {(r, w) for r in (1, 2, 4, 8, 16) for w in (0, 1, 2, 4, 6)}
+    assert {k: table[k] for k in profiled} == profiled
+    assert table[1, 2] == pytest.approx(2.4) and table[1, 4] == pytest.approx(3.2)  # 2 + 2 x 1/5, 2 + 2 x 3/5
+    assert table[16, 2] == pytest.approx(6.0) and table[16, 4] == pytest.approx(10.0)  # 4 + 10 x 1/5, x 3/5
+    # 4 rows lie 3/15 of the way from 1 to 16 rows
+    assert [table[4, w] for w in (0, 1, 2, 4, 6)] == pytest.approx([1.4, 2.4, 3.12, 4.56, 6.0])
+    assert monotone_in_width(table) == table
 
 
 def test_planner_falls_back_to_decoding_without_drafts():

@@ -11,7 +11,7 @@ from model.initialize import init_model
 from model.dspark import init_drafter
 from serving.kv_cache import CacheLayout, PageAllocator, init_engine_cache
 from serving.sampling import SamplingBatch, SamplingParams
-from serving.step import COUNTED, PROMPT, CompiledHalves, DrafterSpec, build_step_halves, empty_batch
+from serving.step import COUNTED, PROMPT, DrafterSpec, build_step_halves, compile_halves, empty_batch
 from tests.test_dspark import CONFIG, TARGET
 
 PENALTY = -2.0  # a frequency *bonus*: drafted tokens win the later positions, so miscounting shows
@@ -104,7 +104,7 @@ def test_the_step_in_halves_is_the_step_in_one(setup):
     masks = rng.integers(-2**31, 2**31, batch.bitmask.shape, dtype=np.int64).astype(np.int32)  # half the tokens
     batch = batch._replace(bitmask=masks)
     one, one_cache = step(weights, copied(cache), batch, 4)
-    two, two_cache = CompiledHalves(halves, weights, cache, batch, 4)(weights, copied(cache), batch)
+    two, two_cache = compile_halves(halves, weights, cache, batch, 4)(weights, copied(cache), batch)
     assert int(one.accepted[0]) < 3  # rejection under the mask: the residual draw and the drafter both ran
     for name, a, b in [*zip(one._fields, one, two), *((k, one_cache[k], two_cache[k]) for k in one_cache)]:
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
