@@ -52,7 +52,7 @@ def pools(states: list) -> list:
 
 
 def store_windows(
-    paged: Paged, values: Float[Array, "b n d"], start: Int[Array, "*b"], count: Int[Array, "*b"], ratio: int
+    paged: Paged, values: Float[Array, "b n d"], start: Int[Array, "*b"], count: Int[Array, "*b"] | int, ratio: int
 ) -> Paged:
     """Write the values of windows start // ratio + i that the chunk's first `count` tokens complete, past each
     row's frozen tokens (a prefix-cache hit replaying them reads the cached entries and never writes them);
