@@ -57,7 +57,7 @@ def store_windows(
     """Write the values of windows start // ratio + i that the chunk's first `count` tokens complete, past each
     row's frozen tokens (a prefix-cache hit replaying them reads the cached entries and never writes them);
     incomplete windows are dropped. One batched scatter into the pool."""
-    b, n, d = values.shape
+    b, n, _ = values.shape
     start, count = jnp.broadcast_to(start, (b,)), jnp.broadcast_to(count, (b,))
     per_page = paged.pages.shape[1]
     ids = start[:, None] // ratio + jnp.arange(n)
@@ -65,9 +65,9 @@ def store_windows(
     keep = (ends <= (start + count)[:, None]) & (ends > paged.frozen[:, None])
     keep &= ids < paged.table.shape[1] * per_page
     slots = global_slots(paged.table, jnp.where(keep, ids, -1)[:, None], per_page)[:, 0]
-    flat = paged.pages.reshape(-1, d)
-    flat = flat.at[jnp.where(keep, slots, flat.shape[0])].set(values.astype(flat.dtype), mode="drop")
-    return paged._replace(pages=flat.reshape(paged.pages.shape))
+    page = jnp.where(keep, slots // per_page, paged.pages.shape[0])  # out of range: dropped
+    pages = paged.pages.at[page, slots % per_page].set(values.astype(paged.pages.dtype), mode="drop")
+    return paged._replace(pages=pages)
 
 
 def per_row(fn, x: Float[Array, "b c D"], start, count, states: tuple):
