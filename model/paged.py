@@ -33,7 +33,7 @@ def is_paged(node) -> bool:
     return isinstance(node, Paged)
 
 
-def as_paged(states: list) -> list:
+def as_paged(states):
     """Layer states whose dense paged leaves [b, n, d] become pools of one n-entry page per row (leaves that
     are `Paged` already, the engine's, stay)."""
 
@@ -46,7 +46,7 @@ def as_paged(states: list) -> list:
     return jax.tree.map_with_path(wrap, states, is_leaf=is_paged)
 
 
-def pools(states: list) -> list:
+def pools(states):
     """Layer states with each `Paged` replaced by its pool (a dense reference state's [b, n, d] leaf)."""
     return jax.tree.map(lambda node: node.pages if is_paged(node) else node, states, is_leaf=is_paged)
 
