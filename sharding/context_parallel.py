@@ -7,8 +7,8 @@ for its own queries against the whole sequence's keys, which are gathered across
 `context_parallel(mesh)` runs the model's attention cores (`CORES` of the kernel registry) traced inside it
 this way: the queries and their key lists are permuted into rank order and split over `cp`
 (`zigzag_attention`), the window key pool is gathered over `cp` (the page pools are read whole), and the
-output is permuted back to sequence order; projections, compressors and experts stay sequence-sharded. It serves whole-sequence
-prefills (`sharding.mesh.logits_on_mesh`), whose length must divide by 2·cp.
+output is permuted back to sequence order; projections, compressors and experts stay sequence-sharded. It
+serves whole-sequence prefills (`sharding.mesh.logits_on_mesh`), whose length must divide by 2·cp.
 """
 
 from __future__ import annotations
