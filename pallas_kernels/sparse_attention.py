@@ -138,7 +138,7 @@ def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *refs, block_k: int, s
 
     def attend(carry, rows, ok, source=pool_ref):
         m, l, acc = carry
-        keys = source[jnp.where(ok, rows, 0), :]
+        keys = source[jnp.where(ok, rows, 0), :].astype(q.dtype)  # a page pool may be wider (fp32 pages)
         keys = jnp.where(ok[:, None], keys, jnp.zeros_like(keys))
         s = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         s = jnp.where(ok[None, :], s, -jnp.inf)
