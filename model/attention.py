@@ -1,8 +1,9 @@
 """Shared-KV multi-query attention over a sliding window plus compressed entries, with per-head sinks.
 
-Every query attends to a list of key indices into one pool [window ring | this chunk | compressed entries]:
-the sliding window (ring slots and in-chunk tokens), then the CSA top-k picks or every visible HCA entry.
-Keys are gathered, never masked out of a dense score matrix. K = V (one 512-d latent per token).
+Every query attends to the keys of its sliding window (ring slots and in-chunk tokens, a per-row pool
+[window ring | this chunk]), then the CSA top-k picks or every visible HCA entry, read from the layer's page
+pool through the row's block table (`model.paged`). Keys are gathered, never masked out of a dense score
+matrix. K = V (one 512-d latent per token).
 """
 
 import jax
@@ -15,6 +16,7 @@ from model.compressor import Compressor, Indexer
 from model.config import CSA, HCA, ModelConfig
 from model.linear import GroupedLinear, Linear
 from model.norms import RMSNorm, rms_normalize
+from model.paged import per_row, store_windows
 from model.rope import apply_rope, layer_frequencies
 from pallas_kernels import registry
 
@@ -53,18 +55,12 @@ def ring_state(config, batch: int, ring: int | None) -> dict:
 
 
 def attend_rows(attn, x: Float[Array, "b c d"], start, count, *states):
-    """`attn(x, start, *states, count=count)` where every row may have its own start and count ([b] arrays):
-    then each row is one vmapped single-sequence call (every state leaf has the batch axis first). A scalar
-    start is one call for the whole batch."""
-    if jnp.ndim(start) == 0:
-        return attn(x, start, *states, count=count)
-    count = jnp.broadcast_to(x.shape[1] if count is None else count, start.shape)
-
-    def one_row(x, start, count, *states):
-        out = attn(x[None], start, *jax.tree.map(lambda leaf: leaf[None], states), count=count)
-        return jax.tree.map(lambda leaf: leaf[0], out)
-
-    return jax.vmap(one_row)(x, start, count, *states)
+    """One attention layer over every row: `attn.compress` (per row, `model.paged.per_row`) pools the chunk's
+    windows, `attn.store` writes the completed ones into the page pools (all rows at once), then `attn.attend`
+    (per row) reads them; returns `attend`'s (output, *new states)."""
+    count = x.shape[1] if count is None else count
+    windows, *states = per_row(attn.compress, x, start, count, states)
+    return per_row(attn.attend, x, start, count, attn.store(windows, start, count, *states))
 
 
 class LatentAttention(nnx.Module):
@@ -114,13 +110,37 @@ class Attention(LatentAttention):
             state["indexer"] = self.indexer.compressor.init_state(batch, max_len, backtrack)
         return state
 
-    def __call__(
+    def compress(self, x: Float[Array, "b c d"], start: Int[Array, "*start"], state: dict, count
+                 ) -> tuple[dict, dict]:
+        """(the pooled windows of the chunk's first `count` tokens by compressor, `compressor` and `indexer`
+        where present; the state with their new rings of recent slots)."""
+        windows, new_state = {}, dict(state)
+        freqs = jnp.asarray(self.freqs, jnp.float32)
+        for name, compressor in self._compressors():
+            windows[name], recent = compressor(x, start, state[name], freqs, count)
+            new_state[name] = {**state[name], **recent}
+        return windows, new_state
+
+    def store(self, windows: dict, start: Int[Array, "*start"], count, state: dict) -> tuple[dict]:
+        """The state with the completed `windows` written into their compressors' page pools (all rows)."""
+        new_state = dict(state)
+        for name, compressor in self._compressors():
+            new_state[name] = {**state[name], "entries": store_windows(state[name]["entries"], windows[name], start,
+                                                                        count, compressor.ratio)}
+        return (new_state,)
+
+    def _compressors(self) -> list:
+        """(state key, compressor) of the layer's compressors."""
+        if self.kind == CSA:
+            return [("compressor", self.compressor), ("indexer", self.indexer.compressor)]
+        return [("compressor", self.compressor)] if self.kind == HCA else []
+
+    def attend(
         self, x: Float[Array, "b c d"], start: Int[Array, "*start"], state: dict, count=None
     ) -> tuple[Float[Array, "b c d"], dict]:
-        """Attend for tokens at positions start..start+c-1 (x already normed); returns output and new state.
-
-        Only the first `count` tokens (default all) enter the state; the rest are padding of a static bucket.
-        """
+        """Attend for tokens at positions start..start+c-1 (x already normed; the chunk's completed windows
+        already stored); returns output and new state. Only the first `count` tokens (default all) enter the
+        window ring; the rest are padding of a static bucket."""
         cfg, freqs = self.config, jnp.asarray(self.freqs, jnp.float32)
         b, c, _ = x.shape
         count = c if count is None else count
@@ -131,24 +151,19 @@ class Attention(LatentAttention):
         kv = apply_rope(self.kv_norm(self.wkv(x))[:, :, None], positions, freqs)[:, :, 0]
 
         ids, valid = window_ids(state["ring_pos"], positions, cfg.sliding_window)
-        pools = [state["ring_kv"].astype(kv.dtype), kv]
-        new_state = dict(state)
-        if self.kind in (CSA, HCA):
-            comp = self.compressor(x, start, state["compressor"], freqs, count)
-            new_state["compressor"] = comp
-            entries = comp["entries"].astype(kv.dtype)
-            base = state["ring_kv"].shape[1] + c
-            pools.append(entries)
-            if self.kind == CSA:
-                idx_state = self.indexer.compressor(x, start, state["indexer"], freqs, count)
-                new_state["indexer"] = idx_state
-                picks = self.indexer.select(x, q_lat, positions, idx_state["entries"], freqs)
-                ids, valid = jnp.concatenate([ids, base + picks], -1), jnp.concatenate([valid, picks >= 0], -1)
-        pool, sink = jnp.concatenate(pools, axis=1), self.attn_sink[...]
-        if self.kind == HCA:  # every visible entry: the kernel reads them as one contiguous run per query
+        window, sink = jnp.concatenate([state["ring_kv"].astype(kv.dtype), kv], axis=1), self.attn_sink[...]
+        if self.kind == HCA:  # every visible entry
+            entries = state["compressor"]["entries"]
             visible = (positions + 1) // self.compressor.ratio
-            out = registry.op("hca_attention")(q, pool, ids, valid, sink, base, visible)
+            out = registry.op("paged_hca_attention")(q, window, ids, valid, sink, entries.pages, entries.table,
+                                                     visible)
+        elif self.kind == CSA:
+            entries = state["compressor"]["entries"]
+            picks = self.indexer.select(x, q_lat, positions, state["indexer"]["entries"], freqs)
+            out = registry.op("paged_sink_attention")(q, window, ids, valid, sink, entries.pages, entries.table,
+                                                      picks)
         else:
-            out = registry.op("sink_attention")(q, pool, ids, valid, sink)
+            out = registry.op("sink_attention")(q, window, ids, valid, sink)
+        new_state = dict(state)
         new_state["ring_kv"], new_state["ring_pos"] = push_window(state, kv, positions, count)
         return self.output(out, positions, freqs), new_state

@@ -3,7 +3,8 @@
 A compressor pools every `ratio` consecutive tokens into one entry with a per-channel softmax gate. CSA
 (ratio 4) pools 2*ratio slots: the `a` half of window w-1 and the `b` half of window w. State carried between
 calls: the projected slots of the most recent tokens in a ring indexed by position (`recent_*`: the windows
-still open or still needed as an `a` half, plus `backtrack` slots), and the emitted entries. Because slots are
+still open or still needed as an `a` half, plus `backtrack` slots), and the emitted entries (written by the
+caller, `model.paged.store_windows`, which keeps only the windows a chunk completes). Because slots are
 addressed by position, a caller may roll back up to `backtrack` tokens (rejected speculative drafts) by simply
 restarting at an earlier position. The same update serves a whole sequence (empty state) and chunked decoding.
 """
@@ -17,6 +18,7 @@ from model.axes import param
 from model.config import CSA_RATIO, ModelConfig
 from model.linear import Linear
 from model.norms import RMSNorm
+from model.paged import Paged
 from model.rope import apply_rope
 from pallas_kernels import registry
 
@@ -41,17 +43,16 @@ class Compressor(nnx.Module):
 
     def __call__(
         self, x: Float[Array, "b c d"], start: Int[Array, "*start"], state: dict, freqs, count=None
-    ) -> dict[str, jax.Array]:
-        """Feed the first `count` (default all) tokens at positions start..; every window they complete is
-        written to `entries`."""
+    ) -> tuple[Float[Array, "b n e"], dict[str, jax.Array]]:
+        """Feed the first `count` (default all) tokens at positions start..: (the entries of windows
+        start // ratio + i, complete or not, the new ring of recent slots)."""
         r = self.ratio
         count = x.shape[1] if count is None else count
         positions = start + jnp.arange(x.shape[1])
         kv, gate = self.wkv(x), self.wgate(x) + self.ape[...][positions % r]
         pooled, recent = gated_pool(state, kv, gate, start, count, r, self.overlap)
         window_ids = start // r + jnp.arange(pooled.shape[1])
-        pooled = apply_rope(self.norm(pooled)[:, :, None], window_ids * r, freqs)[:, :, 0]
-        return {"entries": store_complete(state["entries"], pooled, start, count, r, state.get("frozen")), **recent}
+        return apply_rope(self.norm(pooled)[:, :, None], window_ids * r, freqs)[:, :, 0], recent
 
 
 def recent_slots(batch: int, size: int, width: int) -> dict[str, jax.Array]:
@@ -103,25 +104,6 @@ def push_recent(recent: Float[Array, "b s w"], new: Float[Array, "b c w"], posit
     return recent.at[:, slots].set(new.astype(recent.dtype), mode="drop")
 
 
-def store_complete(
-    entries: Float[Array, "b t d"], values: Float[Array, "b n d"], start, count, ratio: int,
-    frozen: Int[Array, " b"] | None = None,
-) -> Float[Array, "b t d"]:
-    """Write values of windows start//ratio + i that the chunk completed; incomplete ones are dropped.
-
-    `frozen` (per sequence; a state may carry it under that key) counts the leading tokens whose entries the
-    cache already holds and shares (a prefix-cache hit, `serving.prefix_admission`): windows ending at or before
-    it are kept as they are, so a chunk that replays those tokens to rebuild its window state reads the cached
-    entries and never writes them."""
-    window_ids = start // ratio + jnp.arange(values.shape[1])
-    complete = (window_ids + 1) * ratio <= start + count
-    if frozen is None:
-        rows = jnp.where(complete, window_ids, entries.shape[1])
-        return entries.at[:, rows].set(values.astype(entries.dtype), mode="drop")
-    rows = jnp.where(complete & ((window_ids + 1) * ratio > frozen[:, None]), window_ids, entries.shape[1])
-    return entries.at[jnp.arange(entries.shape[0])[:, None], rows].set(values.astype(entries.dtype), mode="drop")
-
-
 class Indexer(nnx.Module):
     """Lightning indexer: picks, per query, the top-k visible compressed entries by a weighted ReLU score."""
 
@@ -134,13 +116,15 @@ class Indexer(nnx.Module):
 
     def select(
         self, x: Float[Array, "b c d"], q_lat: Float[Array, "b c r"], positions: Int[Array, " c"],
-        keys: Float[Array, "b t k"], freqs,
+        keys: Paged, freqs,
     ) -> Int[Array, "b c topk"]:
-        """Indices of the selected entries; -1 where fewer than k are visible."""
+        """Row-local indices of the selected entries of the rows' index `keys`; -1 where fewer than k are
+        visible."""
         b, c, _ = x.shape
         q = apply_rope(self.wq_b(q_lat).reshape(b, c, self.n_heads, self.head_dim), positions, freqs)
         visible = (positions + 1) // self.compressor.ratio
-        return top_visible(registry.op("index_scores")(q, keys, self.weights_proj(x), visible), self.topk)
+        scores = registry.op("paged_index_scores")(q, keys.pages, keys.table, self.weights_proj(x), visible)
+        return top_visible(scores, self.topk)
 
 
 def top_visible(scores: Float[Array, "b c t"], k: int) -> Int[Array, "b c k"]:

@@ -10,6 +10,7 @@ from model.config import ModelConfig
 from model.hyper import HyperConnection, HyperHead, expand
 from model.linear import Linear, normal_init
 from model.moe import MoE
+from model.paged import as_paged, pools
 from model.norms import RMSNorm
 from model.replay import take_positions
 
@@ -122,12 +123,12 @@ class DeepseekV4(nnx.Module):
         x = self.embed(tokens)
         streams = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
         states, taps = [], {}
-        for i, (blk, state) in enumerate(zip(self.layers, cache["layers"])):
+        for i, (blk, state) in enumerate(zip(self.layers, as_paged(cache["layers"]))):
             streams, state = blk(streams, tokens, start, state, count)
             states.append(state)
             if i in collect:
                 taps[i] = streams.reshape(*streams.shape[:2], -1)
-        cache = {**cache, "pos": start + count, "layers": states}
+        cache = {**cache, "pos": start + count, "layers": pools(states)}
         if collect:
             return streams, cache, jnp.concatenate([taps[i] for i in collect], axis=-1)
         return streams, cache
@@ -155,7 +156,7 @@ class DeepseekV4(nnx.Module):
         blk = self.mtp[depth]
         start = cache["pos"] - streams.shape[1]
         x = blk.mix_inputs(streams, self.embed(next_tokens))
-        out, state = blk(x, next_tokens, start, cache["mtp"][depth])
+        out, state = blk(x, next_tokens, start, as_paged(cache["mtp"][depth]))
         mtp_states = list(cache["mtp"])
-        mtp_states[depth] = state
+        mtp_states[depth] = pools(state)
         return self.head_logits(out, blk.hc_head, blk.norm), {**cache, "mtp": mtp_states}

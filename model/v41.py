@@ -15,7 +15,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from model.attention import LatentAttention, attend_rows, push_window, ring_state, window_ids
-from model.compressor import gated_pool, recent_slots, store_complete, top_visible
+from model.compressor import gated_pool, recent_slots, top_visible
 from model.config_v41 import V41Config
 from model.engram import Engram
 from model.fake_quant import fake_quant_fp4, fake_quant_fp8
@@ -23,6 +23,7 @@ from model.hyper import collapse, expand
 from model.linear import Linear
 from model.moe import MoE
 from model.norms import RMSNorm
+from model.paged import Paged, as_paged, pools, store_windows
 from model.replay import Replay, key_positions, kept_span, put_rows, take_positions, take_rows
 from model.rope import apply_rope, layer_frequencies
 from model.transformer import Embedding, HyperBlock, empty_cache
@@ -87,13 +88,14 @@ class SharedIndexer(nnx.Module):
         k = apply_rope(self.k_norm(self.wk(latents))[:, :, None], positions, freqs)[:, :, 0]
         return fake_quant_fp4(k, 32) if quant else k
 
-    def scores(self, x, q_lat, positions, keys, visible_count, freqs, quant: bool) -> Float[Array, "b c t"]:
-        """Weighted ReLU scores of this chunk's queries against the keys each sees (-inf past `visible_count`)."""
+    def scores(self, x, q_lat, positions, keys: Paged, visible_count, freqs, quant: bool) -> Float[Array, "b c t"]:
+        """Weighted ReLU scores of this chunk's queries against the rows' index keys each sees (-inf past
+        `visible_count`)."""
         b, c, _ = x.shape
         q = apply_rope(self.wq_b(q_lat).reshape(b, c, self.n_heads, self.head_dim), positions, freqs)
         if quant:
             q = fake_quant_fp4(q, 32)
-        return registry.op("index_scores")(q, keys.astype(jnp.float32), self.weights_proj(x), visible_count)
+        return registry.op("paged_index_scores")(q, keys.pages, keys.table, self.weights_proj(x), visible_count)
 
 
 class AttentionV41(LatentAttention):
@@ -127,9 +129,32 @@ class AttentionV41(LatentAttention):
                 state["index_keys"] = jnp.zeros((batch, n, cfg.index_head_dim), jnp.float32)
         return state
 
-    def __call__(self, x: Float[Array, "b c d"], start, state: dict, shared: dict, count=None):
-        """Attend for tokens start..start+c-1 (the first `count` enter the state); returns (output, new
-        state, updated shared group state)."""
+    def compress(self, x: Float[Array, "b c d"], start, state: dict, shared: dict, count):
+        """(a KV source's compressed groups of the chunk, complete or not, by paged leaf: `entries` and, for an
+        index source, `index_keys` ({} for other layers); the state with its new group buffers; shared)."""
+        if not (self.ratio and self.is_kv_source):
+            return {}, state, shared
+        r, quant = self.ratio, self.config.qat_fake_quant
+        freqs = jnp.asarray(self.freqs, jnp.float32)
+        latents, buffers = self.compressor.latents(x, start, state, count)
+        group_pos = (start // r + jnp.arange(latents.shape[1])) * r
+        groups = {}
+        if self.is_index_source:
+            groups["index_keys"] = self.indexer.keys(latents, group_pos, freqs, quant)
+        entries = apply_rope(latents[:, :, None], group_pos, freqs)[:, :, 0]
+        groups["entries"] = fake_quant_fp4(entries, 16, e4m3_scales=True) if quant else entries
+        return groups, {**state, **buffers}, shared
+
+    def store(self, groups: dict, start, count, state: dict, shared: dict) -> tuple[dict, dict]:
+        """(state, shared) with the completed `groups` written into the pools (all rows) and published."""
+        state, shared = dict(state), dict(shared)
+        for name, values in groups.items():
+            state[name] = shared[name] = store_windows(state[name], values, start, count, self.ratio)
+        return state, shared
+
+    def attend(self, x: Float[Array, "b c d"], start, state: dict, shared: dict, count=None):
+        """Attend for tokens start..start+c-1 (the chunk's completed groups already stored; the first `count`
+        enter the window ring); returns (output, new state, updated shared group state)."""
         cfg, quant = self.config, self.config.qat_fake_quant
         freqs = jnp.asarray(self.freqs, jnp.float32)
         b, c, _ = x.shape
@@ -144,19 +169,16 @@ class AttentionV41(LatentAttention):
         floor = shared.get("replay_floor")  # [b]: bounded replay hides window keys below it (model.replay)
         if floor is not None:
             valid &= key_positions(state["ring_pos"], positions, cfg.sliding_window) >= floor[:, None, None]
-        pools, new_state, shared = [state["ring_kv"].astype(kv.dtype), kv], dict(state), dict(shared)
-        if self.ratio:
-            if self.is_kv_source:
-                self._publish_group(x, start, state, new_state, shared, freqs, count)
-            if self.is_index_source:
-                self._select(x, q_lat, positions, shared, freqs)
-            picks = shared.get("picks")
-            if picks is not None:  # without an index source no compressed entry is attended
-                base = state["ring_kv"].shape[1] + c
-                ids = jnp.concatenate([ids, base + picks], -1)
-                valid = jnp.concatenate([valid, picks >= 0], -1)
-                pools.append(shared["entries"].astype(kv.dtype))
-        out = registry.op("sink_attention")(q, jnp.concatenate(pools, axis=1), ids, valid, self.attn_sink[...])
+        window, sink, new_state, shared = (jnp.concatenate([state["ring_kv"].astype(kv.dtype), kv], axis=1),
+                                           self.attn_sink[...], dict(state), dict(shared))
+        if self.ratio and self.is_index_source:
+            self._select(x, q_lat, positions, shared, freqs)
+        picks = shared.get("picks") if self.ratio else None
+        if picks is not None:  # without an index source no compressed entry is attended
+            entries = shared["entries"]
+            out = registry.op("paged_sink_attention")(q, window, ids, valid, sink, entries.pages, entries.table, picks)
+        else:
+            out = registry.op("sink_attention")(q, window, ids, valid, sink)
         ring_kv, ring_pos = push_window(state, kv, positions, count)
         if floor is not None:  # tokens below the floor never enter the ring
             below = ring_pos < floor[:, None]
@@ -164,22 +186,6 @@ class AttentionV41(LatentAttention):
             ring_pos = jnp.where(below, state["ring_pos"], ring_pos)
         new_state["ring_kv"], new_state["ring_pos"] = ring_kv, ring_pos
         return self.output(out, positions, freqs), new_state, shared
-
-    def _publish_group(self, x, start, state: dict, new_state: dict, shared: dict, freqs, count) -> None:
-        """Compress the chunk's complete groups into the shared entries (and index keys); publish them."""
-        r, c, quant = self.ratio, count, self.config.qat_fake_quant
-        latents, buffers = self.compressor.latents(x, start, state, count)
-        new_state.update(buffers)
-        group_pos = (start // r + jnp.arange(latents.shape[1])) * r
-        if self.is_index_source:
-            keys = self.indexer.keys(latents, group_pos, freqs, quant)
-            new_state["index_keys"] = store_complete(state["index_keys"], keys, start, c, r, state.get("frozen"))
-            shared["index_keys"] = new_state["index_keys"]
-        entries = apply_rope(latents[:, :, None], group_pos, freqs)[:, :, 0]
-        if quant:
-            entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
-        new_state["entries"] = store_complete(state["entries"], entries, start, c, r, state.get("frozen"))
-        shared["entries"] = new_state["entries"]
 
     def _select(self, x, q_lat, positions, shared: dict, freqs) -> None:
         """Top-k picks of this index source (inside the candidate pool when one was published)."""
@@ -262,6 +268,7 @@ class DeepseekV41(nnx.Module):
         split = self.config.n_prefill_layer if replay.active else len(self.layers)
         if split < len(self.layers):  # before tracing any layer: a bad keep fails fast
             replay.check(cache["layers"][split]["ring_kv"].shape[1], self.config.sliding_window)
+        cache = {**cache, "layers": as_paged(cache["layers"])}
         run = (streams, pre_mix, tokens, rows, {})
         streams, pre_mix, states, shared, taps = self._run_layers(range(split), run, start, cache, count, collect)
         if split < len(self.layers):
@@ -272,7 +279,7 @@ class DeepseekV41(nnx.Module):
             streams, pre_mix, more, more_taps = replayed(range(split, len(self.layers)), run, start, count, cache,
                                                          span, collect)
             states, taps = states + more, {**taps, **more_taps}
-        cache = {**cache, "pos": start + count, "layers": states}
+        cache = {**cache, "pos": start + count, "layers": pools(states)}
         if collect:
             return streams, pre_mix, cache, jnp.concatenate([taps[i] for i in collect], axis=-1)
         return streams, pre_mix, cache

@@ -2,7 +2,8 @@
 shared page pools in place, through each row's block table, as FlashMLA's sparse decode reads its paged cache:
 the window keys come from the row's own ring, the compressed entries from `pages` [P, E, d] (E entries a page)
 by global slot page * E + offset (`global_slots`; -1 = none). No row's pages are copied into a dense view.
-References (`*_reference` below) do exactly that copy first (`dense_view`) and call the dense references.
+References (`*_reference` below) gather the same keys by global slot (the indexer's reference scores the row's
+pages side by side, `dense_view`).
 
 Glossary: b rows, c queries, h heads, d head dim, n window rows, k window ids, m picked entries, P pages in the
 pool, E entries a page, p pages in a row's table (a context bucket), t = p * E entries a row can see.
@@ -17,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import tuning
 from pallas_kernels.indexer import QUERY_BLOCK, visible_index_scores_reference
-from pallas_kernels.sparse_attention import _attend, hca_attention_reference, sink_attention_reference
+from pallas_kernels.sparse_attention import _attend, attend_keys
 
 
 def global_slots(table: Int[Array, "b p"], ids: Int[Array, "b c m"], per_page: int) -> Int[Array, "b c m"]:
@@ -29,7 +30,7 @@ def global_slots(table: Int[Array, "b p"], ids: Int[Array, "b c m"], per_page: i
 
 
 def dense_view(pages: Float[Array, "P E d"], table: Int[Array, "b p"]) -> Float[Array, "b t d"]:
-    """Each row's pages copied side by side (what the paged kernels avoid)."""
+    """Each row's pages copied side by side (what the paged attention avoids)."""
     return pages[table].reshape(table.shape[0], -1, pages.shape[-1])
 
 
@@ -39,10 +40,10 @@ def paged_sink_attention_reference(
 ) -> Float[Array, "b c h d"]:
     """Sink attention over the window keys (`ids` into the row's `kv`) and the picked compressed entries
     (`picks`: row-local entry ids, -1 none) of the row's pages."""
-    n = kv.shape[1]
-    pool = jnp.concatenate([kv, dense_view(pages, table)], axis=1)
-    return sink_attention_reference(q, pool, jnp.concatenate([ids, n + picks], -1),
-                                    jnp.concatenate([valid, picks >= 0], -1), sink)
+    slots = global_slots(table, picks, pages.shape[1])
+    window = jnp.take_along_axis(kv[:, None], jnp.where(valid, ids, 0)[..., None], axis=2)  # [b, c, k, d]
+    picked = pages.reshape(-1, pages.shape[-1])[jnp.maximum(slots, 0)].astype(kv.dtype)  # [b, c, m, d]
+    return attend_keys(q, jnp.concatenate([window, picked], 2), jnp.concatenate([valid, slots >= 0], -1), sink)
 
 
 def paged_sink_attention(
@@ -60,8 +61,8 @@ def paged_hca_attention_reference(
 ) -> Float[Array, "b c h d"]:
     """Sink attention over the window keys and each query's first `visible` compressed entries of the row's
     pages (every visible HCA entry)."""
-    pool = jnp.concatenate([kv, dense_view(pages, table)], axis=1)
-    return hca_attention_reference(q, pool, ids, valid, sink, kv.shape[1], visible)
+    return paged_sink_attention_reference(q, kv, ids, valid, sink, pages, table, visible_ids(table, pages, ids,
+                                                                                           visible))
 
 
 def paged_hca_attention(
@@ -69,11 +70,15 @@ def paged_hca_attention(
     sink: Float[Array, " h"], pages: Float[Array, "P E d"], table: Int[Array, "b p"], visible: Int[Array, " c"],
 ) -> Float[Array, "b c h d"]:
     """Pallas form of `paged_hca_attention_reference`: the visible entries' global slots (built once, as vLLM
-    builds its C128A slots per step; -1 past each query's count) read from the pages."""
-    b, c = ids.shape[:2]
+    builds its C128A slots per step) read from the pages."""
+    return paged_sink_attention(q, kv, ids, valid, sink, pages, table, visible_ids(table, pages, ids, visible))
+
+
+def visible_ids(table: Int[Array, "b p"], pages: Float[Array, "P E d"], ids: Int[Array, "b c k"],
+                visible: Int[Array, " c"]) -> Int[Array, "b c t"]:
+    """Row-local ids of each query's first `visible` entries of the table's p * E; -1 past them."""
     entries = jnp.arange(table.shape[1] * pages.shape[1])
-    local = jnp.broadcast_to(jnp.where(entries < visible[:, None], entries, -1), (b, c, entries.shape[0]))
-    return paged_sink_attention(q, kv, ids, valid, sink, pages, table, local)
+    return jnp.broadcast_to(jnp.where(entries < visible[:, None], entries, -1), (*ids.shape[:2], entries.shape[0]))
 
 
 def paged_index_scores_reference(
@@ -124,3 +129,8 @@ def _index_kernel(q_ref, pages_ref, table_ref, w_ref, vis_ref, o_ref, *, queries
     @pl.when(k * per_page >= jnp.max(visible))
     def _():
         o_ref[...] = jnp.full(o_ref.shape, -jnp.inf, o_ref.dtype)
+
+
+OPS = {"paged_sink_attention": (paged_sink_attention_reference, paged_sink_attention),
+       "paged_hca_attention": (paged_hca_attention_reference, paged_hca_attention),
+       "paged_index_scores": (paged_index_scores_reference, paged_index_scores)}

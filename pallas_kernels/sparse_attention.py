@@ -28,6 +28,14 @@ def sink_attention_reference(
 ) -> Float[Array, "b c h d"]:
     """softmax over the gathered keys plus a per-head sink logit (denominator only), weighted sum of values."""
     keys = jnp.take_along_axis(pool[:, None], jnp.where(valid, ids, 0)[..., None], axis=2)  # [b, c, k, d]
+    return attend_keys(q, keys, valid, sink)
+
+
+def attend_keys(
+    q: Float[Array, "b c h d"], keys: Float[Array, "b c k d"], valid: Bool[Array, "b c k"], sink: Float[Array, " h"]
+) -> Float[Array, "b c h d"]:
+    """Each query's softmax over its own (gathered) keys, the invalid ones left out, plus the per-head sink
+    logit in the denominator; K = V."""
     scores = jnp.einsum("bchd,bckd->bchk", q, keys).astype(jnp.float32) * q.shape[-1] ** -0.5
     scores = jnp.where(valid[:, :, None, :], scores, -jnp.inf)
     sink_logit = jnp.broadcast_to(sink[:, None], (*scores.shape[:-1], 1))
@@ -130,7 +138,7 @@ def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *refs, block_k: int, s
 
     def attend(carry, rows, ok, source=pool_ref):
         m, l, acc = carry
-        keys = source[jnp.where(ok, rows, 0), :]
+        keys = source[jnp.where(ok, rows, 0), :].astype(q.dtype)  # a page pool may be wider (fp32 pages)
         keys = jnp.where(ok[:, None], keys, jnp.zeros_like(keys))
         s = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         s = jnp.where(ok[None, :], s, -jnp.inf)

@@ -130,7 +130,7 @@ class Engine:
         spec = None if drafter is None else DrafterSpec(drafter.graphdef, jax.tree.structure(drafter.params),
                                                          draft_module.init_state(1), drafter.config.target_layer_ids)
         self._halves = build_step_halves(model.graphdef, jax.tree.structure(model.params), empty["layers"],
-                                         self.layout.page_tokens, config.num_top_logprobs, config.return_logits,
+                                         config.num_top_logprobs, config.return_logits,
                                          spec, self.replay)
         self.compiled: dict[tuple[int, int, int, int], Callable] = {}
         # compiled buckets kept on disk beside JAX's compile cache (not for a data-parallel engine's steps)

@@ -6,8 +6,8 @@ last sampled token and the token statistics the penalties need. Compressed entri
 in fixed-size pages shared by all slots and addressed by each slot's block table; one page holds
 `page_tokens` tokens' worth of entries in every compressed layer (page_tokens / ratio entries), so page
 boundaries are aligned with every compression ratio and one block table serves all layers. Pages are
-reference counted, so slots and the prefix cache (`serving.prefix_admission`) can share them; a step never
-writes a slot's shared pages.
+reference counted, so slots and the prefix cache (`serving.prefix_admission`) can share them; a step reads
+the pages in place and writes only the entries it completes, never a slot's shared pages (`model.paged`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
 from model.axes import batch_axes
-
-PAGED_LEAVES = ("entries", "index_keys")  # state leaves [b, n, d] that grow with the sequence
+from model.paged import PAGED_LEAVES, Paged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,59 +134,26 @@ def _pool(path, leaf: jax.Array, layout: CacheLayout, span: int) -> jax.Array:
     return leaf
 
 
-def gather_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], empty: list[dict],
-                reset) -> list[dict]:
-    """The batched reference state of `slots` (row axis first) over the `p` pages of their block-table rows
-    `tables` (the step's context bucket: its entries span p * page_tokens positions); rows flagged in `reset`
-    start from the one-sequence empty state `empty` (a fresh request in a reused slot)."""
-
-    def one(path, leaf, empty_leaf):
-        if _paged(path):  # stale entries of reused pages are never visible: no reset needed
-            return leaf[tables].reshape(slots.shape[0], -1, leaf.shape[-1])
-        return gather_slots(leaf, slots, empty_leaf, reset)
-
-    return jax.tree.map_with_path(one, cache["layers"], empty)
-
-
-def scatter_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], rows: list[dict],
-                 first_page: Int[Array, " r"], num_pages: int) -> dict:
-    """Write batched states (of `gather_rows(cache, slots, tables, ...)`) back: slot leaves by slot; of the
-    paged leaves only the `num_pages` pages from each row's `first_page` on (the pages its chunk can have
-    completed entries in, past the pages it shares with the prefix cache), through `tables`. Offsets past the
-    table go to the scratch page, so a row never writes a page outside its own writable ones."""
-    wanted = first_page[:, None] + jnp.arange(num_pages)  # [r, n]
-    touched = jnp.minimum(wanted, tables.shape[1] - 1)
-
-    def one(path, leaf, row):
-        if _paged(path):
-            pages = row.reshape(slots.shape[0], tables.shape[1], *leaf.shape[1:])
-            pages = jnp.take_along_axis(pages, touched[:, :, None, None], axis=1)
-            targets = jnp.where(wanted < tables.shape[1], jnp.take_along_axis(tables, touched, axis=1),
-                                leaf.shape[0] - 1)  # the scratch page
-            return leaf.at[targets.reshape(-1)].set(pages.reshape(-1, *leaf.shape[1:]))
-        return leaf.at[slots].set(row)
-
-    return {**cache, "layers": jax.tree.map_with_path(one, cache["layers"], rows)}
+def layer_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], frozen: Int[Array, " r"],
+               empty: list[dict], reset) -> list[dict]:
+    """The layer states a step runs the model on: the per-slot leaves of `slots` (rows flagged in `reset`
+    start from the one-sequence empty state `empty`, a fresh request in a reused slot), materialised before
+    use so the slot buffers are no longer read when they are updated in place; and every page pool as a
+    `Paged`, read and written in place through the rows' block tables `tables` (the step's context bucket),
+    with `frozen` tokens per row held in shared, read-only pages. Stale entries of reused pages are never
+    visible: pools need no reset."""
+    rows = jax.lax.optimization_barrier(jax.tree.map_with_path(
+        lambda path, leaf, empty_leaf: None if _paged(path) else gather_slots(leaf, slots, empty_leaf, reset),
+        cache["layers"], empty))
+    return jax.tree.map_with_path(lambda path, leaf, row: Paged(leaf, tables, frozen) if _paged(path) else row,
+                                  cache["layers"], rows)
 
 
-def freeze(states: list, frozen: Int[Array, " r"]) -> list:
-    """Per-layer row states with `frozen` (tokens at each row's start whose compressed entries are shared,
-    read-only pages) beside every paged leaf, where the model's compressors read it (`store_complete`)."""
-
-    def mark(node):
-        if isinstance(node, dict):
-            out = {k: mark(v) for k, v in node.items()}
-            return out | {"frozen": frozen} if any(k in PAGED_LEAVES for k in node) else out
-        return [mark(v) for v in node] if isinstance(node, list) else node
-
-    return mark(states)
-
-
-def thaw(states):
-    """The states without the `frozen` marks `freeze` added (a layer may pass its input's keys through)."""
-    if isinstance(states, dict):
-        return {k: thaw(v) for k, v in states.items() if k != "frozen"}
-    return [thaw(v) for v in states] if isinstance(states, list) else states
+def put_rows(cache: dict, slots: Int[Array, " r"], layers: list[dict]) -> dict:
+    """The cache with the model's new layer states of `layer_rows(cache, slots, ...)`: per-slot leaves by
+    slot, the page pools (written in place) as they are."""
+    return {**cache, "layers": jax.tree.map_with_path(
+        lambda path, leaf, new: new if _paged(path) else leaf.at[slots].set(new), cache["layers"], layers)}
 
 
 class PageAllocator:

@@ -19,7 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from model.replay import Replay
 from serving.grammar_mask import ALL_ALLOWED, apply_token_bitmask, bitmask_width
-from serving.kv_cache import CacheLayout, freeze, gather_rows, gather_slots, scatter_rows, thaw
+from serving.kv_cache import CacheLayout, gather_slots, layer_rows, put_rows
 from model.sampling_keys import GREEDY_BELOW
 from serving.sampling import SamplingBatch, draw_tokens, processed_logits, token_logprobs
 from serving.speculative import admit, verify
@@ -157,13 +157,13 @@ class StepHalves(NamedTuple):
     step: Callable
 
 
-def build_step_halves(graphdef, param_tree, empty_layers: list[dict], page_tokens: int, num_top: int,
+def build_step_halves(graphdef, param_tree, empty_layers: list[dict], num_top: int,
                       return_logits: bool, drafter: DrafterSpec | None = None, replay: Replay | None = None
                       ) -> StepHalves:
     """The pure step `step(weights, cache, batch, verify)` (jit it with the cache donated and `verify` static) and
     its two halves (`StepHalves`). `weights` is (the target's flat parameter leaves of tree structure `param_tree`,
     the drafter's leaves or []): flattening nnx state on every call costs host time. `empty_layers` is a fresh
-    one-row state, `page_tokens` the cache layout's page size. `verify` is the bucket's verify length: 1 for prefill
+    one-row state (its per-slot leaves start a reset row). `verify` is the bucket's verify length: 1 for prefill
     and decode buckets (each emitting row samples after its last real position), the row width for verify buckets (a
     DSpark drafter is required). An active `replay` (V4.1) bounds each prefill row's replay layers to the last
     `replay.keep` tokens before its `prompt_end`."""
@@ -175,11 +175,7 @@ def build_step_halves(graphdef, param_tree, empty_layers: list[dict], page_token
         module = nnx.merge(graphdef, jax.tree.unflatten(param_tree, target_leaves))
         slots = batch.slots
         rows, width = batch.tokens.shape
-        tables = batch.block_tables  # [r, context pages]: the bucket's first pages of each row's table
-        context = tables.shape[1]
-        # materialised before use, so the slot buffers are no longer read when they are updated in place
-        states = jax.lax.optimization_barrier(gather_rows(cache, slots, tables, empty_layers, batch.reset))
-        states = freeze(states, batch.frozen)
+        states = layer_rows(cache, slots, batch.block_tables, batch.frozen, empty_layers, batch.reset)
         device = batch.from_prev
         starts = jnp.where(device, cache["next_pos"][slots], batch.starts)
         if verify_len > 1:  # a verify row: [last token, its admitted drafts]
@@ -205,9 +201,7 @@ def build_step_halves(graphdef, param_tree, empty_layers: list[dict], page_token
         # projects only them onto the vocabulary
         at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
         picked, new, *taps = module(tokens, {"pos": starts, "layers": states}, count=counts, at=at, **extra)
-        pages = min(context, (width - 1) // page_tokens + 2)  # a chunk spans at most these
-        first = jnp.maximum(starts, batch.frozen) // page_tokens  # shared pages are read-only
-        cache = scatter_rows(cache, slots, tables, thaw(new["layers"]), first, pages)
+        cache = put_rows(cache, slots, new["layers"])
         features = taps[0] if drafter is not None else jnp.zeros((rows, width, 0), picked.dtype)
         return Forwarded(picked, features, tokens, kinds, starts, counts, drafted, at), cache
 

@@ -4,11 +4,11 @@ A sequence is cut into 2·cp chunks and rank r takes chunks r and 2·cp−1−r:
 every rank holds the same causal attention work (a query at position p sees p+1 keys). Each rank attends
 for its own queries against the whole sequence's keys, which are gathered across `cp`.
 
-`context_parallel(mesh)` runs the model's attention cores (`sink_attention`, `hca_attention` of the kernel
-registry) traced inside it this way: the queries and their key lists are permuted into rank order and split
-over `cp` (`zigzag_attention`), the key pool is gathered over `cp`, and the output is permuted back to
-sequence order; projections, compressors and experts stay sequence-sharded. It serves whole-sequence
-prefills (`sharding.mesh.logits_on_mesh`), whose length must divide by 2·cp.
+`context_parallel(mesh)` runs the model's attention cores (`CORES` of the kernel registry) traced inside it
+this way: the queries and their key lists are permuted into rank order and split over `cp`
+(`zigzag_attention`), the window key pool is gathered over `cp` (the page pools are read whole), and the
+output is permuted back to sequence order; projections, compressors and experts stay sequence-sharded. It
+serves whole-sequence prefills (`sharding.mesh.logits_on_mesh`), whose length must divide by 2·cp.
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ from pallas_kernels.sparse_attention import sink_attention_reference as sink_att
 from pallas_kernels import registry
 
 BATCH = ("dp", "ep")  # the mesh axes requests are split over (sharding.mesh.RULES["batch"])
-CORES = ("sink_attention", "hca_attention")
+# each core's arguments after (q, pool, ids, valid, sink): per-query arrays [c] (QUERY) or [b, c, m] (QUERIES),
+# a page pool every rank reads whole (POOL), per-row block tables (ROW)
+QUERY, QUERIES, POOL, ROW = "query", "queries", "pool", "row"
+CORES = {"sink_attention": (), "paged_sink_attention": (POOL, ROW, QUERIES),
+         "paged_hca_attention": (POOL, ROW, QUERY)}
 
 
 def zigzag_order(seq_len: int, cp: int) -> Int[np.ndarray, " s"]:
@@ -53,27 +57,24 @@ def attention_ids(positions: Int[Array, " c"], seq_len: int, window: int | None)
     return jnp.maximum(ids, 0), ids >= 0
 
 
-def zigzag_attention(mesh: Mesh, core: Callable) -> Callable:
-    """`core(q, pool, ids, valid, sink, *static, *per_query)` (an attention core: queries [b, c, h, d], key
-    pool [b, n, d], per-query key ids and validity [b, c, k]; `static` Python ints, `per_query` arrays [c])
-    with the queries split zigzag over `mesh`'s `cp` axis and the pool gathered over it. Inputs and output
-    are in sequence order; the batch is split over the attention ranks."""
+def zigzag_attention(mesh: Mesh, core: Callable, kinds: tuple[str, ...] = ()) -> Callable:
+    """`core(q, pool, ids, valid, sink, *rest)` (an attention core: queries [b, c, h, d], key pool [b, n, d],
+    per-query key ids and validity [b, c, k]; `rest` of `kinds`, see `CORES`) with the queries split zigzag
+    over `mesh`'s `cp` axis and the pool gathered over it. Inputs and output are in sequence order; the batch
+    is split over the attention ranks."""
     cp = mesh.shape["cp"]
+    rows = P(BATCH, "cp")
+    specs = {QUERY: P("cp"), QUERIES: rows, POOL: P(), ROW: P(BATCH)}
 
     def run(q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
             valid: Bool[Array, "b c k"], sink: Float[Array, " h"], *rest) -> Float[Array, "b c h d"]:
         order = zigzag_order(q.shape[1], cp)
-        static = tuple(a for a in rest if isinstance(a, int))
-        per_query = [jnp.take(a, order, axis=0) for a in rest if not isinstance(a, int)]
-        rows = P(BATCH, "cp")
-
-        def local(q, pool, ids, valid, sink, *per_query):
-            return core(q, pool, ids, valid, sink, *static, *per_query)
-
+        axis = {QUERY: 0, QUERIES: 1}
+        rest = [jnp.take(a, order, axis=axis[kind]) if kind in axis else a for a, kind in zip(rest, kinds)]
         split = functools.partial(jnp.take, indices=order, axis=1)
-        out = jax.shard_map(local, mesh=mesh, out_specs=rows,
-                            in_specs=(rows, P(BATCH), rows, rows, P(), *[P("cp")] * len(per_query)))(
-            split(q), pool, split(ids), split(valid), sink, *per_query)
+        out = jax.shard_map(core, mesh=mesh, out_specs=rows,
+                            in_specs=(rows, P(BATCH), rows, rows, P(), *[specs[kind] for kind in kinds]))(
+            split(q), pool, split(ids), split(valid), sink, *rest)
         return jnp.take(out, np.argsort(order), axis=1)
 
     return run
@@ -83,8 +84,8 @@ def zigzag_attention(mesh: Mesh, core: Callable) -> Callable:
 def context_parallel(mesh: Mesh):
     """Run the attention cores traced inside this block with zigzag context parallelism over `mesh`'s `cp`."""
     with contextlib.ExitStack() as stack:
-        for name in CORES:
-            stack.enter_context(registry.wrap(name, functools.partial(zigzag_attention, mesh)))
+        for name, kinds in CORES.items():
+            stack.enter_context(registry.wrap(name, lambda core, kinds=kinds: zigzag_attention(mesh, core, kinds)))
         yield
 
 

@@ -50,9 +50,10 @@ def test_engine_equals_model_step_across_many_pages():
     assert used == [8, 16, 32], used  # 19 pages at most: never the 256-page table
 
 
-def decode_temp_bytes(model, max_len: int) -> int:
+def decode_temp_bytes(model, max_len: int, whole_table: bool = False) -> int:
+    """Temporary memory of a one-row decode step at the least context bucket (or the whole table)."""
     engine = Engine(model, max_slots=1, max_len=max_len, page_tokens=16, prefix_cache=False)
-    batch = empty_batch(engine.layout, 1, 1, pages=engine.context_pages[0])
+    batch = empty_batch(engine.layout, 1, 1, pages=None if whole_table else engine.context_pages[0])
     compiled = compile_step(engine._halves.step, engine.weights, engine.cache, batch, 1)
     return compiled.memory_analysis().temp_size_in_bytes
 
@@ -61,6 +62,16 @@ def test_decode_temp_memory_does_not_grow_with_max_len():
     model = random_model(CONFIG, seed=3, noise=0.05)
     short, long = decode_temp_bytes(model, 1024), decode_temp_bytes(model, 65536)
     assert abs(long - short) <= 0.1 * short, (short, long)
+
+
+def test_decode_step_reads_the_pages_in_place():
+    """At a live context of 16384 tokens (the whole block table) a decode step's temporary memory stays below
+    one row's compressed entries and index keys: the step never copies a row's paged state (it gathers the picked
+    entries, the visible HCA entries and scores the index keys in place, and writes only completed entries)."""
+    model = random_model(CONFIG, seed=3, noise=0.05)
+    row_state = page_bytes(model.module(), 16) * 16384 // 16
+    temp = decode_temp_bytes(model, 16384, whole_table=True)
+    assert temp < 0.5 * row_state, (temp, row_state)
 
 
 def test_kv_cache_memory_sizes_the_pools():

@@ -13,6 +13,7 @@ from pallas_kernels.sparse_attention import sink_attention_reference as sink_att
 from model.compressor import Compressor, Indexer
 from model.config import preset
 from model.hyper import expand
+from model.paged import as_paged, pools, store_windows
 from pallas_kernels.hyper import sinkhorn
 from model.rope import apply_rope, inv_frequencies
 
@@ -118,6 +119,14 @@ def _compressor_reference(x, wkv, wgate, ape, norm_w, eps, ratio, overlap, freqs
     return np.array(entries)
 
 
+def feed(comp: Compressor, state: dict, x, start: int, freqs) -> dict:
+    """A one-sequence compressor state after chunk `x` at `start`: the windows it completes stored."""
+    paged = as_paged(state)
+    windows, recent = comp(x, jnp.asarray(start), paged, freqs)
+    entries = store_windows(paged["entries"], windows, jnp.asarray(start), x.shape[1], comp.ratio)
+    return pools({**paged, **recent, "entries": entries})
+
+
 @pytest.mark.parametrize("ratio, overlap", [(4, True), (16, False)])
 @pytest.mark.parametrize("chunks", [[37], [5, 1, 1, 9, 3, 18]])
 def test_compressor_matches_formula_whole_and_chunked(ratio, overlap, chunks):
@@ -129,7 +138,7 @@ def test_compressor_matches_formula_whole_and_chunked(ratio, overlap, chunks):
     freqs = inv_frequencies(8, 160000.0, cfg.rope_scaling)
     state, start = comp.init_state(1, 37), 0
     for c in chunks:
-        state = comp(x[:, start:start + c], jnp.asarray(start), state, freqs)
+        state = feed(comp, state, x[:, start:start + c], start, freqs)
         start += c
     ref = _compressor_reference(np.asarray(x[0], np.float64), *(np.asarray(a, np.float64) for a in (
         comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])),
@@ -148,10 +157,10 @@ def test_compressor_rolls_back_rejected_tokens(ratio, overlap, accepted):
     x = jax.random.normal(jax.random.key(6), (1, 37, cfg.hidden_size))
     junk = jax.random.normal(jax.random.key(7), (1, 6, cfg.hidden_size))
     freqs = inv_frequencies(8, 160000.0, cfg.rope_scaling)
-    state = comp(x[:, :14], jnp.asarray(0), comp.init_state(1, 37, backtrack=6), freqs)
+    state = feed(comp, comp.init_state(1, 37, backtrack=6), x[:, :14], 0, freqs)
     block = jnp.concatenate([x[:, 14:14 + accepted], junk[:, accepted:]], axis=1)
-    state = comp(block, jnp.asarray(14), state, freqs)
-    state = comp(x[:, 14 + accepted:], jnp.asarray(14 + accepted), state, freqs)
+    state = feed(comp, state, block, 14, freqs)
+    state = feed(comp, state, x[:, 14 + accepted:], 14 + accepted, freqs)
     ref = _compressor_reference(np.asarray(x[0], np.float64), *(np.asarray(a, np.float64) for a in (
         comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])),
         cfg.rms_norm_eps, ratio, overlap, freqs.astype(np.float64))
@@ -161,7 +170,7 @@ def test_compressor_rolls_back_rejected_tokens(ratio, overlap, accepted):
 def test_indexer_breaks_ties_towards_lower_entries():
     cfg = preset("tiny")
     idx = Indexer(cfg, jnp.float32, nnx.Rngs(0))
-    keys = jnp.zeros((1, 6, cfg.index_head_dim))  # every visible entry scores exactly 0
+    keys = as_paged({"index_keys": jnp.zeros((1, 6, cfg.index_head_dim))})["index_keys"]  # every score exactly 0
     x, q_lat = jnp.ones((1, 1, cfg.hidden_size)), jnp.ones((1, 1, cfg.q_lora_rank))
     freqs = inv_frequencies(8, 160000.0, None)
     picks = np.asarray(idx.select(x, q_lat, jnp.array([23]), keys, freqs))[0, 0]

@@ -34,7 +34,7 @@ def setup():
     empty = module.init_cache(1, layout.pages_per_slot * layout.page_tokens, layout.ring)["layers"]
     spec = DrafterSpec(drafter.graphdef, jax.tree.structure(drafter.params), draft_module.init_state(1),
                        CONFIG.target_layer_ids)
-    halves = build_step_halves(model.graphdef, jax.tree.structure(model.params), empty, layout.page_tokens, 2, True,
+    halves = build_step_halves(model.graphdef, jax.tree.structure(model.params), empty, 2, True,
                                spec)
     step = jax.jit(halves.step, donate_argnums=1, static_argnums=3)
     pages = PageAllocator(layout)

@@ -15,6 +15,7 @@ from model.checkpoint import load_model, save_checkpoint
 from jaxseek.cli import main
 from model.config import ConfigError, load_config, preset
 from model.config_v41 import V41Config
+from model.paged import as_paged
 from model.v41 import candidate_pool
 from tests.helpers import random_model
 
@@ -113,7 +114,7 @@ def test_reindex_picks_stay_inside_the_candidate_pool(model):
     pre = jnp.zeros((1, 61, TINY.hc_mult)).at[..., 0].set(1.0)
     rows, _ = model.engram.lookup(np.asarray(tokens), model.engram.empty_history(1))
     shared, seen = {}, {}
-    for i, (blk, state) in enumerate(zip(module.layers, cache["layers"])):
+    for i, (blk, state) in enumerate(zip(module.layers, as_paged(cache["layers"]))):
         streams, pre, _, shared = blk(streams, pre, tokens, jnp.asarray(0), state, shared,
                                       rows[0] if i in TINY.engram_layer_ids else None)
         seen[i] = dict(shared)
