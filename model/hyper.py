@@ -33,7 +33,9 @@ def expand(
     comb: Float[Array, "b s n n"],
 ) -> Float[Array, "b s n d"]:
     """New streams X'_j = post_j * y + sum_i comb[i, j] * X_i (the transposed comb)."""
-    mixed = jnp.einsum("bsij,bsid->bsjd", comb, streams.astype(jnp.float32))
+    x = streams.astype(jnp.float32)
+    # n broadcast products summed: one elementwise fusion (XLA:CPU ran the einsum as a slow tiny matmul)
+    mixed = sum(comb[..., i, :, None] * x[..., i, None, :] for i in range(x.shape[-2]))
     return (post[..., None] * y[..., None, :].astype(jnp.float32) + mixed).astype(streams.dtype)
 
 

@@ -33,7 +33,8 @@ def sinkhorn(logits: Float[Array, "... n n"], iters: int, eps: float) -> Float[A
 
 def collapse(streams: Float[Array, "b s n d"], pre: Float[Array, "b s n"]) -> Float[Array, "b s d"]:
     """Weighted sum of the streams (the block input)."""
-    return jnp.einsum("bsn,bsnd->bsd", pre, streams.astype(jnp.float32)).astype(streams.dtype)
+    x = streams.astype(jnp.float32)
+    return sum(pre[..., j, None] * x[..., j, :] for j in range(x.shape[-2])).astype(streams.dtype)
 
 
 def hc_site_reference(

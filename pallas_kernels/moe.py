@@ -31,35 +31,47 @@ def clamped_swiglu(gate: Float[Array, "..."], up: Float[Array, "..."], limit: fl
     return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
 
 
+DENSE_PAIRS_PER_EXPERT = 8
+"""Up to this many (token, expert) pairs per expert, `routed_experts_reference` runs every token through every
+expert: on XLA:CPU (small preset, decode shapes) that beats the sorted tiles up to 32 tokens x top-2 of 8."""
+
+
 def routed_experts_reference(
     x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Float[Array, "e i d"],
     w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float,
 ) -> Float[Array, "t d"]:
     """Sum over each token's chosen experts of weight * expert(x), accumulated in fp32 (`dot_f32`).
 
-    Only the (token, expert) pairs are computed. With fewer pairs than experts (decode of a few tokens), each
-    pair switches to its expert's branch, which reads only that expert's weights (XLA:CPU copies the slice once,
-    where a gather of expert weights made a transposed copy at a tenth of the speed). Otherwise the pairs are
-    sorted into expert-aligned tiles (`sort_pairs`) of about one expert's mean share of rows, and each tile that
-    holds pairs runs its expert once, contracting the stored weights on their last axis (no transposed copies);
-    empty tiles are skipped. The Pallas form is `routed_experts` below (the same tiles as grouped matmul
-    kernels)."""
+    Three forms by the number of pairs P = t*k (each pair's numbers are its expert's on its token either way).
+    With fewer pairs than experts (decode of a token or two), each pair switches to its expert's branch, which
+    reads only that expert's weights (XLA:CPU copies the slice once, where a gather of the pairs' expert weights
+    ran at a tenth of the speed). Up to `DENSE_PAIRS_PER_EXPERT` pairs per expert (batched decode), every token
+    runs through every expert as one batched matmul over the stacked weights (e/k times the pairs' FLOPs, but
+    each expert read once and no sort, gather or weight copy; at these sizes nearly every expert is hit anyway),
+    then each pair takes its expert's row, so an expert nobody chose never reaches the output. Otherwise the
+    pairs are sorted into expert-aligned tiles (`sort_pairs`) of about one expert's mean share of rows, and each
+    tile that holds pairs runs its expert once, contracting the stored weights on their last axis (no transposed
+    copies); empty tiles are skipped.
+    The Pallas form is `routed_experts` below (the same tiles as grouped matmul kernels)."""
     n_exp, inter, dim = w1.shape
 
-    def expert(v, e):
-        return dot_f32(clamped_swiglu(dot_f32(v, w1[e]), dot_f32(v, w3[e]), limit), w2[e])
+    def mlp(v, w1, w2, w3):  # v [..., d] through one expert's weights, or v [..., g, d] through stacked ones [g, ...]
+        return dot_f32(clamped_swiglu(dot_f32(v, w1), dot_f32(v, w3), limit), w2)
 
     if ids.size < n_exp:
-        experts = [lambda v, e=e: expert(v, e) for e in range(n_exp)]
+        experts = [lambda v, e=e: mlp(v, w1[e], w2[e], w3[e]) for e in range(n_exp)]
         out = jnp.zeros(x.shape, jnp.float32)
         for t, k in np.ndindex(ids.shape):
             out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, x[t:t + 1])[0])
         return out
+    if ids.size <= DENSE_PAIRS_PER_EXPERT * n_exp:
+        y = mlp(jnp.broadcast_to(x[:, None], (x.shape[0], n_exp, dim)), w1, w2, w3)  # [t, e, d]
+        return jnp.sum(jnp.take_along_axis(y, ids[..., None], axis=1) * weights[..., None], axis=1)
     tile = max(8, pl.next_power_of_2(-(-ids.size // n_exp)))
     rows, row_pair, tile_expert, slot = sort_pairs(ids, n_exp, tile)
     xs = jnp.where((rows >= 0)[:, None], x[jnp.maximum(rows, 0)], 0).reshape(-1, tile, dim)
     # an empty tile's zeros are made from its rows, so they vary over the same mesh axes inside a shard_map
-    y = jax.lax.map(lambda a: jax.lax.cond(a[1] >= 0, lambda: expert(a[0], a[1]),
+    y = jax.lax.map(lambda a: jax.lax.cond(a[1] >= 0, lambda: mlp(a[0], w1[a[1]], w2[a[1]], w3[a[1]]),
                                            lambda: jnp.zeros_like(a[0], jnp.float32)), (xs, tile_expert))
     row_weight = jnp.where(row_pair >= 0, weights.reshape(-1)[jnp.maximum(row_pair, 0)], 0.0)
     return jnp.sum((y.reshape(-1, dim) * row_weight[:, None])[slot], axis=1)
