@@ -52,6 +52,8 @@ def paged_sink_attention(
 ) -> Float[Array, "b c h d"]:
     """Pallas form of `paged_sink_attention_reference`: the picks are read from the pages by global slot."""
     slots = global_slots(table, picks, pages.shape[1])
+    if pages.shape[1] == 0 or slots.shape[-1] == 0:  # no compressed entry exists yet: the window alone
+        return _attend(q, kv, jnp.where(valid, ids, -1), sink, 0, None)
     return _attend(q, kv, jnp.where(valid, ids, -1), sink, 0, None, pages.reshape(-1, pages.shape[-1]), slots)
 
 
@@ -97,6 +99,8 @@ def paged_index_scores(
     reads that page of the pool (pages no query of the block sees are not read: -inf)."""
     b, c, h, d = q.shape
     per_page, p = pages.shape[1], table.shape[1]
+    if per_page * p == 0:  # no entry fits the row (a sequence shorter than one window): nothing to score
+        return jnp.zeros((b, c, 0), jnp.float32)
     tq = tuning.fit(QUERY_BLOCK, c)
     kernel = functools.partial(_index_kernel, queries=tq, per_page=per_page, scale=d ** -0.5 * h ** -0.5)
     return pl.pallas_call(

@@ -289,7 +289,8 @@ def test_registry_picks_and_forces_implementations():
             assert registry.op("sink_attention") is sparse_attention.sink_attention
         assert registry.implementation() == "reference"
     assert set(registry.ops()) == {"sink_attention", "hca_attention", "index_scores", "routed_experts", "hc_site",
-                                   "fp8_linear", "routed_experts_fp4"}
+                                   "fp8_linear", "routed_experts_fp4", "paged_sink_attention",
+                                   "paged_hca_attention", "paged_index_scores"}
     with pytest.raises(ValueError, match="reference"):
         registry.set_implementation("triton")
     with pytest.raises(KeyError, match="no kernel operation"):

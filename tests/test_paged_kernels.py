@@ -71,6 +71,23 @@ def test_paged_index_scores_equal_reference():
     close(paged.paged_index_scores(q, nan_pages, table, weights, visible), expected)
 
 
+def test_paged_kernels_take_pools_of_empty_pages():
+    """A dense cache shorter than one window (`model.paged.as_paged`: one page of max_len // ratio = 0 entries a
+    row) has nothing to score or attend beyond the window: the kernels equal their references."""
+    rng = np.random.default_rng(3)
+    q, kv, ids, valid, sink, _, _, _ = paged_case(rng, [0, 0])
+    pages, table = jnp.zeros((B, 0, D), jnp.float32), jnp.arange(B, dtype=jnp.int32)[:, None]
+    weights, visible = jnp.asarray(rng.normal(size=(B, C, H)), jnp.float32), jnp.zeros((C,), jnp.int32)
+    scores = paged.paged_index_scores(q, pages, table, weights, visible)
+    assert scores.shape == (B, C, 0)
+    np.testing.assert_array_equal(scores, paged.paged_index_scores_reference(q, pages, table, weights, visible))
+    picks = jnp.zeros((B, C, 0), jnp.int32)
+    close(paged.paged_sink_attention(q, kv, ids, valid, sink, pages, table, picks),
+          paged.paged_sink_attention_reference(q, kv, ids, valid, sink, pages, table, picks))
+    close(paged.paged_hca_attention(q, kv, ids, valid, sink, pages, table, visible),
+          paged.paged_hca_attention_reference(q, kv, ids, valid, sink, pages, table, visible))
+
+
 @pytest.mark.parametrize("variant", ["sm90", "sm100"])
 def test_paged_kernels_fit_triton(variant):
     """At the GPU tile sizes every array the kernel bodies compute has power-of-two dimensions and every block

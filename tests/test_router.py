@@ -21,6 +21,7 @@ from serving.server import Server, ServerConfig, serve_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bundled"
+TOKENS = 56  # tokens a stream of the kill test generates (prompt + tokens within max_len 96)
 PROMPTS = ["ROMEO:\n", "JULIET:\n", "KING:\nWhat news?", "HAMLET:\nTo be", "First Citizen:\n", "PORTIA:\nThe quality"]
 
 
@@ -126,16 +127,17 @@ def test_router_outputs_equal_a_single_replica_and_spread_load(replicas):
 
 
 def test_killed_replica_loses_no_request(replicas):
+    """Long enough streams (TOKENS) that the killed replica is still serving some when it dies."""
     proc, urls = replicas
     prompts = PROMPTS + [p + " again" for p in PROMPTS[:2]]
-    expected = [completion(urls[0], p, 24) for p in prompts]
+    expected = [completion(urls[0], p, TOKENS) for p in prompts]
     router = Router(urls, health_interval=0.2)
     url, stop = serve_in_thread(router.app)
     try:
         async def run():
             firsts = [asyncio.Event() for _ in prompts]
             async with httpx.AsyncClient(timeout=120) as client:
-                tasks = [asyncio.ensure_future(stream_text(client, url, p, 24, e)) for p, e in zip(prompts, firsts)]
+                tasks = [asyncio.ensure_future(stream_text(client, url, p, TOKENS, e)) for p, e in zip(prompts, firsts)]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts[:2])), 60)
                 os.kill(proc.pid, signal.SIGKILL)  # mid-load: some streams are half sent
                 return await asyncio.gather(*tasks)
