@@ -52,8 +52,6 @@ def paged_sink_attention(
 ) -> Float[Array, "b c h d"]:
     """Pallas form of `paged_sink_attention_reference`: the picks are read from the pages by global slot."""
     slots = global_slots(table, picks, pages.shape[1])
-    if pages.shape[1] == 0 or slots.shape[-1] == 0:  # no compressed entry exists yet: the window alone
-        return _attend(q, kv, jnp.where(valid, ids, -1), sink, 0, None)
     return _attend(q, kv, jnp.where(valid, ids, -1), sink, 0, None, pages.reshape(-1, pages.shape[-1]), slots)
 
 

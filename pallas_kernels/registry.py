@@ -22,7 +22,8 @@ _wrappers: list[tuple[str, Callable[[Callable], Callable]]] = []
 
 def ops() -> dict[str, tuple[Callable, Callable]]:
     """Every operation: name -> (reference, pallas)."""
-    return {**sparse_attention.OPS, **paged_attention.OPS, **indexer.OPS, **moe.OPS, **hyper.OPS, **quant_linear.OPS, **fp4_experts.OPS}
+    return {**sparse_attention.OPS, **paged_attention.OPS, **indexer.OPS, **moe.OPS, **hyper.OPS, **quant_linear.OPS,
+            **fp4_experts.OPS}
 
 
 def default_implementation() -> str:

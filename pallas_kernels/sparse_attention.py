@@ -75,7 +75,10 @@ def hca_attention(
 
 def _attend(q, pool, ids, sink, tail_start: int, tail_len, extra=None, extra_ids=None):
     """The kernel call: keys `ids` of each row's `pool`, then (`tail_len`) rows tail_start.. of it, then (`extra`
-    [N, d], one pool all rows share, e.g. flattened pages) its rows `extra_ids` [b, c, m] (-1: none)."""
+    [N, d], one pool all rows share, e.g. flattened pages) its rows `extra_ids` [b, c, m] (-1: none); an empty
+    shared pool or no shared ids (nothing compressed yet) is no shared pool."""
+    if extra is not None and (extra.shape[0] == 0 or extra_ids.shape[-1] == 0):
+        extra = extra_ids = None
     b, c, h, d = q.shape
     t = tuning.tiles()
     decode = c <= tuning.DECODE_MAX_QUERIES
