@@ -5,7 +5,7 @@ so every tile belongs to one expert (its weights are chosen per tile, read once 
 Grouped matmuls: gate / up projections with the clamped SwiGLU fused (rows gathered from the tokens inside
 the kernel, so the permuted activations are never written), then the down projection scaled by each pair's
 routing weight. Un-permute: each token sums its k rows. Empty tiles (past the last group) write zeros.
-Reference: `routed_experts_reference` below (per-pair expert switch for decode, dense all-experts combine else).
+Reference: `routed_experts_reference` below (per-pair expert slices for decode, dense all-experts combine else).
 
 Written here rather than taken from a library: tokamax is not a dependency (and the GPU check machine
 cannot install it), and `lax.ragged_dot` needs the permuted activations materialised and leaves the SwiGLU
@@ -43,9 +43,9 @@ def routed_experts_reference(
     """Sum over each token's chosen experts of weight * expert(x), accumulated in fp32 (`dot_f32`).
 
     Three forms by the number of pairs P = t*k (each pair's numbers are its expert's on its token either way).
-    With fewer pairs than experts (decode of a token or two), each pair switches to its expert's branch, which
-    reads only that expert's weights (XLA:CPU copies the slice once, where a gather of the pairs' expert weights
-    ran at a tenth of the speed). Up to `DENSE_PAIRS_PER_EXPERT` pairs per expert (batched decode), every token
+    With fewer pairs than experts (decode of a token or two), each pair indexes its expert's weights and reads
+    only those (XLA:CPU copies the slice once, where a gather of the pairs' expert weights ran at a tenth of the
+    speed; a `switch` over the experts ran no faster and compiled one branch per expert, 24x slower at 64). Up to `DENSE_PAIRS_PER_EXPERT` pairs per expert (batched decode), every token
     runs through every expert as one batched matmul over the stacked weights (e/k times the pairs' FLOPs, but
     each expert read once and no sort, gather or weight copy; at these sizes nearly every expert is hit anyway),
     then each pair takes its expert's row, so an expert nobody chose never reaches the output. Otherwise the
@@ -59,10 +59,10 @@ def routed_experts_reference(
         return dot_f32(clamped_swiglu(dot_f32(v, w1), dot_f32(v, w3), limit), w2)
 
     if ids.size < n_exp:
-        experts = [lambda v, e=e: mlp(v, w1[e], w2[e], w3[e]) for e in range(n_exp)]
         out = jnp.zeros(x.shape, jnp.float32)
         for t, k in np.ndindex(ids.shape):
-            out = out.at[t].add(weights[t, k] * jax.lax.switch(ids[t, k], experts, x[t:t + 1])[0])
+            e = ids[t, k]
+            out = out.at[t].add(weights[t, k] * mlp(x[t], w1[e], w2[e], w3[e]))
         return out
     if ids.size <= DENSE_PAIRS_PER_EXPERT * n_exp:
         y = mlp(jnp.broadcast_to(x[:, None], (x.shape[0], n_exp, dim)), w1, w2, w3)  # [t, e, d]
