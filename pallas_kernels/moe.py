@@ -34,6 +34,9 @@ def clamped_swiglu(gate: Float[Array, "..."], up: Float[Array, "..."], limit: fl
 DENSE_PAIRS_PER_EXPERT = 8
 """Up to this many (token, expert) pairs per expert, `routed_experts_reference` runs every token through every
 expert: on XLA:CPU (small preset, decode shapes) that beats the sorted tiles up to 32 tokens x top-2 of 8."""
+DENSE_FLOPS_RATIO = 4
+"""... and only while that costs at most this many times the pairs' FLOPs (experts over experts per token): V4's
+top-6 of 256, or an expert shard's received pairs (one expert each), take the sorted tiles."""
 
 
 def routed_experts_reference(
@@ -45,13 +48,14 @@ def routed_experts_reference(
     Three forms by the number of pairs P = t*k (each pair's numbers are its expert's on its token either way).
     With fewer pairs than experts (decode of a token or two), each pair indexes its expert's weights and reads
     only those (XLA:CPU copies the slice once, where a gather of the pairs' expert weights ran at a tenth of the
-    speed; a `switch` over the experts ran no faster and compiled one branch per expert, 24x slower at 64). Up to `DENSE_PAIRS_PER_EXPERT` pairs per expert (batched decode), every token
-    runs through every expert as one batched matmul over the stacked weights (e/k times the pairs' FLOPs, but
-    each expert read once and no sort, gather or weight copy; at these sizes nearly every expert is hit anyway),
-    then each pair takes its expert's row, so an expert nobody chose never reaches the output. Otherwise the
-    pairs are sorted into expert-aligned tiles (`sort_pairs`) of about one expert's mean share of rows, and each
-    tile that holds pairs runs its expert once, contracting the stored weights on their last axis (no transposed
-    copies); empty tiles are skipped.
+    speed; a `switch` over the experts ran no faster and compiled one branch per expert, 24x slower at 64).
+    Up to `DENSE_PAIRS_PER_EXPERT` pairs per expert with at most `DENSE_FLOPS_RATIO` experts per chosen one
+    (batched decode of a model with few experts), every token runs through every expert as one batched matmul
+    over the stacked weights (e/k times the pairs' FLOPs, but each expert read once and no sort, gather or weight
+    copy; at these sizes nearly every expert is hit anyway), then each pair takes its expert's row, so an expert
+    nobody chose never reaches the output. Otherwise the pairs are sorted into expert-aligned tiles
+    (`sort_pairs`) of about one expert's mean share of rows, and each tile that holds pairs runs its expert once,
+    contracting the stored weights on their last axis (no transposed copies); empty tiles are skipped.
     The Pallas form is `routed_experts` below (the same tiles as grouped matmul kernels)."""
     n_exp, inter, dim = w1.shape
 
@@ -64,7 +68,7 @@ def routed_experts_reference(
             e = ids[t, k]
             out = out.at[t].add(weights[t, k] * mlp(x[t], w1[e], w2[e], w3[e]))
         return out
-    if ids.size <= DENSE_PAIRS_PER_EXPERT * n_exp:
+    if ids.size <= DENSE_PAIRS_PER_EXPERT * n_exp and n_exp <= DENSE_FLOPS_RATIO * ids.shape[1]:
         y = mlp(jnp.broadcast_to(x[:, None], (x.shape[0], n_exp, dim)), w1, w2, w3)  # [t, e, d]
         return jnp.sum(jnp.take_along_axis(y, ids[..., None], axis=1) * weights[..., None], axis=1)
     tile = max(8, pl.next_power_of_2(-(-ids.size // n_exp)))

@@ -5,7 +5,10 @@ its parameters by the rules of `sharding.mesh`, and reports per device: paramete
 replicated over attention ranks, routed experts split over `ep` with EPLB's redundant slots, Engram by
 placement), KV bytes per token from the model's own cache structure in a storage format
 (`sharding.storage`), the tokens of context that fit in what HBM is left, and, when compiled on emulated
-CPU devices, the collectives of the decode and prefill steps, their FLOPs per token and temp memory.
+CPU devices, the collectives of the decode and prefill steps, their FLOPs per token and temp memory; for a V4
+config the decode step's compiled FLOPs also against what the step needs (`model.step_cost`: every weight's
+matmul once, each token's k experts, attention over the window, the CSA top-k or the visible HCA entries, at
+the compiled context).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from flax import nnx
 
 from model.axes import logical_axes
 from model.checkpoint import WEIGHTS, layout_for
+from model.config import ModelConfig
+from model.step_cost import decode_step_cost
 from sharding.expert_parallel import expert_parallel
 from sharding.mesh import MeshSpec, MeshSpecError, batch_sharded, make_mesh, model_forward, param_shardings
 from sharding.platform import PROFILES, DeviceProfile
@@ -275,6 +280,10 @@ def study(config_name: str, spec: MeshSpec, options: StudyOptions) -> dict:
               / kv_figures(v32())["kv_bytes_per_token_global"],
               "flops_per_token_params": 2 * param_counts(model, config)["active"]}
     steps = compile_steps(config_name, spec, options, min(context, 8192)) if options.compile_steps else {}
+    if "decode" in steps and isinstance(config, ModelConfig):
+        analytic = decode_step_cost(config, 1, min(context, 8192) - 1)["flops"]
+        steps["decode"].update(flops_per_token_analytic=analytic,
+                               compiled_over_analytic=steps["decode"]["flops_per_token"] / analytic)
     usable = profile.hbm_bytes * options.hbm_utilization
     free = usable - params["param_bytes_per_device"] - kv["kv_fixed_bytes_per_sequence"] * options.sequences_per_device
     per_token = kv["kv_bytes_per_token_global"] / spec.cp  # CP ranks each store their chunks' entries
@@ -342,7 +351,9 @@ def print_table(reports: list[dict], out=sys.stdout) -> None:
     for r in reports:
         for step, figures in r["steps"].items():
             used = {k: v for k, v in figures["collectives"].items() if v}
-            print(f"{r['mesh']:>16} {step:>7}: {figures['flops_per_token'] / 1e9:.1f} GFLOP/token compiled, "
+            analytic = (f" ({figures['compiled_over_analytic']:.2f}x the {figures['flops_per_token_analytic'] / 1e9:.1f}"
+                        " needed)" if "flops_per_token_analytic" in figures else "")
+            print(f"{r['mesh']:>16} {step:>7}: {figures['flops_per_token'] / 1e9:.1f} GFLOP/token compiled{analytic}, "
                   f"collectives {used or 'none'}, XLA:CPU temp {_human(figures['xla_cpu_temp_bytes_per_device'])}, "
                   f"compile {figures['compile_s']} s ({figures['programs_compiled']} programs)", file=out)
 
