@@ -50,9 +50,10 @@ def routed_experts_reference(
     only those (XLA:CPU copies the slice once, where a gather of the pairs' expert weights ran at a tenth of the
     speed; a `switch` over the experts ran no faster and compiled one branch per expert, 24x slower at 64).
     Up to `DENSE_PAIRS_PER_EXPERT` pairs per expert with at most `DENSE_FLOPS_RATIO` experts per chosen one
-    (batched decode of a model with few experts), every token runs through every expert as one batched matmul
-    over the stacked weights (e/k times the pairs' FLOPs, but each expert read once and no sort, gather or weight
-    copy; at these sizes nearly every expert is hit anyway), then each pair takes its expert's row, so an expert
+    (batched decode of a model with few experts), the experts run as batched matmuls over the stacked weights
+    (each expert read once, no sort or weight copy): every token through every expert when there are few tokens,
+    else in passes of about twice the mean pairs per expert (`expert_passes`: half the FLOPs at 16 tokens x
+    top-2 of 8, usually one pass); each pair takes its expert's row, so an expert
     nobody chose never reaches the output. Otherwise the pairs are sorted into expert-aligned tiles
     (`sort_pairs`) of about one expert's mean share of rows, and each tile that holds pairs runs its expert once,
     contracting the stored weights on their last axis (no transposed copies); empty tiles are skipped.
@@ -69,8 +70,12 @@ def routed_experts_reference(
             out = out.at[t].add(weights[t, k] * mlp(x[t], w1[e], w2[e], w3[e]))
         return out
     if ids.size <= DENSE_PAIRS_PER_EXPERT * n_exp and n_exp <= DENSE_FLOPS_RATIO * ids.shape[1]:
-        y = mlp(jnp.broadcast_to(x[:, None], (x.shape[0], n_exp, dim)), w1, w2, w3)  # [t, e, d]
-        return jnp.sum(jnp.take_along_axis(y, ids[..., None], axis=1) * weights[..., None], axis=1)
+        rows = min(x.shape[0], pl.next_power_of_2(-(-2 * ids.size // n_exp)))
+        if rows == x.shape[0] or rows < 8:  # every token through every expert (few rows: reading is the cost)
+            y = mlp(jnp.broadcast_to(x[:, None], (x.shape[0], n_exp, dim)), w1, w2, w3)  # [t, e, d]
+            return jnp.sum(jnp.take_along_axis(y, ids[..., None], axis=1) * weights[..., None], axis=1)
+        per_pair = expert_passes(x, ids, lambda xs: mlp(xs, w1, w2, w3), n_exp, rows)
+        return jnp.sum(per_pair * weights[..., None], axis=1)
     tile = max(8, pl.next_power_of_2(-(-ids.size // n_exp)))
     rows, row_pair, tile_expert, slot = sort_pairs(ids, n_exp, tile)
     xs = jnp.where((rows >= 0)[:, None], x[jnp.maximum(rows, 0)], 0).reshape(-1, tile, dim)
@@ -79,6 +84,32 @@ def routed_experts_reference(
                                            lambda: jnp.zeros_like(a[0], jnp.float32)), (xs, tile_expert))
     row_weight = jnp.where(row_pair >= 0, weights.reshape(-1)[jnp.maximum(row_pair, 0)], 0.0)
     return jnp.sum((y.reshape(-1, dim) * row_weight[:, None])[slot], axis=1)
+
+
+def expert_passes(x: Float[Array, "t d"], ids: Int[Array, "t k"], experts, n_exp: int, rows: int
+                  ) -> Float[Array, "t k d"]:
+    """Each pair's expert output: in passes of `rows` pairs per expert, each pass one batched matmul over the
+    stacked experts (`experts`: [rows, e, d] -> [rows, e, d]) of the pairs ranked [p * rows, (p + 1) * rows)
+    among their expert's; as many passes as the busiest expert needs (one when no expert has more than
+    `rows`). A pair's numbers do not depend on which other pairs share its pass."""
+    t, k = ids.shape
+    dim = x.shape[-1]
+    flat = ids.reshape(-1)
+    hit = flat[:, None] == jnp.arange(n_exp)  # [P, e]
+    rank = jnp.sum(jnp.cumsum(hit, axis=0) * hit, axis=1) - 1  # among its expert's pairs, in pair order
+    token = jnp.arange(t * k) // k
+    cells = rows * n_exp  # a pass's [rows, e] grid
+
+    def one_pass(p, out):
+        inside = (rank >= p * rows) & (rank < (p + 1) * rows)
+        cell = jnp.where(inside, (rank - p * rows) * n_exp + flat, cells)  # the pair's (row, expert) or none
+        source = jnp.full((cells + 1,), -1, jnp.int32).at[cell].set(token.astype(jnp.int32))[:cells]
+        xs = jnp.where((source >= 0)[:, None], x[jnp.maximum(source, 0)], 0).reshape(rows, n_exp, dim)
+        y = experts(xs).reshape(cells, dim)
+        return out + jnp.where(inside[:, None], y[jnp.minimum(cell, cells - 1)], 0)
+
+    passes = (jnp.max(rank) + rows) // rows
+    return jax.lax.fori_loop(0, passes, one_pass, jnp.zeros((t * k, dim), jnp.float32)).reshape(t, k, dim)
 
 
 def sort_pairs(ids: Int[Array, "t k"], n_exp: int, tile: int):

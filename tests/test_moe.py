@@ -14,16 +14,18 @@ from model.config import preset
 from model.moe import Experts
 
 
-@pytest.mark.parametrize("tokens, experts", [(1, 4), (9, 4), (40, 4), (20, 32)])
-def test_experts_match_a_per_token_loop(tokens, experts):
-    # 2 pairs < 4 experts: per pair; 18 pairs: every token through every expert; 80 pairs, or 40 pairs of
-    # 32 experts (16 experts per chosen pair's 2): sorted tiles
+@pytest.mark.parametrize("tokens, experts, busy", [(1, 4, False), (9, 4, False), (16, 8, False), (16, 8, True),
+                                                   (40, 4, False), (20, 32, False)])
+def test_experts_match_a_per_token_loop(tokens, experts, busy):
+    # 2 pairs < 4 experts: per pair; 18 pairs: every token through every expert; 32 pairs of 8 experts: passes
+    # of 8 pairs per expert (busy: every token on experts 0 and 1, two passes); 80 pairs, or 40 pairs of 32
+    # experts (16 experts per chosen pair's 2): sorted tiles
     cfg = dataclasses.replace(preset("tiny"), n_routed_experts=experts)
     experts = Experts(cfg, jnp.float32, nnx.Rngs(0))
     rng = np.random.default_rng(0)
     x = rng.normal(size=(tokens, cfg.hidden_size)).astype(np.float32)
     chosen = cfg.n_routed_experts - 1  # the last expert gets no token: NaN weights that must never be read
-    ids = np.stack([rng.choice(chosen, 2, replace=False) for _ in range(tokens)])
+    ids = np.stack([rng.choice(2 if busy else chosen, 2, replace=False) for _ in range(tokens)])
     weights = rng.random((tokens, 2)).astype(np.float32)
     w1, w2, w3 = (np.asarray(w[...], np.float64) for w in (experts.w1, experts.w2, experts.w3))
     for w in (experts.w1, experts.w2, experts.w3):
