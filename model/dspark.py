@@ -430,7 +430,8 @@ class Drafter:
         self.graphdef, self.params = nnx.split(module)
         self.config: DSparkConfig = module.config
 
-    def module(self) -> DSparkDrafter:
+    def module(self) -> nnx.Module:
+        """The drafter module (`DSparkDrafter`, or `model.mtp_drafter.MTPDrafter` for a V4 MTP block)."""
         return nnx.merge(self.graphdef, self.params)
 
     def init_state(self, batch: int, ring: int | None = None) -> list[dict]:

@@ -20,7 +20,8 @@ _dispatch: list = []  # an expert-parallel `routed_experts` (sharding.expert_par
 
 @contextlib.contextmanager
 def expert_dispatch(routed):
-    """Use `routed` (the signature of `routed_experts`) for MoE layers traced inside this block."""
+    """Use `routed` for MoE layers traced inside this block: the signature of `routed_experts` (or, with
+    `op="routed_experts_fp4"`, of `routed_experts_fp4`), weights stacked per expert or per EPLB slot."""
     _dispatch.append(routed)
     try:
         yield
@@ -118,19 +119,20 @@ class Experts(nnx.Module):
         self.limit = config.swiglu_limit
 
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"]):
-        """Sum over each token's chosen experts of weight * expert(x) (the kernel registry's `routed_experts`)."""
-        routed = _dispatch[-1] if _dispatch else registry.op("routed_experts")
+        """Sum over each token's chosen experts of weight * expert(x) (the kernel registry's `routed_experts`,
+        or `routed_experts_fp4` for stored experts; an expert-parallel dispatch takes either, by `op`)."""
+        if hasattr(self, "w1_scale"):
+            op, stacks = "routed_experts_fp4", (self.w1, self.w1_scale, self.w2, self.w2_scale, self.w3, self.w3_scale)
+        else:
+            op, stacks = "routed_experts", (self.w1, self.w2, self.w3)
+        stacks = tuple(v[...] for v in stacks)
+        routed = _dispatch[-1] if _dispatch else None
         if hasattr(self, "log2phy"):
             first = routed.first_token(ids.shape[0]) if hasattr(routed, "first_token") else 0
             ids = replica_slots(ids, self.log2phy[...], self.logcnt[...], first)
-        if hasattr(self, "w1_scale"):
-            if _dispatch:
-                raise ValueError("expert-parallel dispatch runs float experts; load the model with "
-                                 "weights='bfloat16' or 'float32'")
-            return registry.op("routed_experts_fp4")(
-                x, ids, weights, *(v[...] for v in (self.w1, self.w1_scale, self.w2, self.w2_scale, self.w3,
-                                                    self.w3_scale)), self.limit)
-        return routed(x, ids, weights, self.w1[...], self.w2[...], self.w3[...], self.limit)
+        if routed is None:
+            return registry.op(op)(x, ids, weights, *stacks, self.limit)
+        return routed(x, ids, weights, *stacks, self.limit, op=op)
 
 
 class MoE(nnx.Module):

@@ -109,7 +109,8 @@ def expert_passes(x: Float[Array, "t d"], ids: Int[Array, "t k"], experts, n_exp
         return out + jnp.where(inside[:, None], y[jnp.minimum(cell, cells - 1)], 0)
 
     passes = (jnp.max(rank) + rows) // rows
-    return jax.lax.fori_loop(0, passes, one_pass, jnp.zeros((t * k, dim), jnp.float32)).reshape(t, k, dim)
+    zeros = jnp.repeat(jnp.zeros_like(x, jnp.float32), k, axis=0)  # varies like x inside a shard_map
+    return jax.lax.fori_loop(0, passes, one_pass, zeros).reshape(t, k, dim)
 
 
 def sort_pairs(ids: Int[Array, "t k"], n_exp: int, tile: int):

@@ -126,7 +126,8 @@ class Engine:
         self.scheduler.prefix = self._prefix_cache()
         # what the compiled steps take (flattened once)
         self.weights = (jax.tree.leaves(model.params), jax.tree.leaves(drafter.params) if drafter else [])
-        empty = module.init_cache(1, self.layout.pages_per_slot * self.layout.page_tokens, self.layout.ring)
+        # a reset row's per-slot leaves (their shapes do not depend on the length; its paged ones go unused)
+        empty = module.init_cache(1, self.layout.page_tokens, self.layout.ring)
         spec = None if drafter is None else DrafterSpec(drafter.graphdef, jax.tree.structure(drafter.params),
                                                          draft_module.init_state(1), drafter.config.target_layer_ids)
         self._halves = build_step_halves(model.graphdef, jax.tree.structure(model.params), empty["layers"],

@@ -275,7 +275,7 @@ def _in_order(outputs: StepOutput, order: Int[Array, " rows"]) -> StepOutput:
 
 
 class _RankExperts:
-    """`pallas_kernels.moe.routed_experts_reference` inside the step's shard_map: this rank's pairs go to their expert shards by
+    """`pallas_kernels.moe.routed_experts_reference` (or the registry's `op`: FP4 experts) inside the step's shard_map: this rank's pairs go to their expert shards by
     all-to-all over `ep` (`sharding.expert_parallel`) and their count per physical slot is appended to `loads`
     (one entry per MoE layer). Every rank runs the same number of tokens, so its first token's index in the
     whole batch is rank x tokens: replicas share a busy expert's tokens across the ranks as in one batch."""
@@ -287,12 +287,12 @@ class _RankExperts:
         return jax.lax.axis_index(TOKEN_AXES) * tokens
 
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
-                 w1: Float[Array, "e i d"], w2: Float[Array, "e d i"], w3: Float[Array, "e i d"],
-                 limit: float) -> Float[Array, "t d"]:
-        slots = w1.shape[0] * self.n_shards
+                 *stacks_and_limit, op: str = "routed_experts") -> Float[Array, "t d"]:
+        *stacks, limit = stacks_and_limit
+        slots = stacks[0].shape[0] * self.n_shards
         self.loads.append(jnp.zeros((slots,), jnp.int32).at[ids.reshape(-1)].add(1))
-        return local_pairs(x, ids, weights.astype(jnp.float32), w1, w2, w3, limit, axis="ep",
-                            n_shards=self.n_shards)
+        return local_pairs(x, ids, weights.astype(jnp.float32), *stacks, limit=limit, axis="ep",
+                           n_shards=self.n_shards, op=op)
 
 
 def _cache_specs(cache: dict) -> dict:

@@ -87,7 +87,7 @@ def verify(
 
 
 def admit(survival: Float[Array | np.ndarray, "r g"], caps: Int[Array | np.ndarray, " r"],
-          budget: Int[Array | np.ndarray, ""]) -> Int[Array, " r"]:
+          budget: Int[Array | np.ndarray, ""] | int | np.integer) -> Int[Array, " r"]:
     """Drafts to verify per row: the `budget` (row, position) pairs of highest prefix survival among each row's
     first `caps` positions. Survival never rises along a row and ties go to the earlier position, so every row
     gets a prefix of its block."""

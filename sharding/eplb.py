@@ -17,7 +17,7 @@ the expert with the largest load per replica (ties: the lower expert). Pure host
 from __future__ import annotations
 
 import numpy as np
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, Real
 
 
 def balanced_packing(weight: Float[np.ndarray, "n items"], num_packs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +85,7 @@ def _hierarchical(weight: np.ndarray, num_slots: int, num_groups: int, num_nodes
 
 
 def rebalance_experts(
-    weight: Float[np.ndarray, "layers experts"], num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight: Real[np.ndarray, "layers experts"], num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> tuple[Int[np.ndarray, "layers replicas"], Int[np.ndarray, "layers experts maxcnt"], Int[np.ndarray, "layers experts"]]:
     """(phy2log, log2phy, logcnt): the logical expert of every physical slot (slot s lives on device
     s // (num_replicas / num_gpus)), each expert's slots (-1 padded), and its replica count."""

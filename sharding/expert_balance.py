@@ -2,7 +2,7 @@
 
 `ExpertSlots` gives a model `redundant_slots` extra physical expert slots per MoE layer on a mesh. Each layer
 gets its own maps (`model.moe.ExpertMap`: each expert's slots and replica count) and its routed-expert weights
-stacked per physical slot, split over `ep`. The data-parallel engine (`serving.engine_dp`) runs it: its
+(float, or stored FP4 codes and their scales) stacked per physical slot, split over `ep`. The data-parallel engine (`serving.engine_dp`) runs it: its
 compiled step counts the (token, expert) pairs each slot served and `record` takes them; `rebalance` feeds
 the window's per-expert load to `sharding.eplb.rebalance_experts` and moves the weights into the new slots (a
 gather from the slots that hold each expert now, which XLA turns into transfers between the `ep` shards).
@@ -63,7 +63,8 @@ class ExpertSlots:
         for i, blk in enumerate(module.layers):
             experts = blk.ffn.experts
             source = jnp.asarray(phy2log[i] if moved_from is None else moved_from[i][phy2log[i], 0], jnp.int32)
-            for name in ("w1", "w2", "w3"):
+            stored = ("w1_scale", "w2_scale", "w3_scale") if hasattr(experts, "w1_scale") else ()
+            for name in ("w1", "w2", "w3", *stored):
                 axes = logical_axes(getattr(experts, name))  # `expert` first: the slots split over `ep`
                 moved = _take_slots(getattr(experts, name)[...], source, NamedSharding(self.mesh, logical_spec(*axes)))
                 setattr(experts, name, param(moved, *axes))

@@ -1,9 +1,10 @@
 """Expert parallelism: routed experts split over the mesh's `ep` axis, tokens sent to them by all-to-all.
 
-`ep_routed_experts(mesh)` has the signature of `pallas_kernels.moe.routed_experts_reference`. Inside `jax.shard_map` every
+`ep_routed_experts(mesh)` has the signature of `pallas_kernels.moe.routed_experts_reference` (with
+`op="routed_experts_fp4"`, of `routed_experts_fp4`: stored FP4 codes and scales split alike). Inside `jax.shard_map` every
 device holds its own tokens and E/ep experts: each (token, expert) pair is written into the bucket of the
 shard owning that expert (buckets sized for the worst case, so nothing is ever dropped), one all-to-all
-over `ep` delivers the buckets, the shard runs its local experts (the kernel registry's `routed_experts`
+over `ep` delivers the buckets, the shard runs its local experts (the kernel registry's `op`
 with one expert per row), a second all-to-all returns the results, and each token sums its k results in
 its own slot order, a fixed order whatever else is in the batch.
 
@@ -63,13 +64,13 @@ class ExpertPlacement:
         return moe.replica_slots(ids, jnp.asarray(self.log2phy), jnp.asarray(self.logcnt))
 
 
-def local_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
-                w1: Float[Array, "e i d"], w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float, *,
-                axis: str, n_shards: int) -> Float[Array, "t d"]:
-    """Inside a shard_map over `axis` (`n_shards` expert shards, `w*` this shard's experts): dispatch this
-    device's pairs by all-to-all, run the local experts, combine each token's results in slot order."""
+def local_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], *stacks: Array,
+                limit: float, axis: str, n_shards: int, op: str = "routed_experts") -> Float[Array, "t d"]:
+    """Inside a shard_map over `axis` (`n_shards` expert shards, `stacks` this shard's expert weights as the
+    registry's `op` takes them: w1, w2, w3, or FP4 codes and scales): dispatch this device's pairs by
+    all-to-all, run the local experts, combine each token's results in slot order."""
     t, k = ids.shape
-    local = w1.shape[0]
+    local = stacks[0].shape[0]
     dest, expert = ids // local, ids % local  # [t, k]
     flat_dest = dest.reshape(-1)
     # position of each pair inside its destination bucket (pairs in token-then-slot order)
@@ -80,8 +81,8 @@ def local_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[A
     send_e = jnp.full((n_shards, cap), -1, jnp.int32).at[flat_dest, pos].set(expert.reshape(-1))  # -1: empty
     a2a = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
     recv_x, recv_e = a2a(send_x), a2a(send_e).reshape(-1, 1)
-    y = registry.op("routed_experts")(recv_x.reshape(-1, x.shape[-1]), jnp.maximum(recv_e, 0),
-                                      (recv_e >= 0).astype(jnp.float32), w1, w2, w3, limit)
+    y = registry.op(op)(recv_x.reshape(-1, x.shape[-1]), jnp.maximum(recv_e, 0), (recv_e >= 0).astype(jnp.float32),
+                        *stacks, limit)
     back = a2a(y.reshape(n_shards, cap, -1))
     per_pair = back[flat_dest, pos].reshape(t, k, -1)
     out = weights[:, 0, None] * per_pair[:, 0]
@@ -91,24 +92,25 @@ def local_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[A
 
 
 def ep_routed_experts(mesh: Mesh):
-    """`pallas_kernels.moe.routed_experts_reference` with experts split over `mesh`'s `ep` axis (see the module docstring).
+    """`pallas_kernels.moe.routed_experts_reference` (or the registry's `op`) with experts split over `mesh`'s `ep`
+    axis (see the module docstring).
 
     Weights are stacked per expert, or per physical slot with ids already mapped to slots (EPLB)."""
     n_shards = mesh.shape["ep"]
     n_token_shards = n_shards * mesh.shape["dp"]
 
-    def routed(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
-               w1: Float[Array, "e i d"], w2: Float[Array, "e d i"], w3: Float[Array, "e i d"],
-               limit: float) -> Float[Array, "t d"]:
-        if w1.shape[0] % n_shards:
-            raise ValueError(f"{w1.shape[0]} expert slots do not divide over ep={n_shards}")
+    def routed(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], *stacks_and_limit,
+               op: str = "routed_experts") -> Float[Array, "t d"]:
+        *stacks, limit = stacks_and_limit
+        if stacks[0].shape[0] % n_shards:
+            raise ValueError(f"{stacks[0].shape[0]} expert slots do not divide over ep={n_shards}")
         t = x.shape[0]
         pad = -t % n_token_shards  # padding pairs carry weight 0 and go to expert 0
         x, ids, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, ids, weights))
-        body = functools.partial(local_pairs, limit=limit, axis="ep", n_shards=n_shards)
+        body = functools.partial(local_pairs, limit=limit, axis="ep", n_shards=n_shards, op=op)
         tokens, experts = P(TOKEN_AXES), P("ep")
-        out = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts),
-                            out_specs=tokens)(x, ids, weights.astype(jnp.float32), w1, w2, w3)
+        out = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens) + (experts,) * len(stacks),
+                            out_specs=tokens)(x, ids, weights.astype(jnp.float32), *stacks)
         return out[:t]
 
     return routed

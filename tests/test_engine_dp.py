@@ -1,13 +1,15 @@
 """The data-parallel engine on 8 emulated CPU devices (tests/conftest.py) against the single-device full forward
 (itself checked against the engine in tests/test_engine.py): greedy tokens and logits on dp=2 and on dp=4 x ep=2
-with EPLB rebalancing mid-run (the weights move with the maps; the shards' balance improves), each rank's pages
-its own, no collective but the expert all-to-all in the compiled steps, and the balancedness metric."""
+with EPLB rebalancing mid-run (the weights move with the maps; the shards' balance improves; float experts, and
+stored FP4 codes with their scales), each rank's pages its own, no collective but the expert all-to-all in the compiled steps, and the balancedness metric."""
 
 import numpy as np
 import pytest
 
 from model.api import Model
+from model.checkpoint import load_model, save_checkpoint
 from model.config import preset
+from model.convert import convert
 from serving.engine import Engine
 from serving.kv_cache import CacheLayout
 from serving.metrics import ServerMetrics
@@ -106,6 +108,22 @@ def test_dp4_ep2_engine_with_eplb_rebalancing_mid_run_equals_single_device(model
     metrics.observe_eplb(engine.stats)
     line = next(l for l in metrics.render().decode().splitlines() if l.startswith("jaxseek:eplb_balancedness{"))
     assert float(line.split()[-1]) == pytest.approx(after)
+
+
+def test_dp4_ep2_engine_with_eplb_serves_stored_fp4_experts(model, tmp_path):
+    """The model converted to DeepSeek's layout and loaded as stored (FP8 linears, packed FP4 experts): its expert
+    codes and scales split over 2 shards with 2 redundant slots, rebalanced every 2 steps, give the tokens and
+    logits of the same stored model on one device."""
+    save_checkpoint(model, tmp_path / "fp32")
+    convert(tmp_path / "fp32", tmp_path / "fp8", progress=False)
+    stored = load_model(tmp_path / "fp8", weights="checkpoint")
+    assert hasattr(stored.module().layers[1].ffn.experts, "w1_scale")
+    engine = Engine(stored, mesh="dp=4,ep=2", redundant_experts=2, eplb_every=2,
+                    **ENGINE | dict(prefill_chunk=1, max_prefill_rows=4))
+    _check(_run(engine)[0], greedy_full_forward(stored, PROMPTS, STEPS))
+    assert engine.stats["eplb_rebalances"] >= 2
+    scales = engine.data_parallel.model.params["layers"][1]["ffn"]["experts"]["w1_scale"][...]
+    assert scales.shape[0] == CONFIG.n_routed_experts + 2 and scales.sharding.spec[0] == "ep"
 
 
 def test_mesh_arguments_are_validated(model):

@@ -127,7 +127,7 @@ def test_router_outputs_equal_a_single_replica_and_spread_load(replicas):
 
 
 def test_killed_replica_loses_no_request(replicas):
-    """Long enough streams (TOKENS) that the killed replica is still serving some when it dies."""
+    """Replica 1 dies while it serves some streams (and others are half sent): every stream still completes."""
     proc, urls = replicas
     prompts = PROMPTS + [p + " again" for p in PROMPTS[:2]]
     expected = [completion(urls[0], p, TOKENS) for p in prompts]
@@ -138,8 +138,14 @@ def test_killed_replica_loses_no_request(replicas):
             firsts = [asyncio.Event() for _ in prompts]
             async with httpx.AsyncClient(timeout=120) as client:
                 tasks = [asyncio.ensure_future(stream_text(client, url, p, TOKENS, e)) for p, e in zip(prompts, firsts)]
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts[:2])), 60)
-                os.kill(proc.pid, signal.SIGKILL)  # mid-load: some streams are half sent
+
+                async def mid_load():  # some streams half sent, and replica 1 still serving some
+                    while not (any(e.is_set() for e in firsts)
+                               and (await client.get(url + "/health")).json()["replicas"][1]["in_flight"]):
+                        await asyncio.sleep(0.02)
+
+                await asyncio.wait_for(mid_load(), 60)
+                os.kill(proc.pid, signal.SIGKILL)
                 return await asyncio.gather(*tasks)
 
         assert asyncio.run(run()) == expected
