@@ -13,10 +13,11 @@ jax.config.update("jax_compilation_cache_dir", str(__import__("pathlib").Path(__
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 # Every annotated function and dataclass of the project's packages is checked when called: jaxtyping shapes and
-# dtypes, and plain annotations, by beartype (tests/typecheck.py). JAXSEEK_TYPECHECK=warn (the default) reports a
-# violation as an AnnotationViolation warning in the session's summary, =strict fails the call, =0 checks nothing.
+# dtypes, and plain annotations, by beartype (tests/typecheck.py). JAXSEEK_TYPECHECK=strict (the default) fails a
+# call that violates its annotations, =warn reports it as an AnnotationViolation warning in the session's summary,
+# =0 checks nothing.
 # Modules imported after this line are instrumented.
-TYPECHECK = os.environ.get("JAXSEEK_TYPECHECK", "warn")
+TYPECHECK = os.environ.get("JAXSEEK_TYPECHECK", "strict")
 if TYPECHECK not in ("warn", "strict", "0"):
     raise ValueError(f"JAXSEEK_TYPECHECK must be warn, strict or 0, got {TYPECHECK!r}")
 if TYPECHECK != "0":

@@ -26,6 +26,7 @@ from serving.sampling import SamplingParams
 from serving.window_snapshots import prefix_key
 from tests.helpers import random_model
 from tests.test_dspark import CONFIG as DRAFTER, TARGET as SPEC_TARGET
+from tests.typecheck import unchecked
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 RNG = np.random.default_rng(5)
@@ -239,7 +240,7 @@ def test_engine_replay_validation(v41):
     assert Engine(model, max_slots=1, max_len=64, replay=None).replay is None
     with pytest.raises(ValueError, match=r"keep=9 must be >= window \+ backtracking = 8 \+ 2 = 10"):
         Engine(model, max_slots=1, max_len=64, backtrack=2, replay=Replay("mask", 9))
-    with pytest.raises(ValueError, match="replay must be a model.replay.Replay or None"):
+    with pytest.raises(ValueError, match="replay must be a model.replay.Replay or None"), unchecked():
         Engine(model, max_slots=1, max_len=64, replay="compact")
     # a DSpark drafter reading a replay layer (4, 5 here) needs keep >= its context ring
     assert for_engine(V41, Replay("compact", 11), ring=10, drafter_ring=13, tapped=(1, 3)) == Replay("compact", 11)

@@ -21,6 +21,7 @@ from model.checkpoint import load_model
 from model.config import preset
 from model.replay import Replay, exact_keep
 from tests.helpers import random_model
+from tests.typecheck import unchecked
 
 # tiny-v41 cut to 6 layers (compiles faster): 0 sliding, 1-2 a ratio-2 encoder group, 3 the ratio-1 decoder KV
 # source (the last layer run on every token), 4-5 replay layers (5 re-indexes inside 3's candidate pool)
@@ -120,7 +121,7 @@ def test_keep_must_cover_window_and_backtracking(tiny):
     cache["layers"] = tiny.module().init_cache(*TOKENS.shape, ring=W + 4)["layers"]
     with pytest.raises(ValueError, match=r"keep=10 must be >= window \+ backtracking = 8 \+ 4 = 12"):
         tiny.step(TOKENS, cache, replay=Replay("mask", 10))
-    with pytest.raises(ValueError, match="replay must be a model.replay.Replay, got 'compact'"):
+    with pytest.raises(ValueError, match="replay must be a model.replay.Replay, got 'compact'"), unchecked():
         tiny.logits(TOKENS, replay="compact")
     with pytest.raises(ValueError, match="needs a causal encoder-decoder"):
         init_model(preset("tiny")).logits(TOKENS[:, :4], replay=Replay("mask"))

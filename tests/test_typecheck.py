@@ -1,5 +1,6 @@
-"""The test session's import hook checks annotated calls (tests/conftest.py): a wrong dtype is reported, as a
-warning by default and as an error with JAXSEEK_TYPECHECK=strict."""
+"""The test session's import hook checks annotated calls (tests/conftest.py): a wrong dtype fails the call by
+default (JAXSEEK_TYPECHECK=strict), is reported as a warning with JAXSEEK_TYPECHECK=warn, and passes inside
+`unchecked()`."""
 
 import os
 
@@ -7,9 +8,9 @@ import jaxtyping
 import numpy as np
 import pytest
 
-from tests.typecheck import AnnotationViolation
+from tests.typecheck import AnnotationViolation, unchecked
 
-MODE = os.environ.get("JAXSEEK_TYPECHECK", "warn")
+MODE = os.environ.get("JAXSEEK_TYPECHECK", "strict")
 
 
 @pytest.mark.skipif(MODE == "0", reason="JAXSEEK_TYPECHECK=0: nothing is checked")
@@ -23,3 +24,5 @@ def test_a_call_against_its_annotation_is_caught():
     else:
         with pytest.warns(AnnotationViolation, match="sts_confidence"):
             sts_confidence(np.zeros(3, np.int32), 1.0)
+    with unchecked():
+        assert sts_confidence(np.zeros(3, np.int32), 1.0).tolist() == [0.5] * 3
