@@ -24,13 +24,14 @@ from sharding.platform import PROFILES, profile_for
 from benchmarks.bench_json import json_line
 from benchmarks.roofline import call_seconds
 
-# V4-Flash: 64 heads x 512, window 128, top-512 CSA picks, 64 x 128 indexer, 256 experts top-6, D 4096, I 2048
+# V4-Flash: 64 heads x 512, window 128, top-512 CSA picks, 64 x 128 indexer, 256 experts top-6, D 4096, I 2048;
+# compression ratios 4 (CSA entries, index keys) and 128 (HCA); pages of 128 tokens' entries (the engine's layout)
 FLASH = dict(rows=32, heads=64, head_dim=512, window=128, topk=512, context=65536, hca_context=1048576,
              prefill=1024, index_heads=64, index_dim=128, experts=256, top=6, hidden=4096, inter=2048,
-             decode_tokens=256, prefill_tokens=4096, hc=4)
+             decode_tokens=256, prefill_tokens=4096, hc=4, csa_ratio=4, hca_ratio=128, page_tokens=128)
 SMALL = dict(rows=2, heads=16, head_dim=64, window=16, topk=32, context=1024, hca_context=8192, prefill=16,
              index_heads=16, index_dim=32, experts=8, top=2, hidden=128, inter=64, decode_tokens=8,
-             prefill_tokens=32, hc=4)
+             prefill_tokens=32, hc=4, csa_ratio=4, hca_ratio=128, page_tokens=128)
 DENSE_REFERENCE_LIMIT = 2 ** 31  # bytes of the reference MoE's all-experts activations we are willing to run
 
 
@@ -59,19 +60,35 @@ def cases(s: dict, rng: np.random.Generator):
         nbytes = 2 * q.size * 2 + keys * (d * 2 + 4 + 1)
         out.append((name, "sink_attention", (q, pool, ids, valid, sink), nbytes, 4 * keys * h * d, "hbm"))
 
-    n_hca = s["hca_context"] // 128
-    q, pool, ids, valid, sink = attention(1, n_hca, 0)
-    visible = jnp.full((1,), n_hca, jnp.int32)
-    keys = r * (w + n_hca)
-    out.append(("hca_attention_decode", "hca_attention", (q, pool, ids, valid, sink, w + 1, visible),
-                2 * q.size * 2 + keys * d * 2 + r * w * 5, 4 * keys * h * d, "hbm"))
+    def paged(n_entries, ratio, dim, dtype):
+        """A pool of r rows' pages of `page_tokens // ratio` entries each (shuffled) and the rows' block tables."""
+        per_page = s["page_tokens"] // ratio
+        p = -(-n_entries // per_page)
+        table = jnp.asarray(rng.permutation(r * p).reshape(r, p), jnp.int32)
+        return normal((r * p, per_page, dim), dtype), table
 
-    t = s["context"] // 4
-    iq = normal((r, 1, s["index_heads"], s["index_dim"]), f32)
-    ikeys = normal((r, t, s["index_dim"]), f32)
-    iw = normal((r, 1, s["index_heads"]), f32)
-    out.append(("index_scores_decode", "index_scores", (iq, ikeys, iw, jnp.full((1,), t, jnp.int32)),
-                ikeys.size * 4 + r * t * 4, 2 * r * t * s["index_heads"] * s["index_dim"], "hbm"))
+    q, window, ids, valid, sink = attention(1, 0, 0)  # decode: the window ring plus the new token's key
+    n_csa = s["context"] // s["csa_ratio"]
+    pages, table = paged(n_csa, s["csa_ratio"], d, bf16)
+    picks = jnp.asarray(rng.integers(0, n_csa, (r, 1, k)), jnp.int32)
+    out.append(("paged_sink_attention_decode", "paged_sink_attention",
+                (q, window, ids, valid, sink, pages, table, picks),
+                2 * q.size * 2 + r * w * (d * 2 + 4 + 1) + r * k * (d * 2 + 4) + table.size * 4,
+                4 * r * (w + k) * h * d, "hbm"))
+
+    n_hca = s["hca_context"] // s["hca_ratio"]
+    pages, table = paged(n_hca, s["hca_ratio"], d, bf16)
+    keys = r * (w + n_hca)
+    out.append(("paged_hca_attention_decode", "paged_hca_attention",
+                (q, window, ids, valid, sink, pages, table, jnp.full((1,), n_hca, jnp.int32)),
+                2 * q.size * 2 + keys * d * 2 + r * w * 5 + table.size * 4, 4 * keys * h * d, "hbm"))
+
+    ih, idim = s["index_heads"], s["index_dim"]
+    pages, table = paged(n_csa, s["csa_ratio"], idim, f32)
+    iq, iw = normal((r, 1, ih, idim), f32), normal((r, 1, ih), f32)
+    out.append(("paged_index_scores_decode", "paged_index_scores",
+                (iq, pages, table, iw, jnp.full((1,), n_csa, jnp.int32)),
+                r * n_csa * idim * 4 + r * n_csa * 4 + table.size * 4, 2 * r * n_csa * ih * idim, "hbm"))
 
     e, top, dim, inter = s["experts"], s["top"], s["hidden"], s["inter"]
     weights = [normal(shape, bf16) * 0.02 for shape in ((e, inter, dim), (e, dim, inter), (e, inter, dim))]

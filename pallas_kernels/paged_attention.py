@@ -3,7 +3,8 @@ shared page pools in place, through each row's block table, as FlashMLA's sparse
 the window keys come from the row's own ring, the compressed entries from `pages` [P, E, d] (E entries a page)
 by global slot page * E + offset (`global_slots`; -1 = none). No row's pages are copied into a dense view.
 References (`*_reference` below) gather the same keys by global slot (the indexer's reference scores the row's
-pages side by side, `dense_view`).
+pages side by side, `dense_view`). Top-k selection over the indexer scores stays `model.compressor.top_visible`
+(XLA's stable `top_k`: ties go to the lower entry) for both implementations.
 
 Glossary: b rows, c queries, h heads, d head dim, n window rows, k window ids, m picked entries, P pages in the
 pool, E entries a page, p pages in a row's table (a context bucket), t = p * E entries a row can see.
@@ -17,8 +18,9 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import tuning
-from pallas_kernels.indexer import QUERY_BLOCK, visible_index_scores_reference
 from pallas_kernels.sparse_attention import _attend, attend_keys
+
+QUERY_BLOCK = 8  # indexer queries sharing one page read
 
 
 def global_slots(table: Int[Array, "b p"], ids: Int[Array, "b c m"], per_page: int) -> Int[Array, "b c m"]:
@@ -52,7 +54,7 @@ def paged_sink_attention(
 ) -> Float[Array, "b c h d"]:
     """Pallas form of `paged_sink_attention_reference`: the picks are read from the pages by global slot."""
     slots = global_slots(table, picks, pages.shape[1])
-    return _attend(q, kv, jnp.where(valid, ids, -1), sink, 0, None, pages.reshape(-1, pages.shape[-1]), slots)
+    return _attend(q, kv, jnp.where(valid, ids, -1), sink, pages.reshape(-1, pages.shape[-1]), slots)
 
 
 def paged_hca_attention_reference(
@@ -85,8 +87,12 @@ def paged_index_scores_reference(
     q: Float[Array, "b c h d"], pages: Float[Array, "P E d"], table: Int[Array, "b p"],
     head_weights: Float[Array, "b c h"], visible: Int[Array, " c"],
 ) -> Float[Array, "b c t"]:
-    """Indexer scores of the row's index keys (its pages, in table order); -inf past each query's `visible`."""
-    return visible_index_scores_reference(q, dense_view(pages, table), head_weights, visible)
+    """Lightning-indexer scores of the row's index keys (its pages, in table order), sum over heads of
+    w_h * h^-1/2 * d^-1/2 * ReLU(q_h . k); -inf past each query's `visible`."""
+    keys = dense_view(pages, table)
+    per_head = jax.nn.relu(jnp.einsum("bchd,btd->bcht", q, keys)) * q.shape[-1] ** -0.5
+    scores = jnp.einsum("bcht,bch->bct", per_head, head_weights * q.shape[-2] ** -0.5)
+    return jnp.where(jnp.arange(keys.shape[1]) < visible[:, None], scores, -jnp.inf)
 
 
 def paged_index_scores(
@@ -126,7 +132,7 @@ def _index_kernel(q_ref, pages_ref, table_ref, w_ref, vis_ref, o_ref, *, queries
         for i in range(queries):
             s = jax.lax.dot_general(q_ref[i], keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             score = jnp.sum(jax.nn.relu(s) * w_ref[i][:, None], axis=0) * scale
-            o_ref[i] = jnp.where(cols < visible[i], score, -jnp.inf)
+            o_ref[i] = jnp.where(cols < vis_ref[i], score, -jnp.inf)  # a ref load: Triton has no value slice
 
     @pl.when(k * per_page >= jnp.max(visible))
     def _():

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import jax
 
-from pallas_kernels import fp4_experts, hyper, indexer, moe, paged_attention, quant_linear, sparse_attention
+from pallas_kernels import fp4_experts, hyper, moe, paged_attention, quant_linear, sparse_attention
 
 IMPLEMENTATIONS = ("reference", "pallas")
 _chosen: list[str] = []
@@ -22,7 +22,7 @@ _wrappers: list[tuple[str, Callable[[Callable], Callable]]] = []
 
 def ops() -> dict[str, tuple[Callable, Callable]]:
     """Every operation: name -> (reference, pallas)."""
-    return {**sparse_attention.OPS, **paged_attention.OPS, **indexer.OPS, **moe.OPS, **hyper.OPS, **quant_linear.OPS,
+    return {**sparse_attention.OPS, **paged_attention.OPS, **moe.OPS, **hyper.OPS, **quant_linear.OPS,
             **fp4_experts.OPS}
 
 

@@ -1,6 +1,6 @@
-"""Sparse sink attention: each query reads only its own key rows (window ids, CSA picks) or, for HCA, the
-visible prefix of the compressed entries; one online softmax per query with the head's sink in the
-denominator. References: `sink_attention_reference` and `hca_attention_reference` below.
+"""Sparse sink attention: each query reads only its own key rows (window ids, and through `_attend`'s shared
+pool the paged kernels' compressed entries); one online softmax per query with the head's sink in the
+denominator. Reference: `sink_attention_reference` below.
 
 Glossary: b rows, c queries per row, h heads, d head dim (K = V), n pool rows, k key ids per query.
 Decode form (c <= DECODE_MAX_QUERIES): programs over (row, query, head block, key split); a long key list is
@@ -43,40 +43,18 @@ def attend_keys(
     return jnp.einsum("bchk,bckd->bchd", probs.astype(keys.dtype), keys)
 
 
-def hca_attention_reference(
-    q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
-    valid: Bool[Array, "b c k"], sink: Float[Array, " h"], tail_start: int, tail_len: Int[Array, " c"],
-) -> Float[Array, "b c h d"]:
-    """`sink_attention` over the given keys plus pool rows tail_start.. (the HCA entries), of which each
-    query sees its first `tail_len`."""
-    (b, c), n = ids.shape[:2], pool.shape[1] - tail_start
-    tail_ok = jnp.broadcast_to(jnp.arange(n)[None, :] < tail_len[:, None], (b, c, n))
-    tail_ids = jnp.broadcast_to(tail_start + jnp.arange(n), (b, c, n))
-    return sink_attention_reference(q, pool, jnp.concatenate([ids, tail_ids], -1), jnp.concatenate([valid, tail_ok], -1),
-                          sink)
-
-
 def sink_attention(
     q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
     valid: Bool[Array, "b c k"], sink: Float[Array, " h"],
 ) -> Float[Array, "b c h d"]:
     """Pallas form of `sink_attention_reference`: the keys are gathered rows of `pool`."""
-    return _attend(q, pool, jnp.where(valid, ids, -1), sink, 0, None)
+    return _attend(q, pool, jnp.where(valid, ids, -1), sink)
 
 
-def hca_attention(
-    q: Float[Array, "b c h d"], pool: Float[Array, "b n d"], ids: Int[Array, "b c k"],
-    valid: Bool[Array, "b c k"], sink: Float[Array, " h"], tail_start: int, tail_len: Int[Array, " c"],
-) -> Float[Array, "b c h d"]:
-    """Pallas form of `hca_attention_reference`: gathered window rows plus pool rows
-    tail_start .. tail_start + tail_len[query] - 1, read block by block up to each query's visible count."""
-    return _attend(q, pool, jnp.where(valid, ids, -1), sink, tail_start, tail_len.astype(jnp.int32))
-
-
-def _attend(q, pool, ids, sink, tail_start: int, tail_len, extra=None, extra_ids=None):
-    """The kernel call: keys `ids` of each row's `pool`, then (`tail_len`) rows tail_start.. of it, then (`extra`
-    [N, d], one pool all rows share, e.g. flattened pages) its rows `extra_ids` [b, c, m] (-1: none); an empty
-    shared pool or no shared ids (nothing compressed yet) is no shared pool."""
+def _attend(q, pool, ids, sink, extra=None, extra_ids=None):
+    """The kernel call: keys `ids` of each row's `pool`, then (`extra` [N, d], one pool all rows share, e.g.
+    flattened pages) its rows `extra_ids` [b, c, m] (-1: none); an empty shared pool or no shared ids (nothing
+    compressed yet) is no shared pool."""
     if extra is not None and (extra.shape[0] == 0 or extra_ids.shape[-1] == 0):
         extra = extra_ids = None
     b, c, h, d = q.shape
@@ -87,22 +65,18 @@ def _attend(q, pool, ids, sink, tail_start: int, tail_len, extra=None, extra_ids
                             constant_values=-1)
     ids = pad(ids)
     extra_ids = None if extra is None else pad(extra_ids)
-    n_tail = pool.shape[1] - tail_start if tail_len is not None else 0
-    blocks = ids.shape[-1] // bk + pl.cdiv(n_tail, bk) + (0 if extra is None else extra_ids.shape[-1] // bk)
+    blocks = ids.shape[-1] // bk + (0 if extra is None else extra_ids.shape[-1] // bk)
     splits = max(1, min(t.attn_decode_splits, blocks // SPLIT_MIN_BLOCKS)) if decode else 1
     hb = tuning.fit(t.attn_decode_heads, h) if decode else h
-    tail_len = jnp.zeros((c,), jnp.int32) if tail_len is None else tail_len
     grid = (b, c, h // hb, splits)
-    kernel = functools.partial(_kernel, block_k=bk, splits=splits, tail_start=tail_start, has_tail=n_tail > 0,
-                               has_extra=extra is not None, scale=d ** -0.5)
+    kernel = functools.partial(_kernel, block_k=bk, splits=splits, has_extra=extra is not None, scale=d ** -0.5)
     in_specs = [
         pl.BlockSpec((None, None, hb, d), lambda i, j, g, s: (i, j, g, 0)),
         pl.BlockSpec((None, pool.shape[1], d), lambda i, j, g, s: (i, 0, 0)),
         pl.BlockSpec((None, None, ids.shape[-1]), lambda i, j, g, s: (i, j, 0)),
-        pl.BlockSpec((1,), lambda i, j, g, s: (j,)),
         pl.BlockSpec((hb,), lambda i, j, g, s: (g,)),
     ]
-    operands = [q, pool, ids, tail_len, sink.astype(jnp.float32)]
+    operands = [q, pool, ids, sink.astype(jnp.float32)]
     if extra is not None:
         in_specs += [pl.BlockSpec(extra.shape, lambda i, j, g, s: (0, 0)),
                      pl.BlockSpec((None, None, extra_ids.shape[-1]), lambda i, j, g, s: (i, j, 0))]
@@ -128,8 +102,7 @@ def _attend(q, pool, ids, sink, tail_start: int, tail_len, extra=None, extra_ids
     return (jnp.sum(w[..., None] * part.astype(jnp.float32), axis=2) / den[..., None]).astype(q.dtype)
 
 
-def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *refs, block_k: int, splits: int,
-            tail_start: int, has_tail: bool, has_extra: bool, scale: float):
+def _kernel(q_ref, pool_ref, ids_ref, sink_ref, *refs, block_k: int, splits: int, has_extra: bool, scale: float):
     """One (row, query, head block, split): online softmax over its share of key blocks (the row's pool, then
     the shared `extra` pool)."""
     extra_ref, extra_ids_ref = refs[:2] if has_extra else (None, None)
@@ -137,7 +110,6 @@ def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *refs, block_k: int, s
     q = q_ref[...]
     sink = sink_ref[...]
     split = pl.program_id(3)
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
 
     def attend(carry, rows, ok, source=pool_ref):
         m, l, acc = carry
@@ -158,15 +130,6 @@ def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *refs, block_k: int, s
     carry = (sink, jnp.zeros_like(sink), jnp.zeros(q.shape, jnp.float32))
     n_blocks = ids_ref.shape[0] // block_k
     carry = jax.lax.fori_loop(0, (n_blocks - split + splits - 1) // splits, gathered, carry)
-    if has_tail:
-        tail_len = tail_ref[0]
-
-        def tail(i, carry):
-            offset = (split + i * splits) * block_k + lanes
-            return attend(carry, tail_start + offset, offset < tail_len)
-
-        tail_blocks = (tail_len + block_k - 1) // block_k
-        carry = jax.lax.fori_loop(0, jnp.maximum(tail_blocks - split + splits - 1, 0) // splits, tail, carry)
     if has_extra:
         def shared(i, carry):
             rows = extra_ids_ref[pl.ds((split + i * splits) * block_k, block_k)]
@@ -184,5 +147,4 @@ def _kernel(q_ref, pool_ref, ids_ref, tail_ref, sink_ref, *refs, block_k: int, s
         m_ref[...], l_ref[...] = m, l
 
 
-OPS = {"sink_attention": (sink_attention_reference, sink_attention),
-       "hca_attention": (hca_attention_reference, hca_attention)}
+OPS = {"sink_attention": (sink_attention_reference, sink_attention)}

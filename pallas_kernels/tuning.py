@@ -20,7 +20,6 @@ class Tiles:
     attn_block_k: int        # keys per online-softmax step
     attn_decode_heads: int   # heads per program when a call has few queries (decode); prefill takes all heads
     attn_decode_splits: int  # key-list splits per query in decode (partial softmax states, combined after)
-    index_block_t: int       # index keys per program
     moe_block_m: int         # sorted (token, expert) rows per tile; each tile belongs to one expert
     moe_block_n: int         # output columns per program
     moe_block_k: int         # contraction step
@@ -34,13 +33,13 @@ class Tiles:
 
 
 VARIANTS = {
-    "interpret": Tiles(attn_block_k=2, attn_decode_heads=2, attn_decode_splits=2, index_block_t=8,
+    "interpret": Tiles(attn_block_k=2, attn_decode_heads=2, attn_decode_splits=2,
                        moe_block_m=4, moe_block_n=16, moe_block_k=16, hc_block_t=4, hc_block_d=16,
                        qlinear_block_m=4, qlinear_block_n=16, qlinear_block_k=16),
-    "sm90": Tiles(attn_block_k=32, attn_decode_heads=16, attn_decode_splits=4, index_block_t=64,
+    "sm90": Tiles(attn_block_k=32, attn_decode_heads=16, attn_decode_splits=4,
                   moe_block_m=16, moe_block_n=64, moe_block_k=64, hc_block_t=16, hc_block_d=128,
                   qlinear_block_m=16, qlinear_block_n=64, qlinear_block_k=64, num_warps=4, num_stages=3),
-    "sm100": Tiles(attn_block_k=64, attn_decode_heads=16, attn_decode_splits=4, index_block_t=128,
+    "sm100": Tiles(attn_block_k=64, attn_decode_heads=16, attn_decode_splits=4,
                    moe_block_m=16, moe_block_n=128, moe_block_k=64, hc_block_t=16, hc_block_d=128,
                    qlinear_block_m=16, qlinear_block_n=128, qlinear_block_k=128, num_warps=8, num_stages=3),
 }

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jax_core
 
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks, quantize_fp4_packed, quantize_fp8_blocks
-from pallas_kernels import fp4_experts, hyper, indexer, moe, quant_linear, registry, sparse_attention, tuning
+from pallas_kernels import fp4_experts, hyper, moe, paged_attention, quant_linear, registry, sparse_attention, tuning
 
 pytestmark = pytest.mark.kernels
 ON_GPU = jax.default_backend() == "gpu"
@@ -177,57 +177,6 @@ def test_sparse_attention_under_vmap_per_row():
     close(per_row(sparse_attention.sink_attention, pool_nan), per_row(sparse_attention.sink_attention_reference, pool))
 
 
-@pytest.mark.parametrize("c", [1, 12])
-def test_hca_attention_reads_only_visible_entries(c, in_bounds):
-    """Window edges and HCA prefixes: 0 visible entries, a partial block, all of them; the rest are NaN."""
-    rng = np.random.default_rng(10 + c)
-    n_window, n_entries = 9, 11
-    q, pool_nan, pool, ids, valid, sink = attention_case(rng, 2, c, 4, 16, n_window, 0, 0, nan=False)
-    entries = rng.normal(size=(2, n_entries, 16)).astype(np.float32)
-    tail_len = jnp.asarray(rng.integers(0, n_entries + 1, size=c).astype(np.int32).clip(0, n_entries))
-    tail_len = tail_len.at[0].set(0).at[-1].set(n_entries if c > 1 else 3)
-    seen = np.arange(n_entries) < int(tail_len.max())
-    entries_nan = np.where(seen[None, :, None], entries, np.nan).astype(np.float32)
-    entries_zero = np.where(seen[None, :, None], entries, 0.0).astype(np.float32)
-    window = jnp.nan_to_num(pool_nan, nan=0.0)
-    expected = sparse_attention.hca_attention_reference(
-        q, jnp.concatenate([window, jnp.asarray(entries_zero)], 1), ids, valid, sink, n_window, tail_len)
-    out = sparse_attention.hca_attention(
-        q, jnp.concatenate([window, jnp.asarray(entries_nan)], 1), ids, valid, sink, n_window, tail_len)
-    close(out, expected)
-
-
-@pytest.mark.parametrize("c", [1, 6])
-def test_index_scores_equal_reference(c):
-    rng = np.random.default_rng(20 + c)
-    b, h, d, t = 2, 4, 16, 21  # t is not a whole number of key blocks
-    q = jnp.asarray(rng.normal(size=(b, c, h, d)), jnp.float32)
-    keys = rng.normal(size=(b, t, d)).astype(np.float32)
-    w = jnp.asarray(rng.normal(size=(b, c, h)), jnp.float32)
-    visible = jnp.asarray(np.sort(rng.integers(0, t, size=c)).astype(np.int32)).at[0].set(0)
-    unread = np.arange(t) >= int(visible.max())
-    keys_nan = jnp.asarray(np.where(unread[None, :, None], np.nan, keys).astype(np.float32))
-    keys = jnp.asarray(np.where(unread[None, :, None], 0.0, keys).astype(np.float32))
-    expected = indexer.visible_index_scores_reference(q, keys, w, visible)
-    out = indexer.visible_index_scores(q, keys_nan, w, visible)
-    assert bool((jnp.isneginf(out) == jnp.isneginf(expected)).all())
-    close(jnp.where(jnp.isneginf(out), 0, out), jnp.where(jnp.isneginf(expected), 0, expected))
-
-
-def test_index_top_k_ties_go_to_the_lower_entry(in_bounds):
-    """Equal keys give equal scores; both implementations pick the lower entries, and -1 past the visible."""
-    from model.compressor import top_visible
-
-    q = jnp.ones((1, 2, 4, 16), jnp.float32)
-    keys = jnp.ones((1, 10, 16), jnp.float32)
-    w = jnp.ones((1, 2, 4), jnp.float32)
-    visible = jnp.asarray([3, 9], jnp.int32)
-    for impl in registry.IMPLEMENTATIONS:
-        with registry.use(impl):
-            picks = top_visible(registry.op("index_scores")(q, keys, w, visible), 5)
-        np.testing.assert_array_equal(picks[0], [[0, 1, 2, -1, -1], [0, 1, 2, 3, 4]])
-
-
 def moe_case(rng, t, k, e, d=32, i=48, unused=()):
     x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
     choices = [x for x in range(e) if x not in unused]
@@ -288,9 +237,8 @@ def test_registry_picks_and_forces_implementations():
         with registry.use("pallas"):
             assert registry.op("sink_attention") is sparse_attention.sink_attention
         assert registry.implementation() == "reference"
-    assert set(registry.ops()) == {"sink_attention", "hca_attention", "index_scores", "routed_experts", "hc_site",
-                                   "fp8_linear", "routed_experts_fp4", "paged_sink_attention",
-                                   "paged_hca_attention", "paged_index_scores"}
+    assert set(registry.ops()) == {"sink_attention", "routed_experts", "hc_site", "fp8_linear", "routed_experts_fp4",
+                                   "paged_sink_attention", "paged_hca_attention", "paged_index_scores"}
     with pytest.raises(ValueError, match="reference"):
         registry.set_implementation("triton")
     with pytest.raises(KeyError, match="no kernel operation"):
@@ -314,9 +262,6 @@ def _triton_cases():
     def attn(c):
         return z((2, c, 4, 16)), z((2, 23, 16)), z((2, c, 16), jnp.int32), z((2, c, 16), bool), z((4,))
 
-    def index(b, c, t):
-        return z((b, c, 4, 16)), z((b, t, 16)), z((b, c, 4)), jnp.arange(c)
-
     def mhc(shape, pre):
         return (lambda s, f, b, sc: hyper.hc_site(s, f, b, sc, pre, 20, 1e-6, 1e-6),
                 (z((*shape, 4, 32)), z((24, 128)), z((24,)), z((3,))))
@@ -324,10 +269,6 @@ def _triton_cases():
     return {
         "decode attention": (sparse_attention.sink_attention, attn(3)),
         "prefill attention": (sparse_attention.sink_attention, attn(12)),
-        "hca": (lambda *a: sparse_attention.hca_attention(*a, 9, jnp.arange(12) % 12), attn(12)),
-        "index scores, t=21": (indexer.visible_index_scores, index(2, 6, 21)),
-        "index scores, t=10": (indexer.visible_index_scores, index(1, 2, 10)),
-        "index scores, t=300": (indexer.visible_index_scores, index(1, 1, 300)),
         "moe": (lambda *a: moe.routed_experts(*a, 10.0),
                 (z((13, 32)), z((13, 2), jnp.int32), z((13, 2)), z((4, 48, 32)), z((4, 32, 48)), z((4, 48, 32)))),
         "fp8 linear": (lambda x, w, sc: quant_linear.fp8_linear_pallas(x, w, sc, (16, 32)),
@@ -364,19 +305,23 @@ def _lower_for(device_kind: str, variant: str, fn, *args) -> str:
 @pytest.mark.parametrize("device_kind,variant", [("NVIDIA H200", "sm90"), ("NVIDIA B200", "sm100")])
 def test_kernels_lower_to_triton_for_nvidia(device_kind, variant):
     """Without a GPU: each kernel lowers to a Triton kernel for SM90 and SM100 at V4-like (small) shapes, the
-    index keys also fewer than a block and not a power of two."""
+    paged ones over a pool of 64-entry (index keys) and 1-entry (HCA entries, as the engine lays them out) pages."""
     z, bf16 = jnp.zeros, jnp.bfloat16
     cases = {
         "decode attention": (sparse_attention.sink_attention,
                              (z((2, 2, 16, 64), bf16), z((2, 200, 64), bf16), z((2, 2, 40), jnp.int32),
                               z((2, 2, 40), bool), z((16,)))),
-        "prefill hca": (lambda *a: sparse_attention.hca_attention(*a, 100, jnp.arange(16)),
-                        (z((2, 16, 16, 64), bf16), z((2, 200, 64), bf16), z((2, 16, 40), jnp.int32),
-                         z((2, 16, 40), bool), z((16,)))),
-        "index scores": (lambda q, k, w: indexer.visible_index_scores(q, k, w, jnp.arange(4)),
-                         (z((2, 4, 16, 128)), z((2, 300, 128)), z((2, 4, 16)))),
-        "index scores, 21 keys": (lambda q, k, w: indexer.visible_index_scores(q, k, w, jnp.arange(4)),
-                                  (z((2, 4, 16, 128)), z((2, 21, 128)), z((2, 4, 16)))),
+        "decode paged attention": (paged_attention.paged_sink_attention,
+                                   (z((2, 2, 16, 64), bf16), z((2, 130, 64), bf16), z((2, 2, 128), jnp.int32),
+                                    z((2, 2, 128), bool), z((16,)), z((9, 64, 64), bf16), z((2, 3), jnp.int32),
+                                    z((2, 2, 40), jnp.int32))),
+        "prefill paged hca": (paged_attention.paged_hca_attention,
+                              (z((2, 16, 16, 64), bf16), z((2, 144, 64), bf16), z((2, 16, 128), jnp.int32),
+                               z((2, 16, 128), bool), z((16,)), z((201, 1, 64), bf16), z((2, 100), jnp.int32),
+                               jnp.arange(16) * 6)),
+        "paged index scores": (paged_attention.paged_index_scores,
+                               (z((2, 4, 16, 128)), z((9, 64, 128)), z((2, 3), jnp.int32), z((2, 4, 16)),
+                                jnp.arange(4) * 50)),
         "moe": (lambda *a: moe.routed_experts(*a, 10.0),
                 (z((40, 256), bf16), z((40, 6), jnp.int32), z((40, 6)), z((8, 128, 256), bf16),
                  z((8, 256, 128), bf16), z((8, 128, 256), bf16))),
