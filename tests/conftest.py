@@ -26,3 +26,14 @@ if TYPECHECK != "0":
 
     install_import_hook(["pallas_kernels", "model", "sharding", "serving", "training", "benchmarks", "jaxseek"],
                         f"tests.typecheck.{TYPECHECK}")
+
+# The longest test files (minutes each, measured on 2 cores) run first: with `-n 2` each worker takes whole files
+# in collection order, so a long file collected last would leave one worker alone at the end.
+LONGEST_FIRST = ("test_spec_engine", "test_v41", "test_engine", "test_cached", "test_prefix_engine",
+                 "test_dspark_v4", "test_server", "test_context", "test_structured_engine", "test_parity",
+                 "test_generate", "test_step", "test_kernels", "test_engine_dp", "test_packaging")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: file order kept within a file
