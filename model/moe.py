@@ -118,14 +118,18 @@ class Experts(nnx.Module):
         self.w3 = param(normal_init(rngs, (e, i, d), dtype), "expert", "mlp", "embed")
         self.limit = config.swiglu_limit
 
+    def stacked(self) -> tuple[str, tuple[str, ...]]:
+        """(the kernel registry's op for these experts, the names of their expert-stacked tensors in the order it
+        takes them): float w1, w2, w3, or stored FP4 codes each followed by its scales."""
+        if hasattr(self, "w1_scale"):
+            return "routed_experts_fp4", ("w1", "w1_scale", "w2", "w2_scale", "w3", "w3_scale")
+        return "routed_experts", ("w1", "w2", "w3")
+
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"]):
         """Sum over each token's chosen experts of weight * expert(x) (the kernel registry's `routed_experts`,
         or `routed_experts_fp4` for stored experts; an expert-parallel dispatch takes either, by `op`)."""
-        if hasattr(self, "w1_scale"):
-            op, stacks = "routed_experts_fp4", (self.w1, self.w1_scale, self.w2, self.w2_scale, self.w3, self.w3_scale)
-        else:
-            op, stacks = "routed_experts", (self.w1, self.w2, self.w3)
-        stacks = tuple(v[...] for v in stacks)
+        op, names = self.stacked()
+        stacks = tuple(getattr(self, name)[...] for name in names)
         routed = _dispatch[-1] if _dispatch else None
         if hasattr(self, "log2phy"):
             first = routed.first_token(ids.shape[0]) if hasattr(routed, "first_token") else 0

@@ -63,8 +63,7 @@ class ExpertSlots:
         for i, blk in enumerate(module.layers):
             experts = blk.ffn.experts
             source = jnp.asarray(phy2log[i] if moved_from is None else moved_from[i][phy2log[i], 0], jnp.int32)
-            stored = ("w1_scale", "w2_scale", "w3_scale") if hasattr(experts, "w1_scale") else ()
-            for name in ("w1", "w2", "w3", *stored):
+            for name in experts.stacked()[1]:
                 axes = logical_axes(getattr(experts, name))  # `expert` first: the slots split over `ep`
                 moved = _take_slots(getattr(experts, name)[...], source, NamedSharding(self.mesh, logical_spec(*axes)))
                 setattr(experts, name, param(moved, *axes))
