@@ -279,9 +279,10 @@ def study(config_name: str, spec: MeshSpec, options: StudyOptions) -> dict:
               "kv_ratio_to_v32": kv["kv_bytes_per_token_global"]
               / kv_figures(v32())["kv_bytes_per_token_global"],
               "flops_per_token_params": 2 * param_counts(model, config)["active"]}
-    steps = compile_steps(config_name, spec, options, min(context, 8192)) if options.compile_steps else {}
+    compiled_len = min(context, 8192)
+    steps = compile_steps(config_name, spec, options, compiled_len) if options.compile_steps else {}
     if "decode" in steps and isinstance(config, ModelConfig):
-        analytic = decode_step_cost(config, 1, min(context, 8192) - 1)["flops"]
+        analytic = decode_step_cost(config, 1, compiled_len - 1)["flops"]
         steps["decode"].update(flops_per_token_analytic=analytic,
                                compiled_over_analytic=steps["decode"]["flops_per_token"] / analytic)
     usable = profile.hbm_bytes * options.hbm_utilization
