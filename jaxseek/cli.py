@@ -157,7 +157,8 @@ def cmd_convert(args) -> int:
 BENCHMARKS = {  # `jaxseek bench NAME`: the module whose main(argv) runs it
     "engine": "benchmarks.engine", "dspark": "benchmarks.dspark", "prefill": "benchmarks.prefill",
     "grammar": "benchmarks.grammar", "kernels": "benchmarks.kernels", "serving": "benchmarks.serving",
-    "startup": "benchmarks.startup", "context": "benchmarks.context", "quant": "benchmarks.quant"}
+    "startup": "benchmarks.startup", "context": "benchmarks.context", "quant": "benchmarks.quant",
+    "layer-scan": "benchmarks.layer_scan"}
 
 
 def cmd_bench(args) -> int:
