@@ -88,10 +88,11 @@ def test_sampled_speculation_has_the_target_distribution(model, mode):
     third tokens (emitted by verification) follow the target's exact marginals; the same test tells apart the
     target at twice the temperature. (The random model's logits are small: temperature 0.1 makes them peaked.)
     DSpark runs without zero-overhead scheduling: it plans the budget on the confidences of the block before
-    the verified one, and the device splits it by the verified block's own."""
+    the verified one, and the device splits it by the verified block's own. The engine is batch-invariant: one
+    bucket per step kind to compile (the other tests here cover the bucket choice)."""
     prompt, temperature, n = PROMPTS[0], 0.1, 1500
     engine = Engine(model, max_slots=8, max_len=32, page_tokens=16, prefill_chunk=8, max_prefill_rows=4,
-                    speculation=mode, num_drafts=2, zero_overhead=mode == "fixed")
+                    speculation=mode, num_drafts=2, zero_overhead=mode == "fixed", batch_invariant=True)
     if mode == "dspark":
         engine.speculation.costs = CostTable({(r, w): 1.0 + 0.02 * max(w - 1, 0) for r in engine.decode_rows
                                   for w in (0, 1, 2, 3)}, window=0)
