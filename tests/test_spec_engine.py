@@ -188,7 +188,9 @@ def test_no_draft_fallback_pauses_and_resumes_drafting_losslessly(model):
                     speculation="dspark", verify_widths=(2, 4), num_drafts=3, probe_every=2)
     engine.warmup()
     costs = engine.speculation.costs
-    assert (2, 0) in costs and costs(2, 0) < costs(2, 1)  # not drafting is cheaper
+    # the no-draft bucket is profiled; which one measured cheaper depends on the machine's load (a narrower
+    # bucket is never costlier: equal when noise inverted them)
+    assert (2, 0) in costs and costs(2, 0) <= costs(2, 1)
     losing = {(2, 0): 1.0, (2, 1): 2.0, (2, 2): 50.0, (2, 4): 50.0}
     engine.speculation.costs = CostTable({**losing, **{(1, w): c for (_, w), c in losing.items()}}, window=0)
     ids = [engine.add_request(p, params) for p in PROMPTS[:2]]
