@@ -6,6 +6,11 @@ with uniform routing, E * (1 - (1 - k/E)^rows) experts are hit), the embedding r
 attention layer the keys a query reads: the sliding window, then the CSA top-k picks (scored by the indexer
 over every visible index key) or every visible HCA entry. fp32 state entries. The MTP blocks do not run in a
 plain decode step.
+
+V4.1 (`V41Config`): every layer with a compression ratio attends the top-k picks of the shared entries of its
+KV source; only index sources score index keys (every visible one, or only the candidate pool's positions in a
+re-index layer after the candidate source), the other layers reuse the picks published before them. Engram
+layers read their hashed rows (fp32 as the step receives them).
 """
 
 import math
@@ -14,16 +19,17 @@ import numpy as np
 from flax import nnx
 
 from model.api import abstract_model
-from model.config import CSA, HCA, ModelConfig
+from model.config import CSA, ModelConfig
+from model.config_v41 import V41Config
 
 
-def expected_experts_hit(config: ModelConfig, rows: int) -> float:
+def expected_experts_hit(config: ModelConfig | V41Config, rows: int) -> float:
     """Experts some row chooses, in expectation under uniform routing of `rows` rows."""
     e, k = config.n_routed_experts, config.num_experts_per_tok
     return e * (1 - (1 - k / e) ** rows)
 
 
-def weight_cost(config: ModelConfig, rows: int, dtype: str = "float32") -> dict[str, float]:
+def weight_cost(config: ModelConfig | V41Config, rows: int, dtype: str = "float32") -> dict[str, float]:
     """FLOPs and bytes of the step's weights for `rows` rows (attention over the cache excluded)."""
     flops = weight_bytes = 0.0
     e, k = config.n_routed_experts, config.num_experts_per_tok
@@ -40,29 +46,43 @@ def weight_cost(config: ModelConfig, rows: int, dtype: str = "float32") -> dict[
         else:
             flops += 2 * rows * size if len(var.shape) >= 2 else 0
             weight_bytes += size * itemsize
+    if isinstance(config, V41Config):
+        row = config.engram_n_heads * (config.engram_max_ngram_size - 1) * config.engram_head_dim
+        weight_bytes += rows * len(config.engram_layer_ids) * row * 4
     return {"flops": flops, "bytes": weight_bytes}
 
 
-def attention_cost(config: ModelConfig, rows: int, context: int) -> dict[str, float]:
+def compressed_reads(config: ModelConfig | V41Config, layer: int, context: int) -> tuple[int, int]:
+    """(compressed entries attended, index keys scored) by a query of main layer `layer` at position `context`."""
+    ratio = config.compress_ratios[layer]
+    if ratio == 0:
+        return 0, 0
+    visible = (context + 1) // ratio
+    if isinstance(config, ModelConfig):
+        return (min(config.index_topk, visible), visible) if config.layer_kind(layer) == CSA else (visible, 0)
+    picked = min(config.index_topk, visible) if min(config.index_source_layer_ids) <= layer else 0
+    if layer not in config.index_source_layer_ids:
+        return picked, 0
+    if 0 <= config.candidate_source_layer_id < layer:  # a re-index layer scores inside the candidate pool
+        return picked, min(visible, config.candidate_topk_blocks * config.candidate_block_size)
+    return picked, visible
+
+
+def attention_cost(config: ModelConfig | V41Config, rows: int, context: int) -> dict[str, float]:
     """FLOPs and bytes of the main layers' attention for `rows` rows whose queries sit at position `context`."""
     flops = state_bytes = 0.0
     h, hd, fp32 = config.num_attention_heads, config.head_dim, 4
     for layer in range(config.num_hidden_layers):
-        keys = min(context + 1, config.sliding_window)
-        kind, ratio = config.layer_kind(layer), config.compress_ratios[layer]
-        if kind == CSA:
-            visible = (context + 1) // ratio
-            keys += min(config.index_topk, visible)
-            flops += 2 * config.index_n_heads * config.index_head_dim * visible
-            state_bytes += visible * config.index_head_dim * fp32
-        elif kind == HCA:
-            keys += (context + 1) // ratio
+        entries, scored = compressed_reads(config, layer, context)
+        keys = min(context + 1, config.sliding_window) + entries
+        flops += 2 * config.index_n_heads * config.index_head_dim * scored
+        state_bytes += scored * config.index_head_dim * fp32
         flops += 4 * h * hd * keys  # scores and the weighted sum, K = V
         state_bytes += keys * hd * fp32
     return {"flops": rows * flops, "bytes": rows * state_bytes}
 
 
-def decode_step_cost(config: ModelConfig, rows: int, context: int, dtype: str = "float32") -> dict[str, float]:
+def decode_step_cost(config: ModelConfig | V41Config, rows: int, context: int, dtype: str = "float32") -> dict[str, float]:
     """{"flops", "bytes"} a decode step of `rows` rows at position `context` needs (weights plus attention)."""
     w, a = weight_cost(config, rows, dtype), attention_cost(config, rows, context)
     return {"flops": w["flops"] + a["flops"], "bytes": w["bytes"] + a["bytes"]}

@@ -5,10 +5,10 @@ its parameters by the rules of `sharding.mesh`, and reports per device: paramete
 replicated over attention ranks, routed experts split over `ep` with EPLB's redundant slots, Engram by
 placement), KV bytes per token from the model's own cache structure in a storage format
 (`sharding.storage`), the tokens of context that fit in what HBM is left, and, when compiled on emulated
-CPU devices, the collectives of the decode and prefill steps, their FLOPs per token and temp memory; for a V4
-config the decode step's compiled FLOPs also against what the step needs (`model.step_cost`: every weight's
-matmul once, each token's k experts, attention over the window, the CSA top-k or the visible HCA entries, at
-the compiled context).
+CPU devices, the collectives of the decode and prefill steps, their FLOPs per token and temp memory, and the
+decode step's compiled FLOPs against what the step needs (`model.step_cost`: every weight's matmul once, each
+token's k experts, attention over the window, the top-k picks or the visible HCA entries, the index keys an
+index source scores, at the compiled context).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from flax import nnx
 
 from model.axes import logical_axes
 from model.checkpoint import WEIGHTS, layout_for
-from model.config import ModelConfig
 from model.step_cost import decode_step_cost
 from sharding.expert_parallel import expert_parallel
 from sharding.mesh import MeshSpec, MeshSpecError, batch_sharded, make_mesh, model_forward, param_shardings
@@ -281,7 +280,7 @@ def study(config_name: str, spec: MeshSpec, options: StudyOptions) -> dict:
               "flops_per_token_params": 2 * param_counts(model, config)["active"]}
     compiled_len = min(context, 8192)
     steps = compile_steps(config_name, spec, options, compiled_len) if options.compile_steps else {}
-    if "decode" in steps and isinstance(config, ModelConfig):
+    if "decode" in steps:
         analytic = decode_step_cost(config, 1, compiled_len - 1)["flops"]
         steps["decode"].update(flops_per_token_analytic=analytic,
                                compiled_over_analytic=steps["decode"]["flops_per_token"] / analytic)

@@ -28,3 +28,15 @@ def test_experts_hit_and_weights_per_row():
     extra_hash_row = 2 * 4 * TINY.num_hash_layers  # tid2eid: k int32 per token in each hash layer
     assert two["bytes"] - one["bytes"] == pytest.approx(
         embed_row + extra_hash_row + layers_with_experts * (expected_experts_hit(TINY, 2) - 2) * expert_bytes)
+
+
+def test_v41_attention_cost_by_hand():
+    """tiny-v41 at position 40 (41 tokens, window 8, 4 heads of 32, indexer 16 heads of 16, top-6): layers 0-1
+    sliding; the ratio-2 encoder (sources 2 and 4 index their 20 visible keys, layer 3 reuses layer 2's picks);
+    the ratio-1 decoder (layer 5, the candidate source, scores all 41 keys; re-index layer 7 only the pool's
+    3 blocks x 4 positions; layers 6 and 8 reuse). Every compressed layer attends its window and 6 picks."""
+    config = preset("tiny-v41")
+    keys, scored = 2 * 8 + 7 * (8 + 6), 20 + 20 + 41 + 12
+    flops = 4 * 4 * 32 * keys + 2 * 16 * 16 * scored
+    state = keys * 32 * 4 + scored * 16 * 4
+    assert attention_cost(config, 3, 40) == {"flops": 3 * flops, "bytes": 3 * state}

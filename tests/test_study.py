@@ -7,6 +7,7 @@ import pytest
 
 from jaxseek.cli import main
 from model.config import load_config, preset
+from model.step_cost import decode_step_cost
 from sharding.mesh import MeshSpec, MeshSpecError
 from sharding.storage import kv_figures, v32
 from sharding.study import StudyOptions, device_profile, study
@@ -90,6 +91,9 @@ def test_compiled_ep_study_and_chart(tmp_path):
                for text, steps in (("dp=2,ep=2", ("decode",)), ("dp=2", ()))]
     decode = reports[0]["steps"]["decode"]
     assert decode["tokens"] == 2 and decode["flops_per_token"] > 0
+    analytic = decode_step_cost(preset("tiny"), 1, 63)["flops"]  # what one token at the compiled context needs
+    assert decode["flops_per_token_analytic"] == analytic
+    assert decode["compiled_over_analytic"] == pytest.approx(decode["flops_per_token"] / analytic)
     assert decode["collectives"]["all-to-all"] == 3 * 4  # experts are reached by all-to-all: 3 per MoE layer
     # compiled in pieces (each distinct layer once): the same collectives and FLOPs as the whole step
     whole = _whole_step("tiny", MeshSpec(dp=2, ep=2), batch=2, max_len=64)
