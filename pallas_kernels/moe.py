@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import tuning
 from pallas_kernels.quant_linear import dot_f32
@@ -41,7 +41,7 @@ top-6 of 256, or an expert shard's received pairs (one expert each), take the so
 
 def routed_experts_reference(
     x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Float[Array, "e i d"],
-    w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float,
+    w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float, pairs: int | None = None,
 ) -> Float[Array, "t d"]:
     """Sum over each token's chosen experts of weight * expert(x), accumulated in fp32 (`dot_f32`).
 
@@ -57,6 +57,9 @@ def routed_experts_reference(
     nobody chose never reaches the output. Otherwise the pairs are sorted into expert-aligned tiles
     (`sort_pairs`) of about one expert's mean share of rows, and each tile that holds pairs runs its expert once,
     contracting the stored weights on their last axis (no transposed copies); empty tiles are skipped.
+    `pairs`, when given, says that only about that many pairs are real and the others carry weight 0 (an expert
+    shard's receive buffer, sized for the worst case): the tiles are sized for the real pairs and the
+    weight-0 pairs take none (their output is 0).
     The Pallas form is `routed_experts` below (the same tiles as grouped matmul kernels)."""
     n_exp, inter, dim = w1.shape
 
@@ -76,14 +79,15 @@ def routed_experts_reference(
             return jnp.sum(jnp.take_along_axis(y, ids[..., None], axis=1) * weights[..., None], axis=1)
         per_pair = expert_passes(x, ids, lambda xs: mlp(xs, w1, w2, w3), n_exp, rows)
         return jnp.sum(per_pair * weights[..., None], axis=1)
-    tile = max(8, pl.next_power_of_2(-(-ids.size // n_exp)))
-    rows, row_pair, tile_expert, slot = sort_pairs(ids, n_exp, tile)
+    tile = max(8, pl.next_power_of_2(-(-(ids.size if pairs is None else pairs) // n_exp)))
+    rows, row_pair, tile_expert, slot = sort_pairs(ids, n_exp, tile, None if pairs is None else weights != 0)
     xs = jnp.where((rows >= 0)[:, None], x[jnp.maximum(rows, 0)], 0).reshape(-1, tile, dim)
     # an empty tile's zeros are made from its rows, so they vary over the same mesh axes inside a shard_map
     y = jax.lax.map(lambda a: jax.lax.cond(a[1] >= 0, lambda: mlp(a[0], w1[a[1]], w2[a[1]], w3[a[1]]),
                                            lambda: jnp.zeros_like(a[0], jnp.float32)), (xs, tile_expert))
     row_weight = jnp.where(row_pair >= 0, weights.reshape(-1)[jnp.maximum(row_pair, 0)], 0.0)
-    return jnp.sum((y.reshape(-1, dim) * row_weight[:, None])[slot], axis=1)
+    weighted = jnp.concatenate([y.reshape(-1, dim) * row_weight[:, None], jnp.zeros((1, dim), y.dtype)])
+    return jnp.sum(weighted[slot], axis=1)  # a pair without a row reads the zero row past the tiles
 
 
 def expert_passes(x: Float[Array, "t d"], ids: Int[Array, "t k"], experts, n_exp: int, rows: int
@@ -113,19 +117,21 @@ def expert_passes(x: Float[Array, "t d"], ids: Int[Array, "t k"], experts, n_exp
     return jax.lax.fori_loop(0, passes, one_pass, zeros).reshape(t, k, dim)
 
 
-def sort_pairs(ids: Int[Array, "t k"], n_exp: int, tile: int):
+def sort_pairs(ids: Int[Array, "t k"], n_exp: int, tile: int, valid: Bool[Array, "t k"] | None = None):
     """Permutation of the pairs into expert-aligned tiles: (row -> token or -1 [M], row -> pair or -1 [M],
-    tile -> expert or -1 [n_tiles], pair -> row [t, k])."""
+    tile -> expert or -1 [n_tiles], pair -> row [t, k]). Pairs not `valid` take no row: their row is M."""
     t, k = ids.shape
     pairs = t * k
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    counts = jnp.bincount(flat, length=n_exp)
-    padded = (counts + tile - 1) // tile * tile
+    flat = ids.reshape(-1) if valid is None else jnp.where(valid.reshape(-1), ids.reshape(-1), n_exp)
+    order = jnp.argsort(flat, stable=True)  # pairs that are not valid sort last, as expert n_exp
+    counts = jnp.bincount(flat, length=n_exp + 1)
+    padded = ((counts + tile - 1) // tile * tile).at[n_exp].set(0)
     expert = flat[order]
     dest = (jnp.cumsum(padded) - padded)[expert] + jnp.arange(pairs) - (jnp.cumsum(counts) - counts)[expert]
     n_tiles = pairs // tile + min(n_exp, pairs)  # each non-empty group adds at most one partial tile
-    row_pair = jnp.full((n_tiles * tile,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    dest = jnp.where(expert < n_exp, dest, n_tiles * tile)
+    padded = padded[:n_exp]
+    row_pair = jnp.full((n_tiles * tile,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
     tile_expert = jnp.searchsorted(jnp.cumsum(padded) // tile, jnp.arange(n_tiles), side="right")
     tile_expert = jnp.where(tile_expert < n_exp, tile_expert, -1).astype(jnp.int32)
     slot = jnp.zeros((pairs,), jnp.int32).at[order].set(dest.astype(jnp.int32)).reshape(t, k)
@@ -134,9 +140,10 @@ def sort_pairs(ids: Int[Array, "t k"], n_exp: int, tile: int):
 
 def routed_experts(
     x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Float[Array, "e i d"],
-    w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float,
+    w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float, pairs: int | None = None,
 ) -> Float[Array, "t d"]:
-    """Pallas form of `routed_experts_reference`."""
+    """Pallas form of `routed_experts_reference`. Its tiles are the tuning table's `moe_block_m` rows, whatever
+    `pairs` expects; weight-0 pairs run (their output is weighted 0)."""
     t, k = ids.shape
     n_exp, inter, dim = w1.shape
     tiles = tuning.tiles()

@@ -214,6 +214,35 @@ def test_sort_pairs_tiles_hold_one_expert():
     assert int((tile_expert >= 0).sum()) == 4  # expert 0: 3 pairs -> 2 tiles; experts 1, 3: 1 tile each
 
 
+def test_sort_pairs_gives_pairs_that_are_not_valid_no_row():
+    ids = jnp.asarray([[3, 0], [0, 1], [3, 0]], jnp.int32)
+    valid = jnp.asarray([[True, False], [True, True], [False, False]])
+    rows, row_pair, tile_expert, slot = moe.sort_pairs(ids, 5, 2, valid)
+    m = rows.shape[0]
+    assert np.asarray(slot).tolist() == [[np.asarray(slot)[0, 0], m], [np.asarray(slot)[1, 0], np.asarray(slot)[1, 1]],
+                                         [m, m]]
+    assert sorted(int(p) for p in row_pair if p >= 0) == [0, 2, 3]
+    assert int((tile_expert >= 0).sum()) == 3  # experts 0, 1, 3: one pair each
+
+
+def test_expert_shard_buffer_with_expected_pairs_equals_the_real_pairs():
+    """An expert shard's receive buffer: a few real pairs among many of weight 0 sent to expert 0. Told how many
+    are real, the reference sizes its tiles for them and gives weight-0 pairs no row: the real tokens' outputs
+    equal those of the real pairs alone, and an expert that only padding names is never read."""
+    rng = np.random.default_rng(7)
+    x, ids, weights, ws = moe_case(rng, 6, 1, 6, unused=(0,))
+    buffer = 64
+    xb = jnp.concatenate([x, jnp.asarray(rng.normal(size=(buffer - 6, x.shape[1])), jnp.float32)])
+    idsb = jnp.concatenate([ids, jnp.zeros((buffer - 6, 1), jnp.int32)])
+    wb = jnp.concatenate([weights, jnp.zeros((buffer - 6, 1), jnp.float32)])
+    ws_nan = [jnp.asarray(w).at[0].set(jnp.nan) for w in ws]  # expert 0: only padding names it
+    got = moe.routed_experts_reference(xb, idsb, wb, *ws_nan, 10.0, pairs=6)
+    expected = np.stack([np.asarray(moe.routed_experts_reference(x[j:j + 1], ids[j:j + 1], weights[j:j + 1],
+                                                                 *map(jnp.asarray, ws), 10.0))[0] for j in range(6)])
+    np.testing.assert_allclose(np.asarray(got[:6]), expected, rtol=1e-5, atol=1e-6)
+    assert not np.asarray(got[6:]).any()
+
+
 @pytest.mark.parametrize("shape,given_pre", [((1, 1), False), ((2, 7), False), ((2, 7), True)])
 def test_hc_site_equals_reference(shape, given_pre):
     rng = np.random.default_rng(len(shape) + given_pre)
