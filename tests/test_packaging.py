@@ -2,6 +2,7 @@
 pyproject.toml are complete. pip's own cache makes a rerun quick; the first run needs PyPI."""
 
 import json
+import shutil
 import subprocess
 import tomllib
 import venv
@@ -35,7 +36,10 @@ def test_clean_install_imports_every_module(tmp_path):
     env = tmp_path / "venv"
     venv.create(env, with_pip=True)
     python = env / "bin" / "python"
-    install = subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(ROOT)],
+    # from a copy: setuptools builds in the source tree, and a `build/` left in the checkout would be reused
+    source = shutil.copytree(ROOT, tmp_path / "source", ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "*.egg-info", ".pytest_cache", "__pycache__"))
+    install = subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(source)],
                              capture_output=True, text=True, timeout=1200)
     assert install.returncode == 0, install.stderr[-3000:]
     # run outside the source tree, so only the installed copy can be imported
