@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Float32, Int, Shaped
 
 from pallas_kernels import tuning
-from pallas_kernels.moe import sort_pairs, unpermute
+from pallas_kernels.moe import expert_tiles, sort_pairs, unpermute
 from pallas_kernels.quant_linear import after
 
 
@@ -53,13 +53,21 @@ def dequant_fp4(packed: Shaped[Array, "... o h"], scale: Shaped[Array, "... o g"
 def routed_experts_fp4(
     x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Shaped[Array, "e i hd"],
     s1: Shaped[Array, "e i gd"], w2: Shaped[Array, "e d hi"], s2: Shaped[Array, "e d gi"],
-    w3: Shaped[Array, "e i hd"], s3: Shaped[Array, "e i gd"], limit: float,
+    w3: Shaped[Array, "e i hd"], s3: Shaped[Array, "e i gd"], limit: float, pairs: int | None = None,
 ) -> Float32[Array, "t d"]:
     """Sum over each token's chosen experts of weight * w2 (silu(min(w1 x, limit)) * clip(w3 x, +-limit)),
-    in fp32, the weights decoded from packed FP4 inside the computation."""
+    in fp32, the weights decoded from packed FP4 inside the computation. `pairs` (an expert shard's buffer:
+    about that many real pairs, the rest weight 0) runs the real pairs in expert tiles, each decoding its
+    expert (`pallas_kernels.moe.expert_tiles`)."""
     x32, n_exp = x.astype(jnp.float32), w1.shape[0]
     x32, w1, s1, w3, s3 = after(x32, w1, s1, w3, s3)  # decoded when needed, not all at the step's start
     swiglu = lambda g, u: jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)  # noqa: E731
+    if pairs is not None and ids.size >= n_exp:
+        def expert(v, e):
+            h = swiglu(v @ dequant_fp4(w1[e], s1[e]).T, v @ dequant_fp4(w3[e], s3[e]).T)
+            return h @ dequant_fp4(w2[e], s2[e]).T
+
+        return expert_tiles(x32, ids, weights.astype(jnp.float32), n_exp, expert, pairs)
     if ids.size < n_exp:  # decode: only the chosen experts' weights are decoded
         chosen = lambda w, s: dequant_fp4(w[ids], s[ids])  # noqa: E731  [t, k, out, in]
         h = swiglu(jnp.einsum("td,tkid->tki", x32, chosen(w1, s1)), jnp.einsum("td,tkid->tki", x32, chosen(w3, s3)))
@@ -75,9 +83,10 @@ def routed_experts_fp4(
 def routed_experts_fp4_pallas(
     x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Shaped[Array, "e i hd"],
     s1: Shaped[Array, "e i gd"], w2: Shaped[Array, "e d hi"], s2: Shaped[Array, "e d gi"],
-    w3: Shaped[Array, "e i hd"], s3: Shaped[Array, "e i gd"], limit: float,
+    w3: Shaped[Array, "e i hd"], s3: Shaped[Array, "e i gd"], limit: float, pairs: int | None = None,
 ) -> Float32[Array, "t d"]:
-    """Pallas form of `routed_experts_fp4` (inputs must fill whole scale groups)."""
+    """Pallas form of `routed_experts_fp4` (inputs must fill whole scale groups). Its tiles are the tuning
+    table's `moe_block_m` rows, whatever `pairs` expects; weight-0 pairs run (their output is weighted 0)."""
     for name, w, s in (("w1", w1, s1), ("w2", w2, s2), ("w3", w3, s3)):
         if 2 * w.shape[-1] != 32 * s.shape[-1]:
             raise ValueError(f"the FP4 expert kernel needs one scale per 32 inputs; {name} has {2 * w.shape[-1]} "

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Float32, Int
 
 from pallas_kernels import tuning
 from pallas_kernels.quant_linear import dot_f32
@@ -79,11 +79,21 @@ def routed_experts_reference(
             return jnp.sum(jnp.take_along_axis(y, ids[..., None], axis=1) * weights[..., None], axis=1)
         per_pair = expert_passes(x, ids, lambda xs: mlp(xs, w1, w2, w3), n_exp, rows)
         return jnp.sum(per_pair * weights[..., None], axis=1)
+    return expert_tiles(x, ids, weights, n_exp, lambda v, e: mlp(v, w1[e], w2[e], w3[e]), pairs)
+
+
+def expert_tiles(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], n_exp: int, expert,
+                 pairs: int | None = None) -> Float32[Array, "t d"]:
+    """Sum over each token's pairs of weight * expert output, the pairs sorted into expert-aligned tiles of
+    about one expert's mean share of rows (`pairs / n_exp` when given, with weight-0 pairs left out, else all
+    pairs); each tile that holds pairs runs `expert(rows [tile, d], e)` -> [tile, d] fp32 once, empty ones
+    are skipped."""
+    dim = x.shape[-1]
     tile = max(8, pl.next_power_of_2(-(-(ids.size if pairs is None else pairs) // n_exp)))
     rows, row_pair, tile_expert, slot = sort_pairs(ids, n_exp, tile, None if pairs is None else weights != 0)
     xs = jnp.where((rows >= 0)[:, None], x[jnp.maximum(rows, 0)], 0).reshape(-1, tile, dim)
     # an empty tile's zeros are made from its rows, so they vary over the same mesh axes inside a shard_map
-    y = jax.lax.map(lambda a: jax.lax.cond(a[1] >= 0, lambda: mlp(a[0], w1[a[1]], w2[a[1]], w3[a[1]]),
+    y = jax.lax.map(lambda a: jax.lax.cond(a[1] >= 0, lambda: expert(a[0], a[1]),
                                            lambda: jnp.zeros_like(a[0], jnp.float32)), (xs, tile_expert))
     row_weight = jnp.where(row_pair >= 0, weights.reshape(-1)[jnp.maximum(row_pair, 0)], 0.0)
     weighted = jnp.concatenate([y.reshape(-1, dim) * row_weight[:, None], jnp.zeros((1, dim), y.dtype)])

@@ -82,9 +82,8 @@ def local_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[A
     a2a = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
     recv_x, recv_e = a2a(send_x), a2a(send_e).reshape(-1, 1)
     # the buffer holds every pair that could come (n_shards * cap); about t * k do, the rest weigh 0
-    expected = {"pairs": t * k} if op == "routed_experts" else {}
     y = registry.op(op)(recv_x.reshape(-1, x.shape[-1]), jnp.maximum(recv_e, 0), (recv_e >= 0).astype(jnp.float32),
-                        *stacks, limit, **expected)
+                        *stacks, limit, pairs=t * k)
     back = a2a(y.reshape(n_shards, cap, -1))
     per_pair = back[flat_dest, pos].reshape(t, k, -1)
     out = weights[:, 0, None] * per_pair[:, 0]

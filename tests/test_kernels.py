@@ -425,6 +425,23 @@ def _experts_numpy(x, ids, weights, w1, w2, w3, limit):
     return out
 
 
+def test_fp4_expert_shard_buffer_with_expected_pairs_equals_float64():
+    """The FP4 reference on an expert shard's buffer (6 real pairs, 58 of weight 0 sent to expert 0, which only
+    padding names and whose scales decode to inf): the real pairs' float64 experts, nothing for the padding."""
+    rng = np.random.default_rng(9)
+    x, ids, weights, ((p1, s1), (p2, s2), (p3, s3)), (w1, w2, w3) = _fp4_experts_case(rng, 6, 1, 6, unused=(0,))
+    expected = _experts_numpy(x, np.asarray(ids), np.asarray(weights), w1, w2, w3, 1.0)
+    pad = 58
+    xb = jnp.concatenate([x, jnp.asarray(rng.normal(size=(pad, x.shape[1])), jnp.float32)])
+    idsb, wb = jnp.concatenate([ids, jnp.zeros((pad, 1), jnp.int32)]), jnp.concatenate([weights, jnp.zeros((pad, 1))])
+    inf_scales = [np.where(np.arange(6)[:, None, None] == 0, np.uint8(0xFF), s.view(np.uint8)).view(s.dtype)
+                  for s in (s1, s2, s3)]
+    stacks = map(jnp.asarray, (p1, inf_scales[0], p2, inf_scales[1], p3, inf_scales[2]))
+    got = np.asarray(fp4_experts.routed_experts_fp4(xb, idsb, wb, *stacks, 1.0, pairs=6))
+    close(got[:6], expected, 1e-4)
+    assert not got[6:].any()
+
+
 @pytest.mark.parametrize("t,k,e", [(1, 2, 8), (13, 2, 4)])  # decode; ragged groups, an expert without tokens
 def test_routed_experts_fp4_equal_reference(t, k, e):
     x, ids, weights, ((p1, s1), (p2, s2), (p3, s3)), (w1, w2, w3) = _fp4_experts_case(
