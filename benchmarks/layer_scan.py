@@ -134,9 +134,9 @@ def summary(runs: dict[int, dict]) -> dict:
     first, last = min(runs), max(runs)
     by = {key: {str(n): round(run[key], 3) for n, run in runs.items()}
           for key in ("unrolled_compile_s", "scan_compile_s", "unrolled_decode_ms", "scan_decode_ms")}
-    return {"benchmark": "layer_scan", **{f"{key}_by_layers": value for key, value in by.items()},
-            f"unrolled_compile_ratio_{last}_over_{first}": runs[last]["unrolled_compile_s"] / runs[first]["unrolled_compile_s"],
-            f"scan_compile_ratio_{last}_over_{first}": runs[last]["scan_compile_s"] / runs[first]["scan_compile_s"],
+    ratios = {f"{form}_compile_ratio_{last}_over_{first}":
+              runs[last][f"{form}_compile_s"] / runs[first][f"{form}_compile_s"] for form in ("unrolled", "scan")}
+    return {"benchmark": "layer_scan", **{f"{key}_by_layers": value for key, value in by.items()}, **ratios,
             "scan_decode_slowdown_by_layers": {str(n): run["scan_decode_ms"] / run["unrolled_decode_ms"]
                                                for n, run in runs.items()},
             "scan_outputs_match": all(run["max_abs_difference"] <= 1e-4 for run in runs.values()),

@@ -82,7 +82,8 @@ def attention_cost(config: ModelConfig | V41Config, rows: int, context: int) -> 
     return {"flops": rows * flops, "bytes": rows * state_bytes}
 
 
-def decode_step_cost(config: ModelConfig | V41Config, rows: int, context: int, dtype: str = "float32") -> dict[str, float]:
+def decode_step_cost(config: ModelConfig | V41Config, rows: int, context: int, dtype: str = "float32"
+                     ) -> dict[str, float]:
     """{"flops", "bytes"} a decode step of `rows` rows at position `context` needs (weights plus attention)."""
     w, a = weight_cost(config, rows, dtype), attention_cost(config, rows, context)
     return {"flops": w["flops"] + a["flops"], "bytes": w["bytes"] + a["bytes"]}
