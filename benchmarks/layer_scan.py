@@ -26,7 +26,6 @@ difference).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.bench_json import json_line
+from benchmarks.startup import flash_pattern
 from model.config import ModelConfig, preset
 from model.initialize import init_model
 from model.paged import as_paged, pools
@@ -44,12 +44,6 @@ from model.paged import as_paged, pools
 
 def log(message: str) -> None:
     print(f"bench layer-scan: {message}", file=sys.stderr, flush=True)
-
-
-def flash_pattern(config: ModelConfig, layers: int) -> ModelConfig:
-    """`config` with `layers` main layers in V4-Flash's pattern: two sliding, (CSA, HCA) pairs, one sliding."""
-    ratios = (0, 0) + (4, 32) * ((layers - 2) // 2) + (0,)
-    return dataclasses.replace(config, num_hidden_layers=len(ratios) - 1, compress_ratios=ratios)
 
 
 def pair_section(config: ModelConfig, max_len: int = 64):

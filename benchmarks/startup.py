@@ -52,14 +52,20 @@ def first_token_s(cache_dir: str) -> float:
     return total - (wall - first)
 
 
+def flash_pattern(config, layers: int):
+    """`config` with `layers` main layers (even) in V4-Flash's pattern: two sliding, (CSA, HCA) pairs, one
+    sliding; the MTP layer sliding."""
+    ratios = (0, 0) + (4, 32) * ((layers - 2) // 2) + (0,)
+    return dataclasses.replace(config, num_hidden_layers=len(ratios) - 1, compress_ratios=ratios)
+
+
 def compile_seconds(layers: int) -> float:
     """Seconds per bucket to compile a one-slot engine's decode and prefill buckets, `small` widths."""
     from model.config import preset
     from model.initialize import init_model
     from serving.engine import Engine
 
-    ratios = (0, 0) + (4, 32) * ((layers - 2) // 2) + (0,)
-    config = dataclasses.replace(preset("small"), num_hidden_layers=layers, compress_ratios=ratios)
+    config = flash_pattern(preset("small"), layers)
     engine = Engine(init_model(config, seed=0), max_slots=1, max_len=256, prefill_chunk=16, batch_invariant=True)
     start = time.perf_counter()
     engine.warmup()

@@ -91,6 +91,11 @@ class V41Config:
         return max(s for s in self.kv_source_layer_ids if s <= layer)
 
     @property
+    def engram_lookups(self) -> int:
+        """Engram rows gathered per token and Engram layer: (N - 1) n-gram orders x heads."""
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    @property
     def n_prefill_layer(self) -> int:
         """Layers a prefill must run to produce every shared KV source (through the decoder's source)."""
         return max(self.kv_source_layer_ids) + 1 if self.kv_source_layer_ids else self.num_hidden_layers

@@ -47,7 +47,7 @@ def weight_cost(config: ModelConfig | V41Config, rows: int, dtype: str = "float3
             flops += 2 * rows * size if len(var.shape) >= 2 else 0
             weight_bytes += size * itemsize
     if isinstance(config, V41Config):
-        row = config.engram_n_heads * (config.engram_max_ngram_size - 1) * config.engram_head_dim
+        row = config.engram_lookups * config.engram_head_dim
         weight_bytes += rows * len(config.engram_layer_ids) * row * 4
     return {"flops": flops, "bytes": weight_bytes}
 

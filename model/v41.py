@@ -208,8 +208,7 @@ class BlockV41(HyperBlock):
         self.attn = AttentionV41(config, layer, dtype, rngs)
         self.ffn = MoE(config, False, dtype, rngs, v41=True)
         if layer in config.engram_layer_ids:
-            n_lookups = (config.engram_max_ngram_size - 1) * config.engram_n_heads
-            self.engram = Engram(config.hidden_size, config.hc_mult, n_lookups, config.engram_head_dim,
+            self.engram = Engram(config.hidden_size, config.hc_mult, config.engram_lookups, config.engram_head_dim,
                                  config.rms_norm_eps, dtype, rngs)
         self.has_engram = layer in config.engram_layer_ids
 

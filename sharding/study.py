@@ -148,10 +148,9 @@ def compile_steps(config_name: str, spec: MeshSpec, options: StudyOptions, max_l
     out = {}
     for step in options.compile_steps:
         chunk = 1 if step == "decode" else min(options.prefill_chunk, max_len)
-        lookups = (getattr(config, "engram_max_ngram_size", 2) - 1) * getattr(config, "engram_n_heads", 0)
         inputs = (jax.ShapeDtypeStruct((batch, chunk), jnp.int32),
                   jax.eval_shape(lambda: model.module().init_cache(batch, max_len)),
-                  *[jax.ShapeDtypeStruct((batch, chunk, lookups, config.engram_head_dim), jnp.float32)
+                  *[jax.ShapeDtypeStruct((batch, chunk, config.engram_lookups, config.engram_head_dim), jnp.float32)
                     for _ in engram_ids])
         start = time.perf_counter()
         with expert_parallel(mesh) if spec.ep > 1 else contextlib.nullcontext():
