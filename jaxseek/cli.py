@@ -24,10 +24,16 @@ def _load(args):
 
     weights = None if args.weights == "auto" else args.weights
     if args.model:
-        return load_model(args.model, weights=weights)
-    if args.config:
-        return init_model(preset(args.config), seed=args.seed, weights=weights or "float32")
-    return load_model(weights=weights)  # the bundled default model
+        model = load_model(args.model, weights=weights)
+    elif args.config:
+        model = init_model(preset(args.config), seed=args.seed, weights=weights or "float32")
+    else:
+        model = load_model(weights=weights)  # the bundled default model
+    if getattr(args, "scan_layers", False):
+        from model.layer_stack import stack_layers
+
+        return stack_layers(model)
+    return model
 
 
 def cmd_info(args) -> int:
@@ -185,6 +191,10 @@ def _add_weights_arg(p: argparse.ArgumentParser) -> None:
                         "packed FP4 experts, "
                         "decoded inside the matmuls), or decoded to bfloat16 / float32 at load (auto: checkpoint "
                         "on GPUs and bfloat16 elsewhere for a quantized checkpoint, float32 for a float one)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="store each run of repeated layers stacked and run it as one scan (V4 models): a step's "
+                        "compile time stops growing with depth; XLA:CPU copies the stacked weights each step, so "
+                        "decode is slower there (docs/benchmarks.md)")
 
 
 def _add_platform_args(p: argparse.ArgumentParser) -> None:

@@ -99,9 +99,9 @@ class Model:
         end = int(cache["pos"]) + tokens.shape[1]
         if end > int(cache["capacity"]):
             raise ValueError(f"cache holds {int(cache['capacity'])} tokens; this chunk would reach {end}")
-        if tokens.shape[0] != cache["layers"][0]["ring_kv"].shape[0]:
-            raise ValueError(f"batch {tokens.shape[0]} does not match the cache's batch "
-                             f"{cache['layers'][0]['ring_kv'].shape[0]}")
+        rows = jax.tree.leaves(cache["layers"])[0].shape[0]  # every layer leaf is batch-first
+        if tokens.shape[0] != rows:
+            raise ValueError(f"batch {tokens.shape[0]} does not match the cache's batch {rows}")
         return self._run(tokens, cache, replay, prompt_end)
 
 

@@ -8,6 +8,7 @@ from model.attention import Attention, attend_rows
 from model.axes import param
 from model.config import ModelConfig
 from model.hyper import HyperConnection, HyperHead, expand
+from model.layer_stack import LayerStack, layer_spans
 from model.linear import Linear, normal_init
 from model.moe import MoE
 from model.paged import as_paged, pools
@@ -20,7 +21,8 @@ def empty_cache(config, layers, batch: int, max_len: int, ring: int | None = Non
     if max_len > config.max_position_embeddings:
         raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}")
     return {"pos": jnp.zeros((), jnp.int32),
-            "layers": [blk.attn.init_state(batch, max_len, ring) for blk in layers]}
+            "layers": [entry.init_state(batch, max_len, ring) if isinstance(entry, LayerStack)
+                       else entry.attn.init_state(batch, max_len, ring) for entry in layers]}
 
 
 class Embedding(nnx.Module):
@@ -114,20 +116,28 @@ class DeepseekV4(nnx.Module):
         taps [b, c, len(collect) * n * d] when `collect` names layers: each one's output streams, flattened and
         concatenated in `collect` order (the MTP drafter reads the last layer's).
 
-        Only the first `count` tokens (default all) are real: the rest pad a static bucket.
+        Only the first `count` tokens (default all) are real: the rest pad a static bucket. Runs of repeated
+        layers stored stacked (`model.layer_stack`) run as one scan each.
         """
-        if any(not 0 <= i < len(self.layers) for i in collect):
-            raise ValueError(f"collect={list(collect)} names layers outside [0, {len(self.layers)})")
+        n_layers = self.config.num_hidden_layers
+        if any(not 0 <= i < n_layers for i in collect):
+            raise ValueError(f"collect={list(collect)} names layers outside [0, {n_layers})")
         count = tokens.shape[1] if count is None else count
         start = cache["pos"]
         x = self.embed(tokens)
         streams = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
         states, taps = [], {}
-        for i, (blk, state) in enumerate(zip(self.layers, as_paged(cache["layers"]))):
-            streams, state = blk(streams, tokens, start, state, count)
+        for (first, depth), entry, state in zip(layer_spans(self.layers), self.layers, as_paged(cache["layers"])):
+            if isinstance(entry, LayerStack):
+                local = tuple(i - first for i in collect if first <= i < first + depth)
+                streams, state, outs = entry(streams, tokens, start, state, count, local)
+                taps |= {first + i: out for i, out in zip(local, outs)}
+            else:
+                streams, state = entry(streams, tokens, start, state, count)
+                if first in collect:
+                    taps[first] = streams
             states.append(state)
-            if i in collect:
-                taps[i] = streams.reshape(*streams.shape[:2], -1)
+        taps = {i: tap.reshape(*tap.shape[:2], -1) for i, tap in taps.items()}
         cache = {**cache, "pos": start + count, "layers": pools(states)}
         if collect:
             return streams, cache, jnp.concatenate([taps[i] for i in collect], axis=-1)

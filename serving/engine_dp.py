@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from model import moe
 from model.api import Model
+from model.layer_stack import is_stacked
 from serving.kv_cache import CacheLayout, PageAllocator, cache_axes, init_engine_cache
 from serving.request import Request
 from serving.scheduler import Scheduler
@@ -94,6 +95,9 @@ class DataParallel:
         if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {"cp", "dp", "ep"}:
             raise ValueError(f"mesh must be a MeshSpec string like 'dp=4,ep=2', a MeshSpec or a "
                              f"sharding.mesh.make_mesh mesh, got {mesh!r}")
+        if is_stacked(model):
+            raise ValueError("a model with stacked layers (model.layer_stack, --scan-layers) runs on one device; "
+                             "give the mesh engine the model as loaded")
         if mesh.shape["cp"] != 1:
             raise ValueError("the engine splits requests, not sequences: its mesh must have cp=1")
         self.mesh, self.ranks, self.ep = mesh, mesh.shape["dp"] * mesh.shape["ep"], mesh.shape["ep"]

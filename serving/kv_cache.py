@@ -127,15 +127,16 @@ def _paged(path) -> bool:
 
 
 def _pool(path, leaf: jax.Array, layout: CacheLayout, span: int) -> jax.Array:
-    """Paged leaves become page pools [pages + 1, entries per page, d]; the others keep their slot axis."""
+    """Paged leaves [slots, (stacked layers,) entries, d] become page pools [pages + 1, (stacked layers,) entries
+    per page, d]; the others keep their slot axis."""
     if _paged(path):
-        per_page = leaf.shape[1] * layout.page_tokens // span
-        return jnp.zeros((layout.num_pages + 1, per_page, leaf.shape[2]), leaf.dtype)
+        per_page = leaf.shape[-2] * layout.page_tokens // span
+        return jnp.zeros((layout.num_pages + 1, *leaf.shape[1:-2], per_page, leaf.shape[-1]), leaf.dtype)
     return leaf
 
 
 def layer_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], frozen: Int[Array, " r"],
-               empty: list[dict], reset) -> list[dict]:
+               empty: list, reset) -> list:
     """The layer states a step runs the model on: the per-slot leaves of `slots` (rows flagged in `reset`
     start from the one-sequence empty state `empty`, a fresh request in a reused slot), materialised before
     use so the slot buffers are no longer read when they are updated in place; and every page pool as a
@@ -149,7 +150,7 @@ def layer_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], 
                                   cache["layers"], rows)
 
 
-def put_rows(cache: dict, slots: Int[Array, " r"], layers: list[dict]) -> dict:
+def put_rows(cache: dict, slots: Int[Array, " r"], layers: list) -> dict:
     """The cache with the model's new layer states of `layer_rows(cache, slots, ...)`: per-slot leaves by
     slot, the page pools (written in place) as they are."""
     return {**cache, "layers": jax.tree.map_with_path(

@@ -157,7 +157,7 @@ class StepHalves(NamedTuple):
     step: Callable
 
 
-def build_step_halves(graphdef, param_tree, empty_layers: list[dict], num_top: int,
+def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
                       return_logits: bool, drafter: DrafterSpec | None = None, replay: Replay | None = None
                       ) -> StepHalves:
     """The pure step `step(weights, cache, batch, verify)` (jit it with the cache donated and `verify` static) and
