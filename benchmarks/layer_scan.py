@@ -1,26 +1,21 @@
-"""Layer-loop benchmark: what running repeated layers as a `lax.scan` would buy (compile time) and cost (decode
-time) on this machine, against the unrolled layers the model runs.
+"""Layer-loop benchmark: what storing repeated layers stacked (`model.layer_stack`, `--scan-layers`) buys in
+compile time and costs in decode time on this machine, against the layers unrolled as loaded.
 
-    jaxseek bench layer-scan                # 4, 8 and 16 layers at `small` widths (~3 min on 2 idle cores)
+    jaxseek bench layer-scan                # 4, 8 and 16 layers, decode at 8 (~10 min on 2 idle cores)
     jaxseek bench layer-scan --layers 4 8   # fewer
 
 Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
 
-Compile time per step bucket grows with the layer count because the step unrolls its layers (XLA:CPU spends it
-in LLVM code generation of each layer's fusions). The usual cure is to store repeated layers stacked and run
-them as a `lax.scan` (one compiled body, any depth). This measures both forms on the part of a model that would
-be scanned: the repeated (CSA, HCA) pairs of a `small`-width model with V4-Flash's layer pattern,
-(0, 0) + (4, 32) * k + (0,), k = (layers - 2) // 2, random weights, fp32. One call = one decode token of one row
-(at position 16 of an empty reference cache) through every pair, as the jitted step runs it:
+The model: `small` widths with V4-Flash's layer pattern (two sliding layers, (CSA, HCA) pairs, one sliding layer;
+`benchmarks.startup.flash_pattern`), random weights, fp32; stacked, it runs its sliding pair and its (CSA, HCA)
+pairs as two scans. Figures per form (`unrolled`, `stacked`):
 
-- `unrolled`: the pairs in a Python loop, as `DeepseekV4.streams` runs layers;
-- `scan`: `lax.scan` over the pairs' parameters and cache states stacked on a leading axis (built once, outside
-  the timed calls).
-
-Figures per layer count: compile seconds (`jax.jit(...).lower(...).compile()`, persistent cache off) and decode
-milliseconds per call (median of `--repeats` calls after a warm-up), and `scan_decode_slowdown`, the scan's decode
-time over the unrolled one's. `scan_outputs_match` checks that both forms give the same streams (max abs
-difference).
+- `compile_s_by_layers`: seconds per step bucket to compile a one-slot batch-invariant engine's two buckets (decode
+  and a 16-token prefill), persistent compile cache off (`benchmarks.startup.compile_seconds`), and
+  `compile_ratio_{last}_over_{first}`, the most layers' figure over the fewest's;
+- `decode_tok_s_b1` / `_b16`: greedy decode tokens per second of an engine with 16 slots (`--decode-layers` layers,
+  16-token prompts, 64 new tokens per row), median of `--repeats` runs alternating the two forms;
+- `stacked_over_unrolled_decode_b1` / `_b16` and `outputs_match` (both forms gave the same tokens).
 """
 
 from __future__ import annotations
@@ -31,126 +26,87 @@ import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-
 from benchmarks.bench_json import json_line
-from benchmarks.startup import flash_pattern
-from model.config import ModelConfig, preset
-from model.initialize import init_model
-from model.paged import as_paged, pools
+from benchmarks.startup import compile_seconds, flash_pattern
 
 
 def log(message: str) -> None:
     print(f"bench layer-scan: {message}", file=sys.stderr, flush=True)
 
 
-def pair_section(config: ModelConfig, max_len: int = 64):
-    """The model's repeated (CSA, HCA) pairs: ((graphdef_a, graphdef_b), [(params_a, params_b)] per pair,
-    [(state_a, state_b)] per pair: each layer's empty reference cache state)."""
-    module = init_model(config, seed=0).module()
-    states = module.init_cache(1, max_len)["layers"]
-    firsts = range(2, config.num_hidden_layers - 1, 2)
-    graphdefs = (nnx.graphdef(module.layers[2]), nnx.graphdef(module.layers[3]))
-    params = [(nnx.state(module.layers[i]), nnx.state(module.layers[i + 1])) for i in firsts]
-    return graphdefs, params, [(states[i], states[i + 1]) for i in firsts]
+def forms():
+    """(name, model transform) of the two forms."""
+    from model.layer_stack import stack_layers
+
+    return [("unrolled", lambda model: model), ("stacked", stack_layers)]
 
 
-def run_pair(graphdefs, pair_params, pair_states, streams, tokens, start):
-    """One (CSA, HCA) pair on `streams`: (streams, new states)."""
-    new_states = []
-    for graphdef, params, state in zip(graphdefs, pair_params, pair_states):
-        streams, state = nnx.merge(graphdef, params)(streams, tokens, start, as_paged(state))
-        new_states.append(pools(state))
-    return streams, tuple(new_states)
+def decode_rates(layers: int, repeats: int) -> tuple[dict, bool]:
+    """({form: {rows: median tok/s}} at 1 and 16 rows, whether both forms gave the same tokens)."""
+    import numpy as np
+
+    from model.config import preset
+    from model.initialize import init_model
+    from serving.engine import Engine
+    from serving.sampling import SamplingParams
+
+    model = init_model(flash_pattern(preset("small"), layers), seed=0)
+    engines = {name: Engine(transform(model), max_slots=16, max_len=1024, prefill_chunk=16)
+               for name, transform in forms()}
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    rates, tokens = {name: {} for name in engines}, {name: [] for name in engines}
+    for rows in (1, 16):
+        prompts = [rng.integers(0, model.config.vocab_size, 16).tolist() for _ in range(rows)]
+        times = {name: [] for name in engines}
+        for name, engine in engines.items():  # compiles the buckets
+            tokens[name] += [out.token_ids for out in engine.generate(prompts, greedy)]
+        for _ in range(repeats):
+            for name, engine in engines.items():
+                start = time.perf_counter()
+                engine.generate(prompts, greedy)
+                times[name].append(time.perf_counter() - start)
+        for name in engines:
+            rates[name][rows] = rows * greedy.max_tokens / statistics.median(times[name])
+    return rates, tokens["unrolled"] == tokens["stacked"]
 
 
-def unrolled(graphdefs):
-    """The pairs one after the other (the model's layer loop)."""
-
-    def forward(params, states, streams, tokens, start):
-        out = []
-        for pair_params, pair_states in zip(params, states):
-            streams, new = run_pair(graphdefs, pair_params, pair_states, streams, tokens, start)
-            out.append(new)
-        return streams, out
-
-    return forward
-
-
-def scanned(graphdefs):
-    """The pairs as a `lax.scan` over their stacked parameters and states."""
-
-    def forward(params, states, streams, tokens, start):
-        def body(streams, xs):
-            return run_pair(graphdefs, *xs, streams, tokens, start)
-
-        return jax.lax.scan(body, streams, (params, states))
-
-    return forward
-
-
-def stacked(per_pair: list):
-    """Per-pair pytrees stacked leaf by leaf on a new leading axis."""
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_pair)
-
-
-def measure(forward, args: tuple, repeats: int) -> tuple[float, float, jax.Array]:
-    """(compile seconds, median decode ms per call, the streams it gives)."""
-    start = time.perf_counter()
-    compiled = jax.jit(forward).lower(*args).compile()
-    compile_s = time.perf_counter() - start
-    streams = jax.block_until_ready(compiled(*args))[0]
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return compile_s, statistics.median(times) * 1e3, streams
-
-
-def compare(layers: int, repeats: int) -> dict:
-    """Both forms at `layers` main layers: compile seconds, decode ms, and how far their outputs differ."""
-    config = flash_pattern(preset("small"), layers)
-    graphdefs, params, states = pair_section(config)
-    streams = jax.random.normal(jax.random.key(1), (1, 1, config.hc_mult, config.hidden_size), jnp.float32)
-    tokens, start = jnp.array([[7]], jnp.int32), jnp.array(16, jnp.int32)
-    loop = measure(unrolled(graphdefs), (params, states, streams, tokens, start), repeats)
-    scan = measure(scanned(graphdefs), (stacked(params), stacked(states), streams, tokens, start), repeats)
-    return {"pairs": len(params), "unrolled_compile_s": loop[0], "scan_compile_s": scan[0],
-            "unrolled_decode_ms": loop[1], "scan_decode_ms": scan[1],
-            "max_abs_difference": float(jnp.max(jnp.abs(loop[2] - scan[2])))}
-
-
-def summary(runs: dict[int, dict]) -> dict:
-    """The JSON line's figures from `compare` at each layer count (keys: layer counts)."""
-    first, last = min(runs), max(runs)
-    by = {key: {str(n): round(run[key], 3) for n, run in runs.items()}
-          for key in ("unrolled_compile_s", "scan_compile_s", "unrolled_decode_ms", "scan_decode_ms")}
-    ratios = {f"{form}_compile_ratio_{last}_over_{first}":
-              runs[last][f"{form}_compile_s"] / runs[first][f"{form}_compile_s"] for form in ("unrolled", "scan")}
-    return {"benchmark": "layer_scan", **{f"{key}_by_layers": value for key, value in by.items()}, **ratios,
-            "scan_decode_slowdown_by_layers": {str(n): run["scan_decode_ms"] / run["unrolled_decode_ms"]
-                                               for n, run in runs.items()},
-            "scan_outputs_match": all(run["max_abs_difference"] <= 1e-4 for run in runs.values()),
-            "pairs_by_layers": {str(n): run["pairs"] for n, run in runs.items()}}
+def summary(compile_s: dict[str, dict[int, float]], rates: dict, match: bool) -> dict:
+    """The JSON line's figures: `compile_s` {form: {layers: seconds}}, `rates` {form: {rows: tok/s}}."""
+    out = {"benchmark": "layer_scan"}
+    for name, by in compile_s.items():
+        first, last = min(by), max(by)
+        out[f"compile_s_by_layers_{name}"] = {str(n): round(s, 2) for n, s in by.items()}
+        out[f"compile_ratio_{last}_over_{first}_{name}"] = round(by[last] / by[first], 3)
+    for name, by in rates.items():
+        out |= {f"decode_tok_s_b{rows}_{name}": round(rate, 1) for rows, rate in by.items()}
+    out |= {f"stacked_over_unrolled_decode_b{rows}": round(rates["stacked"][rows] / rates["unrolled"][rows], 3)
+            for rows in rates["unrolled"]}
+    return out | {"outputs_match": match}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16], help="main layer counts (>= 4)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed decode calls per form (default 20)")
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16], help="main layer counts to compile "
+                        "(even, >= 4)")
+    parser.add_argument("--decode-layers", type=int, default=8, help="main layers of the decode model (default 8)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per form and batch (default 3)")
     args = parser.parse_args(argv)
-    if min(args.layers) < 4:
-        parser.error("--layers: each count must be at least 4 (one CSA/HCA pair)")
+    if min(args.layers + [args.decode_layers]) < 4 or any(n % 2 for n in args.layers + [args.decode_layers]):
+        parser.error("--layers / --decode-layers: each count must be even and at least 4")
+    import jax
+
     jax.config.update("jax_compilation_cache_dir", None)  # compile for real
     result = {"load_avg_1m_start": round(os.getloadavg()[0], 2)}
-    runs = {}
+    compile_s = {name: {} for name, _ in forms()}
     for layers in sorted(set(args.layers)):
-        log(f"{layers} layers")
-        runs[layers] = compare(layers, args.repeats)
-    result |= summary(runs) | {"load_avg_1m_end": round(os.getloadavg()[0], 2), "device": str(jax.devices()[0])}
+        for name, transform in forms():
+            log(f"compiling {layers} layers, {name}")
+            compile_s[name][layers] = compile_seconds(layers, transform)
+    log(f"decoding at {args.decode_layers} layers")
+    rates, match = decode_rates(args.decode_layers, args.repeats)
+    result |= summary(compile_s, rates, match) | {"load_avg_1m_end": round(os.getloadavg()[0], 2),
+                                                  "device": str(jax.devices()[0])}
     print(json_line(result))
     return result
 
