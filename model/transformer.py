@@ -25,6 +25,17 @@ def empty_cache(config, layers, batch: int, max_len: int, ring: int | None = Non
                        else entry.attn.init_state(batch, max_len, ring) for entry in layers]}
 
 
+def input_streams(embed, tokens: Int[Array, "b c"], n: int) -> Float[Array, "b c n d"]:
+    """The residual streams a chunk enters the first layer with: its embeddings, copied to each of `n` streams."""
+    x = embed(tokens)
+    return jnp.broadcast_to(x[:, :, None], (*x.shape[:2], n, x.shape[-1]))
+
+
+def project_logits(hc_head, norm, head, streams: Float[Array, "b c n d"]) -> Float[Array, "b c v"]:
+    """fp32 logits from the streams: collapsed (`hc_head`), normed, projected onto the vocabulary."""
+    return head(norm(hc_head(streams)).astype(jnp.float32))
+
+
 class Embedding(nnx.Module):
     """Token embedding table [vocab, hidden]."""
 
@@ -124,8 +135,7 @@ class DeepseekV4(nnx.Module):
             raise ValueError(f"collect={list(collect)} names layers outside [0, {n_layers})")
         count = tokens.shape[1] if count is None else count
         start = cache["pos"]
-        x = self.embed(tokens)
-        streams = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
+        streams = input_streams(self.embed, tokens, self.config.hc_mult)
         states, taps = [], {}
         for (first, depth), entry, state in zip(layer_spans(self.layers), self.layers, as_paged(cache["layers"])):
             if isinstance(entry, LayerStack):
@@ -145,8 +155,7 @@ class DeepseekV4(nnx.Module):
 
     def head_logits(self, streams: Float[Array, "b c n d"], hc_head=None, norm=None) -> Float[Array, "b c v"]:
         """fp32 logits from the streams (the main collapse and norm unless an MTP block's are given)."""
-        hc_head, norm = hc_head or self.hc_head, norm or self.norm
-        return self.head(norm(hc_head(streams)).astype(jnp.float32))
+        return project_logits(hc_head or self.hc_head, norm or self.norm, self.head, streams)
 
     def __call__(self, tokens: Int[Array, "b c"], cache: dict, count=None, collect=(), at=None):
         """(fp32 logits [b, c, vocab], new cache), plus the taps of `streams` when `collect` names layers.

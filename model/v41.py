@@ -26,7 +26,7 @@ from model.norms import RMSNorm
 from model.paged import Paged, as_paged, pools, store_windows
 from model.replay import Replay, key_positions, kept_span, put_rows, take_positions, take_rows
 from model.rope import apply_rope, layer_frequencies
-from model.transformer import Embedding, HyperBlock, empty_cache
+from model.transformer import Embedding, HyperBlock, empty_cache, input_streams
 from pallas_kernels import registry
 
 
@@ -252,10 +252,9 @@ class DeepseekV41(nnx.Module):
         if any(not 0 <= i < len(self.layers) for i in collect):
             raise ValueError(f"collect={list(collect)} names layers outside [0, {len(self.layers)})")
         start = cache["pos"]
-        x = self.embed(tokens)
         n = self.config.hc_mult
-        streams = jnp.broadcast_to(x[:, :, None], (*x.shape[:2], n, x.shape[-1]))
-        pre_mix = jnp.broadcast_to(jax.nn.one_hot(0, n, dtype=jnp.float32), (*x.shape[:2], n))
+        streams = input_streams(self.embed, tokens, n)
+        pre_mix = jnp.broadcast_to(jax.nn.one_hot(0, n, dtype=jnp.float32), (*streams.shape[:2], n))
         if len(engram_rows) != len(self.config.engram_layer_ids):
             raise ValueError(f"expected Engram rows for layers {list(self.config.engram_layer_ids)}, "
                              f"got {len(engram_rows)} arrays")

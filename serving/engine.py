@@ -30,6 +30,7 @@ from serving.engine_dp import DataParallel
 from serving.executable_cache import ExecutableCache, describe, directory
 from serving.jump_forward import jump_forward
 from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache, page_bytes
+from serving.layer_programs import LayeredHalves, LayerPlan, compile_layered
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
@@ -133,12 +134,13 @@ class Engine:
         self._halves = build_step_halves(model.graphdef, jax.tree.structure(model.params), empty["layers"],
                                          config.num_top_logprobs, config.return_logits,
                                          spec, self.replay)
+        self.layer_plan = self._layer_plan(model, config, empty["layers"], spec)
         self.compiled: dict[tuple[int, int, int, int], Callable] = {}
         # compiled buckets kept on disk beside JAX's compile cache (not for a data-parallel engine's steps)
         stored = directory() if self.data_parallel is None else None
         self.executables = None if stored is None else ExecutableCache(
             stored, model.config, drafter.config if drafter else None, self.layout, self.replay,
-            config.num_top_logprobs, config.return_logits, self._engram_shapes(), describe(self.weights),
+            self.layer_plan is None, config.num_top_logprobs, config.return_logits, self._engram_shapes(), describe(self.weights),
             describe(self.cache))
         self.requests: dict[str, Request] = {}
         self.pending: list[tuple[list[Row], object]] = []
@@ -231,16 +233,31 @@ class Engine:
                                                                rows, width, verify_len, self._engram_shapes())
             return
         halves = width == verify_len  # a decode / verify bucket: in halves, for masks filled during the forward
+        plan = self.layer_plan
 
         def compile_bucket() -> list:
             batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
+            if plan is not None:
+                return compile_layered(self._halves, plan, self.weights, self.cache, batch, verify_len).executables
             if halves:
                 return compile_halves(self._halves, self.weights, self.cache, batch, verify_len).executables
             return [compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)]
 
         executables = (compile_bucket() if self.executables is None else
                        self.executables.load_or_compile(bucket, compile_bucket))
-        self.compiled[bucket] = CompiledHalves(executables, self._halves.head_leaves) if halves else executables[0]
+        if plan is not None:
+            self.compiled[bucket] = LayeredHalves(executables, plan, self._halves.head_leaves)
+        else:
+            self.compiled[bucket] = CompiledHalves(executables, self._halves.head_leaves) if halves else executables[0]
+
+    def _layer_plan(self, model: Model, config: EngineConfig, empty_layers: list, spec) -> LayerPlan | None:
+        """How the step's forward splits into layer programs (`serving.layer_programs`), or None: one program."""
+        if config.layer_programs is False or self.data_parallel is not None:
+            return None
+        why = LayerPlan.supports(model)
+        if why is not None and config.layer_programs:
+            raise ValueError(f"layer_programs=True: this model cannot run as layer programs: {why}")
+        return None if why else LayerPlan.for_model(model, empty_layers, spec.target_layers if spec else ())
 
     def _prefix_cache(self) -> PrefixAdmission | None:
         """The engine's prefix cache (None when off), with its device ops on `self.cache`."""

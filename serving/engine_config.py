@@ -38,6 +38,7 @@ class EngineConfig:
     batch_invariant: bool = False  # one bucket per step kind, budget-independent chunks: outputs never see the batch
     zero_overhead: bool = True  # read step N after dispatching step N+1 (always off for Engram models)
     context_tokens: int = 1024  # the smallest context bucket: a step reads the power-of-two multiple covering its longest row
+    layer_programs: bool | None = None  # V4: the forward as one program per kind of layer (None: where supported)
     # ---- outputs
     num_top_logprobs: int = 5  # top alternatives computed per token (a request's logprobs may ask up to this)
     return_logits: bool = False  # keep every row's last-position logits on its request (tests)
@@ -89,6 +90,11 @@ class EngineConfig:
             object.__setattr__(self, "verify_widths", widths)
         if self.constraint_close is not None and not isinstance(self.constraint_close, ClosePolicy):
             raise ValueError(f"constraint_close must be a ClosePolicy or None, got {self.constraint_close!r}")
+        if self.layer_programs is not None and not isinstance(self.layer_programs, bool):
+            raise ValueError(f"layer_programs must be True, False or None, got {self.layer_programs!r}")
+        if self.mesh is not None and self.layer_programs:
+            raise ValueError("a data-parallel engine (mesh=...) runs its step as one program: layer_programs=True "
+                             "is single-device")
         if self.mesh is not None and (self.speculation != "none" or self.prefix_cache):
             raise ValueError("a data-parallel engine (mesh=...) runs without speculation and prefix cache")
         if self.mesh is None and (self.redundant_experts or self.eplb_every):

@@ -141,6 +141,49 @@ def decide_weights(weights: tuple, head_leaves: tuple[int, ...]) -> tuple:
     return [weights[0][i] for i in head_leaves], weights[1]
 
 
+class RowInputs(NamedTuple):
+    """What each row runs in a step, resolved on the device: its tokens (a decode / verify row's from its slot),
+    their kinds, its start position and real-token count, the drafts it verifies, its verify positions."""
+
+    tokens: Int[Array, "r t"]
+    kinds: Int[Array, "r t"]
+    starts: Int[Array, " r"]
+    counts: Int[Array, " r"]
+    drafted: Int[Array, " r"]
+    at: Int[Array, "r v"]
+
+
+def row_inputs(cache: dict, batch: StepBatch, verify_len: int) -> RowInputs:
+    """The rows' `RowInputs` from the batch and, for decode and verify rows, their slots' last token, position
+    and drafts."""
+    slots, device = batch.slots, batch.from_prev
+    rows, width = batch.tokens.shape
+    starts = jnp.where(device, cache["next_pos"][slots], batch.starts)
+    if verify_len > 1:  # a verify row: [last token, its admitted drafts]
+        drafted = admit(jnp.cumprod(cache["confidence"][slots], axis=1), jnp.where(device, batch.caps, 0),
+                        batch.budget)
+        block = jnp.concatenate([cache["last_token"][slots][:, None], cache["drafts"][slots]], 1)[:, :width]
+        tokens = jnp.where(device[:, None], block, batch.tokens)
+        counts = jnp.where(device, drafted + 1, batch.counts)
+        kinds = jnp.where(device[:, None], jnp.where(jnp.arange(width) == 0, COUNTED, DRAFT), batch.kinds)
+    else:
+        drafted = jnp.zeros(rows, jnp.int32)
+        tokens = batch.tokens.at[:, 0].set(jnp.where(device, cache["last_token"][slots], batch.tokens[:, 0]))
+        counts, kinds = batch.counts, batch.kinds
+    # the verify positions: the last drafted + 1 real ones (a prefill or decode row: its last); the model
+    # projects only them onto the vocabulary
+    at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
+    return RowInputs(tokens, kinds, starts, counts, drafted, at)
+
+
+def forwarded(picked: Float[Array, "r v vocab"], features: Float[Array, "r t f"] | None, rows: RowInputs
+              ) -> Forwarded:
+    """The forward half's hand-over: the verify positions' logits, the drafter's features (None: no drafter)."""
+    if features is None:
+        features = jnp.zeros((*rows.tokens.shape, 0), picked.dtype)
+    return Forwarded(picked, features, rows.tokens, rows.kinds, rows.starts, rows.counts, rows.drafted, rows.at)
+
+
 LAYER_STATE = ("layers",)  # the cache entries the forward half updates; the decide half the rest
 
 
@@ -173,37 +216,19 @@ def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
 
     def forward(target_leaves: list, cache: dict, batch: StepBatch, verify_len: int) -> tuple[Forwarded, dict]:
         module = nnx.merge(graphdef, jax.tree.unflatten(param_tree, target_leaves))
-        slots = batch.slots
-        rows, width = batch.tokens.shape
-        states = layer_rows(cache, slots, batch.block_tables, batch.frozen, empty_layers, batch.reset)
-        device = batch.from_prev
-        starts = jnp.where(device, cache["next_pos"][slots], batch.starts)
-        if verify_len > 1:  # a verify row: [last token, its admitted drafts]
-            drafted = admit(jnp.cumprod(cache["confidence"][slots], axis=1), jnp.where(device, batch.caps, 0),
-                            batch.budget)
-            block = jnp.concatenate([cache["last_token"][slots][:, None], cache["drafts"][slots]], 1)[:, :width]
-            tokens = jnp.where(device[:, None], block, batch.tokens)
-            counts = jnp.where(device, drafted + 1, batch.counts)
-            kinds = jnp.where(device[:, None], jnp.where(jnp.arange(width) == 0, COUNTED, DRAFT), batch.kinds)
-        else:
-            drafted = jnp.zeros(rows, jnp.int32)
-            tokens = batch.tokens.at[:, 0].set(jnp.where(device, cache["last_token"][slots], batch.tokens[:, 0]))
-            counts, kinds = batch.counts, batch.kinds
-
+        states = layer_rows(cache, batch.slots, batch.block_tables, batch.frozen, empty_layers, batch.reset)
+        rows = row_inputs(cache, batch, verify_len)
         extra = {"engram_rows": batch.engram_rows} if batch.engram_rows else {}
         if drafter is not None:
             extra["collect"] = drafter.target_layers
         if replay is not None:  # a row without a prompt end is unbounded, unless it outgrows compact's keep rows
-            unbounded = (batch.prompt_end == 0) & (counts <= replay.keep)
-            extra |= {"replay": replay, "prompt_end": jnp.where(unbounded, 0, jnp.maximum(batch.prompt_end,
-                                                                                        starts + counts))}
-        # the verify positions: the last drafted + 1 real ones (a prefill or decode row: its last); the model
-        # projects only them onto the vocabulary
-        at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
-        picked, new, *taps = module(tokens, {"pos": starts, "layers": states}, count=counts, at=at, **extra)
-        cache = put_rows(cache, slots, new["layers"])
-        features = taps[0] if drafter is not None else jnp.zeros((rows, width, 0), picked.dtype)
-        return Forwarded(picked, features, tokens, kinds, starts, counts, drafted, at), cache
+            unbounded = (batch.prompt_end == 0) & (rows.counts <= replay.keep)
+            extra |= {"replay": replay, "prompt_end": jnp.where(unbounded, 0, jnp.maximum(
+                batch.prompt_end, rows.starts + rows.counts))}
+        picked, new, *taps = module(rows.tokens, {"pos": rows.starts, "layers": states}, count=rows.counts,
+                                    at=rows.at, **extra)
+        cache = put_rows(cache, batch.slots, new["layers"])
+        return forwarded(picked, taps[0] if drafter is not None else None, rows), cache
 
     def decide(weights: tuple, cache: dict, batch: DecideBatch, fwd: Forwarded, verify_len: int
                ) -> tuple[StepOutput, dict]:
@@ -306,14 +331,14 @@ def split_cache(cache: dict) -> tuple[dict, dict]:
             {k: v for k, v in cache.items() if k in LAYER_STATE})
 
 
-def _abstract(tree):
+def abstract_shapes(tree):
     """Shapes and dtypes of a pytree's leaves (no shardings: the step compiles for the default device)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
 def compile_step(step_fn, weights: tuple, cache: dict, batch: StepBatch, verify_len: int):
     """Ahead-of-time compile for one bucket (the cache is donated); calling it never recompiles."""
-    return jax.jit(step_fn, donate_argnums=1, static_argnums=3).lower(*_abstract((weights, cache, batch)),
+    return jax.jit(step_fn, donate_argnums=1, static_argnums=3).lower(*abstract_shapes((weights, cache, batch)),
                                                                       verify_len).compile()
 
 
@@ -348,8 +373,8 @@ def compile_halves(halves: StepHalves, weights: tuple, cache: dict, batch: StepB
                    ) -> CompiledHalves:
     """Ahead-of-time compile one bucket's step as its two halves (each donating its cache)."""
     forward = jax.jit(halves.forward, donate_argnums=1, static_argnums=3).lower(
-        *_abstract((weights[0], cache, batch)), verify_len).compile()
+        *abstract_shapes((weights[0], cache, batch)), verify_len).compile()
     decide = jax.jit(halves.decide, donate_argnums=1, static_argnums=4).lower(
-        *_abstract((decide_weights(weights, halves.head_leaves), split_cache(cache)[0], decide_batch(batch),
+        *abstract_shapes((decide_weights(weights, halves.head_leaves), split_cache(cache)[0], decide_batch(batch),
                     forward.out_info[0])), verify_len).compile()
     return CompiledHalves([forward, decide], halves.head_leaves)

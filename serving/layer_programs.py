@@ -1,0 +1,212 @@
+"""A V4 engine step's forward half as one compiled program per kind of layer, so a bucket's compile time is set by
+how many kinds of layer the model has, not by its depth.
+
+The whole step (`serving.step`) unrolls every layer into one program: compiling a bucket costs time in
+proportion to the layer count. Here the forward half is a chain of programs the host launches:
+
+1. `embed`: the rows' inputs (`serving.step.row_inputs`) and the streams they enter the first layer with;
+2. per layer, the program of its kind, given that layer's weights and cache state: it gathers the rows' slot
+   state, runs the block, writes the state back (the state is donated, so it updates in place);
+3. `head`: the logits at the verify positions and the drafter's features.
+
+Layers with the same structure (graph, parameter and cache shapes) share one compiled program: V4-Flash's 43
+layers are 5 kinds. Launches are asynchronous, so the host runs ahead of the device as with one program; each
+layer costs a launch. The decide half is the whole step's. Each piece runs the code the whole step traces, so
+tokens and logits equal it (tests/test_layer_programs.py).
+
+Used by a single-device engine on a V4 model whose layers are not stacked (`model.layer_stack` already compiles
+one body per run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Int
+
+from model.paged import pools
+from model.replay import take_positions
+from model.transformer import Block, input_streams, project_logits
+from serving.kv_cache import layer_rows, put_rows
+from serving.step import (CompiledHalves, Forwarded, RowInputs, StepBatch, StepHalves, abstract_shapes, decide_batch,
+                          decide_weights, forwarded, row_inputs, split_cache)
+
+
+class LayerBatch(NamedTuple):
+    """What a layer program reads of the step's batch (placed on the device once per step)."""
+
+    slots: Int[Array, " r"]
+    block_tables: Int[Array, "r p"]
+    frozen: Int[Array, " r"]
+    reset: Bool[Array, " r"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A sub-module's place in the model's flat parameter leaves: its graph, the indices of its leaves and their
+    tree structure."""
+
+    graphdef: object
+    leaves: tuple[int, ...]
+    tree: object
+
+    def take(self, leaves: list) -> list:
+        return [leaves[i] for i in self.leaves]
+
+    def module(self, leaves: list):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.tree, leaves))
+
+
+def _piece(module, params, prefix: tuple) -> Piece:
+    """The `Piece` of the sub-module at key path `prefix` of a model's parameter state."""
+    sub = module
+    for key in prefix:
+        sub = sub[key] if isinstance(key, int) else getattr(sub, key)
+    graphdef, state = nnx.split(sub)
+    keys = [tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    leaves = tuple(i for i, key in enumerate(keys) if key[:len(prefix)] == prefix)
+    own = [tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+           for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    if [keys[i][len(prefix):] for i in leaves] != own:
+        raise ValueError(f"the parameters under {prefix} do not flatten in the sub-module's order")
+    return Piece(graphdef, leaves, jax.tree.structure(state))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """How a model's forward half splits: the embedding, each layer (and the kind it shares a program with), the
+    head, and the layers whose output streams the drafter reads."""
+
+    embed: Piece
+    layers: tuple[Piece, ...]
+    kinds: tuple[int, ...]  # per layer, the index of the first layer of its kind
+    head: tuple[Piece, Piece, Piece]  # hc_head, norm, head
+    hc_mult: int
+    empty_layers: tuple  # one-row empty state per layer (a reset row starts from it)
+    collect: tuple[int, ...]
+
+    @classmethod
+    def supports(cls, model) -> str | None:
+        """Why `model` cannot run as layer programs (None: it can)."""
+        module = model.module()
+        if not all(isinstance(entry, Block) for entry in module.layers):
+            return "its layers are not all plain V4 blocks (a V4.1 model, or stacked layers)"
+        if model.engram is not None:
+            return "it has Engram memory"
+        return None
+
+    @classmethod
+    def for_model(cls, model, empty_layers: list, collect: tuple[int, ...]) -> LayerPlan:
+        module, params = model.module(), model.params
+        layers = tuple(_piece(module, params, ("layers", i)) for i in range(len(module.layers)))
+        shapes = [(p.graphdef, p.tree, tuple((leaf.shape, leaf.dtype) for leaf in p.take(jax.tree.leaves(params))),
+                   jax.tree.structure(empty), tuple(leaf.shape for leaf in jax.tree.leaves(empty)))
+                  for p, empty in zip(layers, empty_layers)]
+        kinds = tuple(shapes.index(key) for key in shapes)
+        return cls(_piece(module, params, ("embed",)), layers, kinds,
+                   tuple(_piece(module, params, (name,)) for name in ("hc_head", "norm", "head")),
+                   model.config.hc_mult, tuple(empty_layers), tuple(collect))
+
+    def embed_program(self, leaves: list, cache: dict, batch: StepBatch, verify_len: int):
+        """(the rows' inputs, their first streams) of the step (`cache`: without its layer state)."""
+        rows = row_inputs(cache, batch, verify_len)
+        return rows, input_streams(self.embed.module(leaves), rows.tokens, self.hc_mult)
+
+    def layer_program(self, layer: int):
+        """The program of layer `layer`'s kind: (weights, its cache state, streams, rows, layer batch) -> (streams,
+        its new cache state)."""
+        piece, empty = self.layers[layer], self.empty_layers[layer]
+
+        def run(leaves: list, state: dict, streams, rows: RowInputs, batch: LayerBatch):
+            block = piece.module(leaves)
+            row_state = layer_rows({"layers": [state]}, batch.slots, batch.block_tables, batch.frozen, [empty],
+                                   batch.reset)[0]
+            streams, new = block(streams, rows.tokens, rows.starts, row_state, rows.counts)
+            return streams, put_rows({"layers": [state]}, batch.slots, [pools(new)])["layers"][0]
+
+        return run
+
+    def head_program(self, leaves: list, streams, taps: list, rows: RowInputs) -> Forwarded:
+        """The verify positions' logits and the drafter's features (the tapped streams, flattened, in order)."""
+        parts = [piece.module(piece_leaves) for piece, piece_leaves in zip(self.head, _split(leaves, self.head))]
+        picked = project_logits(*parts, take_positions(streams, rows.at))
+        features = jnp.concatenate([t.reshape(*t.shape[:2], -1) for t in taps], axis=-1) if taps else None
+        return forwarded(picked, features, rows)
+
+    def head_leaves(self, leaves: list) -> list:
+        return [leaf for piece in self.head for leaf in piece.take(leaves)]
+
+
+def _split(leaves: list, pieces) -> list[list]:
+    """`leaves` (the pieces' leaves one after the other) split by piece."""
+    out, at = [], 0
+    for piece in pieces:
+        out.append(leaves[at:at + len(piece.leaves)])
+        at += len(piece.leaves)
+    return out
+
+
+class LayeredForward:
+    """The forward half as launched programs: `(target leaves, cache, batch) -> (Forwarded, cache)`."""
+
+    def __init__(self, plan: LayerPlan, embed, kinds: dict[int, object], head):
+        self.plan, self.embed, self.head = plan, embed, head
+        self.layers = [kinds[kind] for kind in plan.kinds]
+
+    def __call__(self, target_leaves: list, cache: dict, batch: StepBatch) -> tuple[Forwarded, dict]:
+        plan = self.plan
+        rest, _ = split_cache(cache)
+        rows, streams = self.embed(plan.embed.take(target_leaves), rest, batch)
+        layer_batch = jax.device_put(LayerBatch(batch.slots, batch.block_tables, batch.frozen, batch.reset))
+        states, taps = list(cache["layers"]), {}
+        for i, (program, piece) in enumerate(zip(self.layers, plan.layers)):
+            streams, states[i] = program(piece.take(target_leaves), states[i], streams, rows, layer_batch)
+            if i in plan.collect:
+                taps[i] = streams
+        fwd = self.head(plan.head_leaves(target_leaves), streams, [taps[i] for i in plan.collect], rows)
+        return fwd, {**cache, "layers": states}
+
+
+class LayeredHalves(CompiledHalves):
+    """A bucket's step compiled as layer programs and the decide half (`executables`: embed, one program per
+    kind of layer in kind order, head, decide)."""
+
+    def __init__(self, executables: list, plan: LayerPlan, head_leaves: tuple[int, ...]):
+        kinds = sorted(set(plan.kinds))
+        embed, *programs, head, decide = executables
+        if len(programs) != len(kinds):
+            raise ValueError(f"{len(executables)} executables do not fit a plan of {len(kinds)} layer kinds")
+        super().__init__([LayeredForward(plan, embed, dict(zip(kinds, programs)), head), decide], head_leaves)
+        self._executables = list(executables)
+
+    @property
+    def executables(self) -> list:
+        return self._executables
+
+
+def compile_layered(halves: StepHalves, plan: LayerPlan, weights: tuple, cache: dict, batch: StepBatch,
+                    verify_len: int) -> LayeredHalves:
+    """Ahead-of-time compile one bucket as layer programs plus the decide half (each layer program donating its
+    state, the decide half its cache)."""
+    leaves = weights[0]
+    rest = split_cache(cache)[0]
+    embed = jax.jit(plan.embed_program, static_argnums=3).lower(
+        abstract_shapes(plan.embed.take(leaves)), abstract_shapes(rest), abstract_shapes(batch), verify_len).compile()
+    rows, streams = embed.out_info
+    layer_batch = abstract_shapes(LayerBatch(batch.slots, batch.block_tables, batch.frozen, batch.reset))
+    programs = []
+    for kind in sorted(set(plan.kinds)):
+        programs.append(jax.jit(plan.layer_program(kind), donate_argnums=1).lower(
+            abstract_shapes(plan.layers[kind].take(leaves)), abstract_shapes(cache["layers"][kind]), streams, rows,
+            layer_batch).compile())
+    head = jax.jit(plan.head_program).lower(
+        abstract_shapes(plan.head_leaves(leaves)), streams, [streams] * len(plan.collect), rows).compile()
+    decide = jax.jit(halves.decide, donate_argnums=1, static_argnums=4).lower(
+        *abstract_shapes((decide_weights(weights, halves.head_leaves), rest, decide_batch(batch))), head.out_info,
+        verify_len).compile()
+    return LayeredHalves([embed, *programs, head, decide], plan, halves.head_leaves)
