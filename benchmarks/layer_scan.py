@@ -1,21 +1,27 @@
-"""Layer-loop benchmark: what storing repeated layers stacked (`model.layer_stack`, `--scan-layers`) buys in
-compile time and costs in decode time on this machine, against the layers unrolled as loaded.
+"""Layer-loop benchmark: the three ways the engine can run a model's repeated layers, compile time against depth
+and decode speed, on this machine.
 
-    jaxseek bench layer-scan                # 4, 8 and 16 layers, decode at 8 (~10 min on 2 idle cores)
+    jaxseek bench layer-scan                # 4, 8 and 16 layers, decode at 8 (~15 min on 2 idle cores)
     jaxseek bench layer-scan --layers 4 8   # fewer
 
 Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
 
 The model: `small` widths with V4-Flash's layer pattern (two sliding layers, (CSA, HCA) pairs, one sliding layer;
-`benchmarks.startup.flash_pattern`), random weights, fp32; stacked, it runs its sliding pair and its (CSA, HCA)
-pairs as two scans. Figures per form (`unrolled`, `stacked`):
+`benchmarks.startup.flash_pattern`), random weights, fp32. The forms:
 
-- `compile_s_by_layers`: seconds per step bucket to compile a one-slot batch-invariant engine's two buckets (decode
-  and a 16-token prefill), persistent compile cache off (`benchmarks.startup.compile_seconds`), and
-  `compile_ratio_{last}_over_{first}`, the most layers' figure over the fewest's;
-- `decode_tok_s_b1` / `_b16`: greedy decode tokens per second of an engine with 16 slots (`--decode-layers` layers,
-  16-token prompts, 64 new tokens per row), median of `--repeats` runs alternating the two forms;
-- `stacked_over_unrolled_decode_b1` / `_b16` and `outputs_match` (both forms gave the same tokens).
+- `one_program`: the whole step as one program, every layer unrolled in it (`--no-layer-programs`);
+- `layer_programs`: one program per kind of layer, launched per layer (`serving.layer_programs`, the default);
+- `stacked`: the repeated layers stored stacked and run as scans in one program (`--scan-layers`,
+  `model.layer_stack`).
+
+Figures per form:
+
+- `compile_s_by_layers_{form}`: seconds per step bucket to compile a one-slot batch-invariant engine's two buckets
+  (decode and a 16-token prefill), persistent compile cache off (`benchmarks.startup.compile_seconds`), and
+  `compile_ratio_{last}_over_{first}_{form}`, the most layers' figure over the fewest's;
+- `decode_tok_s_b1_{form}` / `_b16_{form}`: greedy decode tokens per second of an engine with 16 slots
+  (`--decode-layers` layers, 16-token prompts, 64 new tokens per row), median of `--repeats` runs alternating the
+  forms; `{form}_over_one_program_decode_b1` / `_b16`; `outputs_match`: every form gave the same tokens.
 """
 
 from __future__ import annotations
@@ -35,14 +41,15 @@ def log(message: str) -> None:
 
 
 def forms():
-    """(name, model transform) of the two forms."""
+    """(name, model transform, engine settings) of the three forms."""
     from model.layer_stack import stack_layers
 
-    return [("unrolled", lambda model: model), ("stacked", stack_layers)]
+    return [("one_program", None, {"layer_programs": False}), ("layer_programs", None, {}),
+            ("stacked", stack_layers, {})]
 
 
 def decode_rates(layers: int, repeats: int) -> tuple[dict, bool]:
-    """({form: {rows: median tok/s}} at 1 and 16 rows, whether both forms gave the same tokens)."""
+    """({form: {rows: median tok/s}} at 1 and 16 rows, whether every form gave the same tokens)."""
     import numpy as np
 
     from model.config import preset
@@ -51,8 +58,8 @@ def decode_rates(layers: int, repeats: int) -> tuple[dict, bool]:
     from serving.sampling import SamplingParams
 
     model = init_model(flash_pattern(preset("small"), layers), seed=0)
-    engines = {name: Engine(transform(model), max_slots=16, max_len=1024, prefill_chunk=16)
-               for name, transform in forms()}
+    engines = {name: Engine(transform(model) if transform else model, max_slots=16, max_len=1024, prefill_chunk=16,
+                            **settings) for name, transform, settings in forms()}
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     rng = np.random.default_rng(0)
     rates, tokens = {name: {} for name in engines}, {name: [] for name in engines}
@@ -68,7 +75,7 @@ def decode_rates(layers: int, repeats: int) -> tuple[dict, bool]:
                 times[name].append(time.perf_counter() - start)
         for name in engines:
             rates[name][rows] = rows * greedy.max_tokens / statistics.median(times[name])
-    return rates, tokens["unrolled"] == tokens["stacked"]
+    return rates, all(out == tokens["one_program"] for out in tokens.values())
 
 
 def summary(compile_s: dict[str, dict[int, float]], rates: dict, match: bool) -> dict:
@@ -80,8 +87,8 @@ def summary(compile_s: dict[str, dict[int, float]], rates: dict, match: bool) ->
         out[f"compile_ratio_{last}_over_{first}_{name}"] = round(by[last] / by[first], 3)
     for name, by in rates.items():
         out |= {f"decode_tok_s_b{rows}_{name}": round(rate, 1) for rows, rate in by.items()}
-    out |= {f"stacked_over_unrolled_decode_b{rows}": round(rates["stacked"][rows] / rates["unrolled"][rows], 3)
-            for rows in rates["unrolled"]}
+    out |= {f"{name}_over_one_program_decode_b{rows}": round(by[rows] / rates["one_program"][rows], 3)
+            for name, by in rates.items() if name != "one_program" for rows in by}
     return out | {"outputs_match": match}
 
 
@@ -98,11 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     jax.config.update("jax_compilation_cache_dir", None)  # compile for real
     result = {"load_avg_1m_start": round(os.getloadavg()[0], 2)}
-    compile_s = {name: {} for name, _ in forms()}
+    compile_s = {name: {} for name, _, _ in forms()}
     for layers in sorted(set(args.layers)):
-        for name, transform in forms():
+        for name, transform, settings in forms():
             log(f"compiling {layers} layers, {name}")
-            compile_s[name][layers] = compile_seconds(layers, transform)
+            compile_s[name][layers] = compile_seconds(layers, transform, **settings)
     log(f"decoding at {args.decode_layers} layers")
     rates, match = decode_rates(args.decode_layers, args.repeats)
     result |= summary(compile_s, rates, match) | {"load_avg_1m_end": round(os.getloadavg()[0], 2),

@@ -12,6 +12,8 @@ Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite
 - `compile_s_by_layers`: seconds to compile one step bucket of a `small`-width model (V4-Flash's layer pattern,
   random weights) with 4, 8 and 16 layers: a one-slot batch-invariant engine's two buckets (decode and a
   16-token prefill), no persistent cache, halved.
+  The engine runs its layers as one program per kind of layer (`serving.layer_programs`).
+- `compile_s_by_layers_one_program`: the same with the whole step as one program (`--no-layer-programs`).
 - `compile_s_by_layers_stacked`: the same with the model's repeated layers stacked (`model.layer_stack`,
   `--scan-layers`), run as scans.
 - `dspark_warmup_s`: the bundled model's DSpark engine with 16 slots, from construction to the end of
@@ -61,16 +63,16 @@ def flash_pattern(config, layers: int):
     return dataclasses.replace(config, num_hidden_layers=len(ratios) - 1, compress_ratios=ratios)
 
 
-def compile_seconds(layers: int, transform=None) -> float:
+def compile_seconds(layers: int, transform=None, **settings) -> float:
     """Seconds per bucket to compile a one-slot engine's decode and prefill buckets, `small` widths; `transform`
-    (e.g. `model.layer_stack.stack_layers`) is applied to the model first."""
+    (e.g. `model.layer_stack.stack_layers`) is applied to the model first, `settings` go to the engine."""
     from model.config import preset
     from model.initialize import init_model
     from serving.engine import Engine
 
     model = init_model(flash_pattern(preset("small"), layers), seed=0)
     model = model if transform is None else transform(model)
-    engine = Engine(model, max_slots=1, max_len=256, prefill_chunk=16, batch_invariant=True)
+    engine = Engine(model, max_slots=1, max_len=256, prefill_chunk=16, batch_invariant=True, **settings)
     start = time.perf_counter()
     engine.warmup()
     return (time.perf_counter() - start) / len(engine.buckets())
@@ -104,12 +106,14 @@ def main(argv: list[str] | None = None) -> dict:
     jax.config.update("jax_compilation_cache_dir", None)  # compile for real below
     from model.layer_stack import stack_layers
 
-    for key, transform in (("compile_s_by_layers", None), ("compile_s_by_layers_stacked", stack_layers)):
+    for suffix, transform, settings in (("", None, {}), ("_one_program", None, {"layer_programs": False}),
+                                        ("_stacked", stack_layers, {})):
+        key = f"compile_s_by_layers{suffix}"
         result[key] = {}
         for layers in LAYERS:
-            log(f"compiling a {layers}-layer small-width engine{' (stacked layers)' if transform else ''}")
-            result[key][str(layers)] = round(compile_seconds(layers, transform), 2)
-    for suffix in ("", "_stacked"):
+            log(f"compiling a {layers}-layer small-width engine {suffix[1:]}")
+            result[key][str(layers)] = round(compile_seconds(layers, transform, **settings), 2)
+    for suffix in ("", "_one_program", "_stacked"):
         by = result[f"compile_s_by_layers{suffix}"]
         result[f"compile_ratio_16_over_4{suffix}"] = round(by["16"] / by["4"], 2)
     if not args.skip_dspark:

@@ -270,6 +270,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_cache_and_grammar_flags(e) -> None:
+    e.add_argument("--layer-programs", action=argparse.BooleanOptionalAction, default=None,
+                   help="V4 on one device: run the step's layers as one compiled program per kind of layer, so "
+                        "compile time does not grow with depth (default: wherever the model allows)")
     """Engine flags `generate` and `serve` share: speculation, prefix caching, the KV pool, jump-forward decoding
     of grammar-forced tokens, bounded decoder replay."""
     e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
@@ -313,6 +316,7 @@ def _engine_config(args, **settings):
     mesh = {"mesh": args.mesh, "redundant_experts": args.redundant_experts, "eplb_every": args.eplb_every}
     return EngineConfig(max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                         batch_invariant=args.batch_invariant, seed=args.seed, speculation=args.speculation,
+                        layer_programs=args.layer_programs,
                         num_drafts=args.num_drafts, prefix_cache=prefix,
                         host_pages=args.host_pages, prefix_snapshots=args.prefix_snapshots,
                         jump_forward=args.jump_forward, token_budget=args.token_budget,

@@ -182,11 +182,8 @@ def is_stacked(model) -> bool:
 
 
 def _restacked(model, transform):
-    from model.api import Model
-    from model.config_v41 import V41Config
-
-    if isinstance(model.config, V41Config):
+    if hasattr(model.config, "n_prefill_layer"):  # a V4.1 config
         raise ValueError("stacked layers are supported for V4 models; V4.1's layers share KV across groups")
     module = model.module()
     module.layers = nnx.List(transform(list(module.layers)))
-    return Model(module, tokenizer=model.tokenizer, engram=model.engram, drafter=model.drafter)
+    return type(model)(module, tokenizer=model.tokenizer, engram=model.engram, drafter=model.drafter)

@@ -73,10 +73,10 @@ def test_bench_layer_scan_summary_is_json_safe():
     (the stacked model itself is checked against the unstacked one in tests/test_layer_stack.py)."""
     from benchmarks import layer_scan
 
-    compile_s = {"unrolled": {4: np.float64(2.0), 16: 8.0}, "stacked": {4: 2.0, 16: np.float32(2.5)}}
-    rates = {"unrolled": {1: np.float64(50.0), 16: 200.0}, "stacked": {1: 40.0, 16: np.float32(100.0)}}
+    compile_s = {"one_program": {4: np.float64(2.0), 16: 8.0}, "stacked": {4: 2.0, 16: np.float32(2.5)}}
+    rates = {"one_program": {1: np.float64(50.0), 16: 200.0}, "stacked": {1: 40.0, 16: np.float32(100.0)}}
     line = json.loads(json_line(layer_scan.summary(compile_s, rates, True)))
-    assert line["compile_ratio_16_over_4_unrolled"] == 4.0 and line["compile_ratio_16_over_4_stacked"] == 1.25
+    assert line["compile_ratio_16_over_4_one_program"] == 4.0 and line["compile_ratio_16_over_4_stacked"] == 1.25
     assert line["compile_s_by_layers_stacked"] == {"4": 2.0, "16": 2.5}
-    assert line["stacked_over_unrolled_decode_b1"] == 0.8 and line["stacked_over_unrolled_decode_b16"] == 0.5
+    assert line["stacked_over_one_program_decode_b1"] == 0.8 and line["stacked_over_one_program_decode_b16"] == 0.5
     assert line["decode_tok_s_b16_stacked"] == 100.0 and line["outputs_match"] is True

@@ -1,0 +1,54 @@
+"""Layer programs (`serving.layer_programs`): layers of one structure share a compiled program (kinds as by hand),
+a bucket compiles the embedding, one program per kind, the head and the decide half whatever the depth, and the
+engine's tokens and logits equal the model's full forward (the reference; tests/test_engine.py checks the same
+for the tiny model's default engine, which runs layer programs). Models and settings it does not cover run as one
+program, and asking for it there is refused by name."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from model.config import preset
+from model.layer_stack import stack_layers
+from serving.engine import Engine
+from serving.engine_config import EngineConfig
+from serving.sampling import SamplingParams
+from tests.helpers import greedy_full_forward, random_model
+from tests.typecheck import unchecked
+
+# a sliding hash layer, (CSA, HCA) twice, a sliding layer; MTP: one sliding layer
+CONFIG = dataclasses.replace(preset("tiny"), num_hidden_layers=6, compress_ratios=(0, 4, 16, 4, 16, 0, 0))
+PROMPTS = [np.random.default_rng(4).integers(0, CONFIG.vocab_size, n).tolist() for n in (7, 30)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CONFIG, seed=5, noise=0.05)
+
+
+def test_layers_of_one_structure_share_a_program_and_the_engine_gives_the_models_tokens(model):
+    engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, batch_invariant=True,
+                    return_logits=True)
+    # the hash-routed sliding layer 0 and the plain sliding layer 5 differ (a routing table against a gate bias)
+    assert engine.layer_plan is not None and engine.layer_plan.kinds == (0, 1, 2, 1, 2, 5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = engine.generate(PROMPTS, greedy)
+    for bucket, compiled in engine.compiled.items():  # embed, 4 kinds, head, decide
+        assert len(compiled.executables) == 7, bucket
+    for out, (tokens, logits) in zip(outputs, greedy_full_forward(model, PROMPTS, 6)):
+        assert out.token_ids == tokens
+        np.testing.assert_allclose(np.stack(out.logits), logits, atol=2e-5, rtol=0)
+
+
+def test_models_it_does_not_cover_run_as_one_program(model):
+    assert Engine(stack_layers(model), max_slots=2, max_len=64).layer_plan is None
+    assert Engine(model, max_slots=2, max_len=64, layer_programs=False).layer_plan is None
+    v41 = random_model(preset("tiny-v41"))
+    assert Engine(v41, max_slots=2, max_len=64).layer_plan is None
+    with pytest.raises(ValueError, match="cannot run as layer programs"):
+        Engine(v41, max_slots=2, max_len=64, layer_programs=True)
+    with pytest.raises(ValueError, match="layer_programs=True is single-device"):
+        EngineConfig(mesh="dp=2", layer_programs=True)
+    with unchecked(), pytest.raises(ValueError, match="layer_programs must be"):
+        EngineConfig(layer_programs="yes")
