@@ -140,8 +140,8 @@ class Engine:
         stored = directory() if self.data_parallel is None else None
         self.executables = None if stored is None else ExecutableCache(
             stored, model.config, drafter.config if drafter else None, self.layout, self.replay,
-            self.layer_plan is None, config.num_top_logprobs, config.return_logits, self._engram_shapes(), describe(self.weights),
-            describe(self.cache))
+            self.layer_plan is None, config.num_top_logprobs, config.return_logits, self._engram_shapes(),
+            describe(self.weights), describe(self.cache))
         self.requests: dict[str, Request] = {}
         self.pending: list[tuple[list[Row], object]] = []
         self._cancelled: list[RequestOutput] = []

@@ -103,18 +103,25 @@ class DrafterSpec(NamedTuple):
     target_layers: tuple[int, ...]
 
 
+class RowInputs(NamedTuple):
+    """What each row runs in a step, resolved on the device: its tokens (a decode / verify row's from its slot),
+    their kinds, its start position and real-token count, the drafts it verifies, its verify positions."""
+
+    tokens: Int[Array, "r t"]
+    kinds: Int[Array, "r t"]
+    starts: Int[Array, " r"]
+    counts: Int[Array, " r"]
+    drafted: Int[Array, " r"]
+    at: Int[Array, "r v"]
+
+
 class Forwarded(NamedTuple):
-    """What the forward half of a step hands the decide half (device arrays): the verify positions' logits and
-    where they lie, the rows' tokens as run (a verify row's from its slot) and the drafter's target features."""
+    """What the forward half of a step hands the decide half (device arrays): the verify positions' logits, the
+    drafter's target features and what the rows ran (`RowInputs`)."""
 
     picked: Float[Array, "r v vocab"]
     features: Float[Array, "r t f"]  # the drafter's target-layer features ([r, t, 0] without a drafter)
-    tokens: Int[Array, "r t"]
-    kinds: Int[Array, "r t"]
-    starts: Int[Array, " r"]  # the rows' start positions (a decode / verify row's from its slot)
-    counts: Int[Array, " r"]
-    drafted: Int[Array, " r"]
-    at: Int[Array, "r v"]  # the verify positions in the row
+    rows: RowInputs
 
 
 class DecideBatch(NamedTuple):
@@ -139,18 +146,6 @@ def decide_weights(weights: tuple, head_leaves: tuple[int, ...]) -> tuple:
     """What the decide half takes of a step's `weights` (target leaves, drafter leaves): (the target leaves at
     `head_leaves`, the drafter's leaves)."""
     return [weights[0][i] for i in head_leaves], weights[1]
-
-
-class RowInputs(NamedTuple):
-    """What each row runs in a step, resolved on the device: its tokens (a decode / verify row's from its slot),
-    their kinds, its start position and real-token count, the drafts it verifies, its verify positions."""
-
-    tokens: Int[Array, "r t"]
-    kinds: Int[Array, "r t"]
-    starts: Int[Array, " r"]
-    counts: Int[Array, " r"]
-    drafted: Int[Array, " r"]
-    at: Int[Array, "r v"]
 
 
 def row_inputs(cache: dict, batch: StepBatch, verify_len: int) -> RowInputs:
@@ -181,7 +176,7 @@ def forwarded(picked: Float[Array, "r v vocab"], features: Float[Array, "r t f"]
     """The forward half's hand-over: the verify positions' logits, the drafter's features (None: no drafter)."""
     if features is None:
         features = jnp.zeros((*rows.tokens.shape, 0), picked.dtype)
-    return Forwarded(picked, features, rows.tokens, rows.kinds, rows.starts, rows.counts, rows.drafted, rows.at)
+    return Forwarded(picked, features, rows)
 
 
 LAYER_STATE = ("layers",)  # the cache entries the forward half updates; the decide half the rest
@@ -233,12 +228,13 @@ def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
     def decide(weights: tuple, cache: dict, batch: DecideBatch, fwd: Forwarded, verify_len: int
                ) -> tuple[StepOutput, dict]:
         head, drafter_leaves = weights
-        slots, tokens, starts, drafted, at = batch.slots, fwd.tokens, fwd.starts, fwd.drafted, fwd.at
+        rows_in = fwd.rows
+        slots, tokens, starts, drafted, at = batch.slots, rows_in.tokens, rows_in.starts, rows_in.drafted, rows_in.at
         rows = tokens.shape[0]
         scratch = cache["last_token"].shape[0] - 1
         constrained = jnp.any(batch.bitmask != ALL_ALLOWED)  # an unconstrained batch skips the masking
         picked = jax.lax.cond(constrained, apply_token_bitmask, lambda x, _: x, fwd.picked, batch.bitmask)
-        cache, processed = _processed(cache, batch, slots, tokens, fwd.kinds, fwd.counts, at, picked)
+        cache, processed = _processed(cache, batch, slots, tokens, rows_in.kinds, rows_in.counts, at, picked)
         emitted, accepted, accept_prob = _decide(cache, batch, slots, starts, tokens, drafted, at, processed)
 
         # commit: the accepted drafts and the final token count as outputs; the final token is the slot's last
@@ -257,7 +253,7 @@ def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
             dmodule = nnx.merge(drafter.graphdef, jax.tree.unflatten(drafter.param_tree, drafter_leaves))
             dstate = jax.lax.optimization_barrier(gather_slots(cache["drafter"], slots, drafter.empty_state,
                                                                batch.reset))
-            absorbed = jnp.where(batch.sample, at[:, 0] + accepted + 1, fwd.counts)
+            absorbed = jnp.where(batch.sample, at[:, 0] + accepted + 1, rows_in.counts)
             out = dmodule.serve(head[0], head[1], fwd.features, tokens, starts, absorbed, dstate, final,
                                 batch.sampling.seed, batch.sampling.temperature, batch.draft)
             drafted_to = jnp.where(batch.draft, emit, scratch)  # not drafting: the slots keep their old blocks
