@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from model.paged import Paged, is_paged
+from model.paged import is_paged
 
 
 def layer_runs(keys: list) -> list[tuple[int, int, int]]:
@@ -147,11 +147,14 @@ def unstack_blocks(segments: list) -> list:
             continue
         split = [nnx.split(blk) for blk in segment.blocks]
         for r in range(segment.repeats):
-            for graphdef, state in split:
-                out.append(nnx.merge(graphdef, jax.tree.map(
-                    lambda v: v.replace(v.get_value()[r], out_sharding=v.get_metadata()["out_sharding"][1:]),
-                    state, is_leaf=lambda x: isinstance(x, nnx.Variable))))
+            out += [nnx.merge(graphdef, _repeat(state, r)) for graphdef, state in split]
     return out
+
+
+def _repeat(state, r: int):
+    """Repeat `r` of a stacked parameter state: each Variable's slice r, without the `layers` axis name."""
+    return jax.tree.map(lambda v: v.replace(v.get_value()[r], out_sharding=v.get_metadata()["out_sharding"][1:]),
+                        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def layer_spans(segments) -> list[tuple[int, int]]:
