@@ -29,7 +29,7 @@ def _load(args):
         model = init_model(preset(args.config), seed=args.seed, weights=weights or "float32")
     else:
         model = load_model(weights=weights)  # the bundled default model
-    if getattr(args, "scan_layers", False):
+    if args.scan_layers:
         from model.layer_stack import stack_layers
 
         return stack_layers(model)

@@ -43,8 +43,9 @@ def layer_runs(keys: list) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _layer_key(block) -> tuple:
-    """What makes two blocks interchangeable in a scan: the same graph and parameter shapes and dtypes."""
+def layer_key(block) -> tuple:
+    """What makes two blocks interchangeable (in a scan, or one compiled program): the same graph and parameter
+    shapes and dtypes."""
     graphdef, state = nnx.split(block)
     return graphdef, jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
 
@@ -117,11 +118,10 @@ def _layer_update(state: dict, new: dict, layer: Int[Array, ""]) -> dict:
         state, new, is_leaf=is_paged)
 
 
-def stack_blocks(blocks: list, keys: list | None = None) -> list:
+def stack_blocks(blocks: list) -> list:
     """`blocks` (one per layer) with every run of repeats (`layer_runs`) replaced by one `LayerStack`."""
-    keys = [_layer_key(blk) for blk in blocks] if keys is None else keys
     out = []
-    for first, period, repeats in layer_runs(keys):
+    for first, period, repeats in layer_runs([layer_key(blk) for blk in blocks]):
         if repeats == 1:
             out.append(blocks[first])
             continue

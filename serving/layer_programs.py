@@ -28,12 +28,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Int
 
+from model.layer_stack import layer_key
 from model.paged import pools
 from model.replay import take_positions
 from model.transformer import Block, input_streams, project_logits
 from serving.kv_cache import layer_rows, put_rows
-from serving.step import (CompiledHalves, Forwarded, RowInputs, StepBatch, StepHalves, abstract_shapes, decide_batch,
-                          decide_weights, forwarded, row_inputs, split_cache)
+from serving.step import (CompiledHalves, Forwarded, RowInputs, StepBatch, StepHalves, abstract_shapes, compile_decide,
+                          forwarded, row_inputs, split_cache)
 
 
 class LayerBatch(NamedTuple):
@@ -61,18 +62,20 @@ class Piece:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.tree, leaves))
 
 
-def _piece(module, params, prefix: tuple) -> Piece:
-    """The `Piece` of the sub-module at key path `prefix` of a model's parameter state."""
+def _key_paths(tree) -> list[tuple]:
+    """Each leaf's key path as plain keys (`("layers", 3, "attn", "wq_a", "weight", "value")`), in leaf order."""
+    return [tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _piece(module, paths: list[tuple], prefix: tuple) -> Piece:
+    """The `Piece` of the sub-module at key path `prefix` of a model whose parameter leaves have `paths`."""
     sub = module
     for key in prefix:
         sub = sub[key] if isinstance(key, int) else getattr(sub, key)
     graphdef, state = nnx.split(sub)
-    keys = [tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
-            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    leaves = tuple(i for i, key in enumerate(keys) if key[:len(prefix)] == prefix)
-    own = [tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
-           for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    if [keys[i][len(prefix):] for i in leaves] != own:
+    leaves = tuple(i for i, path in enumerate(paths) if path[:len(prefix)] == prefix)
+    if [paths[i][len(prefix):] for i in leaves] != _key_paths(state):
         raise ValueError(f"the parameters under {prefix} do not flatten in the sub-module's order")
     return Piece(graphdef, leaves, jax.tree.structure(state))
 
@@ -102,14 +105,13 @@ class LayerPlan:
 
     @classmethod
     def for_model(cls, model, empty_layers: list, collect: tuple[int, ...]) -> LayerPlan:
-        module, params = model.module(), model.params
-        layers = tuple(_piece(module, params, ("layers", i)) for i in range(len(module.layers)))
-        shapes = [(p.graphdef, p.tree, tuple((leaf.shape, leaf.dtype) for leaf in p.take(jax.tree.leaves(params))),
-                   jax.tree.structure(empty), tuple(leaf.shape for leaf in jax.tree.leaves(empty)))
-                  for p, empty in zip(layers, empty_layers)]
-        kinds = tuple(shapes.index(key) for key in shapes)
-        return cls(_piece(module, params, ("embed",)), layers, kinds,
-                   tuple(_piece(module, params, (name,)) for name in ("hc_head", "norm", "head")),
+        module, paths = model.module(), _key_paths(model.params)
+        keys = [(layer_key(block), jax.tree.structure(empty), tuple(leaf.shape for leaf in jax.tree.leaves(empty)))
+                for block, empty in zip(module.layers, empty_layers)]
+        return cls(_piece(module, paths, ("embed",)),
+                   tuple(_piece(module, paths, ("layers", i)) for i in range(len(module.layers))),
+                   tuple(keys.index(key) for key in keys),
+                   tuple(_piece(module, paths, (name,)) for name in ("hc_head", "norm", "head")),
                    model.config.hc_mult, tuple(empty_layers), tuple(collect))
 
     def embed_program(self, leaves: list, cache: dict, batch: StepBatch, verify_len: int):
@@ -131,24 +133,17 @@ class LayerPlan:
 
         return run
 
-    def head_program(self, leaves: list, streams, taps: list, rows: RowInputs) -> Forwarded:
-        """The verify positions' logits and the drafter's features (the tapped streams, flattened, in order)."""
-        parts = [piece.module(piece_leaves) for piece, piece_leaves in zip(self.head, _split(leaves, self.head))]
+    def head_program(self, leaves: list[list], streams, taps: list, rows: RowInputs) -> Forwarded:
+        """The verify positions' logits and the drafter's features (the tapped streams, flattened, in order);
+        `leaves`: the head pieces' leaves (`head_leaves`)."""
+        parts = [piece.module(piece_leaves) for piece, piece_leaves in zip(self.head, leaves)]
         picked = project_logits(*parts, take_positions(streams, rows.at))
         features = jnp.concatenate([t.reshape(*t.shape[:2], -1) for t in taps], axis=-1) if taps else None
         return forwarded(picked, features, rows)
 
-    def head_leaves(self, leaves: list) -> list:
-        return [leaf for piece in self.head for leaf in piece.take(leaves)]
-
-
-def _split(leaves: list, pieces) -> list[list]:
-    """`leaves` (the pieces' leaves one after the other) split by piece."""
-    out, at = [], 0
-    for piece in pieces:
-        out.append(leaves[at:at + len(piece.leaves)])
-        at += len(piece.leaves)
-    return out
+    def head_leaves(self, leaves: list) -> list[list]:
+        """The leaves of `hc_head`, `norm` and `head`, one list each."""
+        return [piece.take(leaves) for piece in self.head]
 
 
 class LayeredForward:
@@ -206,7 +201,5 @@ def compile_layered(halves: StepHalves, plan: LayerPlan, weights: tuple, cache: 
             layer_batch).compile())
     head = jax.jit(plan.head_program).lower(
         abstract_shapes(plan.head_leaves(leaves)), streams, [streams] * len(plan.collect), rows).compile()
-    decide = jax.jit(halves.decide, donate_argnums=1, static_argnums=4).lower(
-        *abstract_shapes((decide_weights(weights, halves.head_leaves), rest, decide_batch(batch))), head.out_info,
-        verify_len).compile()
+    decide = compile_decide(halves, weights, cache, batch, head.out_info, verify_len)
     return LayeredHalves([embed, *programs, head, decide], plan, halves.head_leaves)

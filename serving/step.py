@@ -370,7 +370,14 @@ def compile_halves(halves: StepHalves, weights: tuple, cache: dict, batch: StepB
     """Ahead-of-time compile one bucket's step as its two halves (each donating its cache)."""
     forward = jax.jit(halves.forward, donate_argnums=1, static_argnums=3).lower(
         *abstract_shapes((weights[0], cache, batch)), verify_len).compile()
-    decide = jax.jit(halves.decide, donate_argnums=1, static_argnums=4).lower(
+    return CompiledHalves([forward, compile_decide(halves, weights, cache, batch, forward.out_info[0], verify_len)],
+                          halves.head_leaves)
+
+
+def compile_decide(halves: StepHalves, weights: tuple, cache: dict, batch: StepBatch, forwarded_info,
+                   verify_len: int):
+    """Ahead-of-time compile a bucket's decide half (donating its cache) for a forward half whose `Forwarded`
+    has the shapes `forwarded_info`."""
+    return jax.jit(halves.decide, donate_argnums=1, static_argnums=4).lower(
         *abstract_shapes((decide_weights(weights, halves.head_leaves), split_cache(cache)[0], decide_batch(batch),
-                    forward.out_info[0])), verify_len).compile()
-    return CompiledHalves([forward, decide], halves.head_leaves)
+                          forwarded_info)), verify_len).compile()
