@@ -23,12 +23,24 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Bool, Float, Float32, Int
 
 from pallas_kernels import tuning
+from pallas_kernels.expert_views import ExpertViews
 from pallas_kernels.quant_linear import dot_f32
 
 
 def clamped_swiglu(gate: Float[Array, "..."], up: Float[Array, "..."], limit: float) -> Float[Array, "..."]:
     """silu(min(gate, limit)) * clip(up, -limit, limit)."""
     return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def few_pairs(pairs: int, n_exp: int) -> bool:
+    """Whether `routed_experts_reference` runs `pairs` (token, expert) pairs one by one, each reading only its
+    expert's weights (fewer pairs than experts: decode of a token or two)."""
+    return pairs < n_exp
+
+
+VIEWED_BRANCHES = 128
+"""The most (pairs x experts) switch branches `viewed_pairs` is given to compile per MoE layer: the `small` preset's
+batch-1 decode has 16, a V4-Flash-sized one (6 of 256) would have 1,536, and keeps the stacked experts."""
 
 
 DENSE_PAIRS_PER_EXPERT = 8
@@ -40,12 +52,15 @@ top-6 of 256, or an expert shard's received pairs (one expert each), take the so
 
 
 def routed_experts_reference(
-    x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Float[Array, "e i d"],
-    w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float, pairs: int | None = None,
+    x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
+    w1: Float[Array, "e i d"] | ExpertViews, w2: Float[Array, "e d i"] | ExpertViews,
+    w3: Float[Array, "e i d"] | ExpertViews, limit: float, pairs: int | None = None,
 ) -> Float[Array, "t d"]:
     """Sum over each token's chosen experts of weight * expert(x), accumulated in fp32 (`dot_f32`).
 
-    Three forms by the number of pairs P = t*k (each pair's numbers are its expert's on its token either way).
+    Given `ExpertViews` (the CPU engine's decode: `serving.layer_programs`), each pair runs its expert through a
+    switch over the experts' own arrays (`viewed_pairs`). Otherwise three forms by the number of pairs P = t*k
+    (each pair's numbers are its expert's on its token either way).
     With fewer pairs than experts (decode of a token or two), each pair indexes its expert's weights and reads
     only those (XLA:CPU copies the slice once, where a gather of the pairs' expert weights ran at a tenth of the
     speed; a `switch` over the experts ran no faster and compiled one branch per expert, 24x slower at 64).
@@ -66,7 +81,10 @@ def routed_experts_reference(
     def mlp(v, w1, w2, w3):  # v [..., d] through one expert's weights, or v [..., g, d] through stacked ones [g, ...]
         return dot_f32(clamped_swiglu(dot_f32(v, w1), dot_f32(v, w3), limit), w2)
 
-    if ids.size < n_exp:
+    if isinstance(w1, ExpertViews):
+        return viewed_pairs(x, ids, weights, [functools.partial(mlp, w1=a, w2=b, w3=c)
+                                              for a, b, c in zip(w1.parts, w2.parts, w3.parts)])
+    if few_pairs(ids.size, n_exp):
         out = jnp.zeros(x.shape, jnp.float32)
         for t, k in np.ndindex(ids.shape):
             e = ids[t, k]
@@ -80,6 +98,20 @@ def routed_experts_reference(
         per_pair = expert_passes(x, ids, lambda xs: mlp(xs, w1, w2, w3), n_exp, rows)
         return jnp.sum(per_pair * weights[..., None], axis=1)
     return expert_tiles(x, ids, weights, n_exp, lambda v, e: mlp(v, w1[e], w2[e], w3[e]), pairs)
+
+
+def viewed_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], experts: list
+                 ) -> Float32[Array, "t d"]:
+    """Sum over each token's pairs of weight * expert output, pair by pair in order, each a switch over
+    `experts` (one function [d] -> [d] per expert, closing over that expert's own arrays: `ExpertViews`), so the
+    chosen expert's weights are read where they lie. Unrolled: pairs x experts branches compile (a loop over
+    the pairs compiles the branches once but ran 1.13x slower at batch 1, `small`), so callers keep that
+    product small (`VIEWED_BRANCHES`)."""
+    k = ids.shape[1]
+    out = jnp.zeros(x.shape, jnp.float32)
+    for t, j in np.ndindex(ids.shape):
+        out = out.at[t].add(weights[t, j] * jax.lax.switch(ids[t, j], experts, x[t]))
+    return out
 
 
 def expert_tiles(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], n_exp: int, expert,
@@ -149,8 +181,9 @@ def sort_pairs(ids: Int[Array, "t k"], n_exp: int, tile: int, valid: Bool[Array,
 
 
 def routed_experts(
-    x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Float[Array, "e i d"],
-    w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float, pairs: int | None = None,
+    x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
+    w1: Float[Array, "e i d"] | ExpertViews, w2: Float[Array, "e d i"] | ExpertViews,
+    w3: Float[Array, "e i d"] | ExpertViews, limit: float, pairs: int | None = None,
 ) -> Float[Array, "t d"]:
     """Pallas form of `routed_experts_reference`. Its tiles are the tuning table's `moe_block_m` rows, whatever
     `pairs` expects; weight-0 pairs run (their output is weighted 0)."""

@@ -12,6 +12,7 @@ Glossary: m rows of activations, i inputs, o outputs, kb scale blocks along i.
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,16 +22,37 @@ from jaxtyping import Array, Float, Float32, Shaped
 from pallas_kernels import tuning
 
 
+SPLIT_GEMV_BYTES = 2**22
+"""Below this many bytes of fp32 weight, XLA:CPU runs a one-row product x W^T on one thread (measured on 2 cores:
+about 10 GB/s for weights of 0.25 to 2 MB, about 20 GB/s from 4 MB up, where it uses both)."""
+
+
+def gemv_groups(w: Float[Array, "*g o i"]) -> int:
+    """Into how many groups of rows `dot_f32` splits fp32 weight `w` for a one-row product: one per core this
+    process may use (the largest such count dividing W's rows) for a small 2-D weight on the CPU backend, where
+    XLA:CPU spreads a batched product over its threads (about 20 GB/s at 1 MB on 2 cores); 1 otherwise."""
+    if jax.default_backend() != "cpu" or w.ndim != 2 or w.size * 4 >= SPLIT_GEMV_BYTES:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(g for g in range(1, min(cores, w.shape[0]) + 1) if w.shape[0] % g == 0)
+
+
 def dot_f32(x: Float[Array, "... i"], w: Float[Array, "*g o i"], round_inputs: bool = True
             ) -> Float32[Array, "... o"]:
     """x W^T accumulated in fp32 for a float weight [o, i], or a grouped one [g, o, i] applied to x's group axis.
     A narrower weight (bf16) takes the forms XLA:CPU fuses (reference/quantized-weights.md (d)): one row is a
     reduction over the weight upcast in the same fusion, more rows a dot in the weight's dtype accumulating in
     fp32, the activations rounded to it (unless `round_inputs` is False: then an fp32 dot of the upcast
-    weight)."""
+    weight). One row through a small fp32 weight is a product batched over groups of W's rows
+    (`gemv_groups`); each output is the same dot product either way."""
     spec = "...i,oi->...o" if w.ndim == 2 else "...gi,goi->...go"
     rows = math.prod(x.shape[:x.ndim - w.ndim + 1])
     if w.dtype == jnp.float32 or (not round_inputs and rows > 1):
+        groups = gemv_groups(w) if rows == 1 and w.dtype == jnp.float32 else 1
+        if groups > 1:
+            one = jnp.broadcast_to(x.reshape(1, 1, -1).astype(jnp.float32), (groups, 1, x.shape[-1]))
+            y = jnp.einsum("gti,goi->tgo", one, w.reshape(groups, -1, w.shape[-1]))
+            return y.reshape(*x.shape[:-1], w.shape[0])
         return jnp.einsum(spec, x.astype(jnp.float32), w.astype(jnp.float32))
     if rows == 1:  # the weight first: XLA:CPU runs `x * w` several times slower (measured, 4096 x 4096)
         lead, one = x.shape[:x.ndim - w.ndim + 1], x.reshape(x.shape[x.ndim - w.ndim + 1:]).astype(jnp.float32)

@@ -246,7 +246,8 @@ class Engine:
         executables = (compile_bucket() if self.executables is None else
                        self.executables.load_or_compile(bucket, compile_bucket))
         if plan is not None:
-            self.compiled[bucket] = LayeredHalves(executables, plan, self._halves.head_leaves)
+            self.compiled[bucket] = LayeredHalves(executables, plan, self._halves.head_leaves,
+                                                  plan.viewed(rows, width))
         else:
             self.compiled[bucket] = CompiledHalves(executables, self._halves.head_leaves) if halves else executables[0]
 

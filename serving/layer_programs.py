@@ -14,6 +14,10 @@ layers are 5 kinds. Launches are asynchronous, so the host runs ahead of the dev
 layer costs a launch. The decide half is the whole step's. Each piece runs the code the whole step traces, so
 tokens and logits equal it (tests/test_layer_programs.py).
 
+On the CPU backend, a bucket of fewer (token, expert) pairs than experts (decode of a token or two) passes each
+layer's float expert stacks as per-expert views (`pallas_kernels.expert_views`: aliases of the stack, made once),
+so the chosen experts are multiplied where they lie instead of being copied out of the stack first.
+
 Used by a single-device engine on a V4 model whose layers are not stacked (`model.layer_stack` already compiles
 one body per run).
 """
@@ -32,6 +36,9 @@ from model.layer_stack import layer_key
 from model.paged import pools
 from model.replay import take_positions
 from model.transformer import Block, input_streams, project_logits
+from pallas_kernels import registry
+from pallas_kernels.expert_views import ExpertViews, expert_views
+from pallas_kernels.moe import VIEWED_BRANCHES, few_pairs
 from serving.kv_cache import layer_rows, put_rows
 from serving.step import (CompiledHalves, Forwarded, RowInputs, StepBatch, StepHalves, abstract_shapes, compile_decide,
                           forwarded, row_inputs, split_cache)
@@ -92,6 +99,9 @@ class LayerPlan:
     hc_mult: int
     empty_layers: tuple  # one-row empty state per layer (a reset row starts from it)
     collect: tuple[int, ...]
+    experts: tuple[int, ...]  # the leaves that are float routed-expert stacks [E, ...]
+    n_experts: int
+    top_k: int
 
     @classmethod
     def supports(cls, model) -> str | None:
@@ -108,11 +118,31 @@ class LayerPlan:
         module, paths = model.module(), _key_paths(model.params)
         keys = [(layer_key(block), jax.tree.structure(empty), tuple(leaf.shape for leaf in jax.tree.leaves(empty)))
                 for block, empty in zip(module.layers, empty_layers)]
+        float_experts = {i for i, block in enumerate(module.layers)
+                         if block.ffn.experts.stacked()[0] == "routed_experts"}
+        experts = tuple(i for i, path in enumerate(paths) if path[0] == "layers" and path[1] in float_experts
+                        and path[2:] in {("ffn", "experts", name, "value") for name in ("w1", "w2", "w3")})
         return cls(_piece(module, paths, ("embed",)),
                    tuple(_piece(module, paths, ("layers", i)) for i in range(len(module.layers))),
                    tuple(keys.index(key) for key in keys),
                    tuple(_piece(module, paths, (name,)) for name in ("hc_head", "norm", "head")),
-                   model.config.hc_mult, tuple(empty_layers), tuple(collect))
+                   model.config.hc_mult, tuple(empty_layers), tuple(collect), experts,
+                   model.config.n_routed_experts, model.config.num_experts_per_tok)
+
+    def viewed(self, rows: int, width: int) -> bool:
+        """Whether a bucket of `rows` x `width` tokens passes the float expert stacks as per-expert views: on the
+        CPU backend with the reference kernels, when the step's pairs are few enough to run one by one and their
+        switches over the experts stay within `VIEWED_BRANCHES`."""
+        pairs = rows * width * self.top_k
+        return (bool(self.experts) and jax.default_backend() == "cpu" and registry.implementation() == "reference"
+                and few_pairs(pairs, self.n_experts) and pairs * self.n_experts <= VIEWED_BRANCHES)
+
+    def with_views(self, leaves: list, views) -> list:
+        """`leaves` with each float expert stack replaced by `views(stack)`, a tuple with one entry per expert."""
+        out = list(leaves)
+        for i in self.experts:
+            out[i] = views(leaves[i])
+        return out
 
     def embed_program(self, leaves: list, cache: dict, batch: StepBatch, verify_len: int):
         """(the rows' inputs, their first streams) of the step (`cache`: without its layer state)."""
@@ -125,7 +155,7 @@ class LayerPlan:
         piece, empty = self.layers[layer], self.empty_layers[layer]
 
         def run(leaves: list, state: dict, streams, rows: RowInputs, batch: LayerBatch):
-            block = piece.module(leaves)
+            block = piece.module([ExpertViews(leaf) if isinstance(leaf, tuple) else leaf for leaf in leaves])
             row_state = layer_rows({"layers": [state]}, batch.slots, batch.block_tables, batch.frozen, [empty],
                                    batch.reset)[0]
             streams, new = block(streams, rows.tokens, rows.starts, row_state, rows.counts)
@@ -147,14 +177,23 @@ class LayerPlan:
 
 
 class LayeredForward:
-    """The forward half as launched programs: `(target leaves, cache, batch) -> (Forwarded, cache)`."""
+    """The forward half as launched programs: `(target leaves, cache, batch) -> (Forwarded, cache)`; `viewed`: the
+    layer programs take per-expert views of the float expert stacks (`LayerPlan.viewed`)."""
 
-    def __init__(self, plan: LayerPlan, embed, kinds: dict[int, object], head):
-        self.plan, self.embed, self.head = plan, embed, head
+    def __init__(self, plan: LayerPlan, embed, kinds: dict[int, object], head, viewed: bool):
+        self.plan, self.embed, self.head, self.viewed = plan, embed, head, viewed
         self.layers = [kinds[kind] for kind in plan.kinds]
+        self.views: dict[int, tuple] = {}  # id(stack) -> (stack, its expert views), made once per stack
+
+    def _expert_views(self, stack) -> tuple:
+        if id(stack) not in self.views or self.views[id(stack)][0] is not stack:
+            self.views[id(stack)] = (stack, expert_views(stack))
+        return self.views[id(stack)][1]
 
     def __call__(self, target_leaves: list, cache: dict, batch: StepBatch) -> tuple[Forwarded, dict]:
         plan = self.plan
+        if self.viewed:
+            target_leaves = plan.with_views(target_leaves, self._expert_views)
         rest, _ = split_cache(cache)
         rows, streams = self.embed(plan.embed.take(target_leaves), rest, batch)
         layer_batch = jax.device_put(LayerBatch(batch.slots, batch.block_tables, batch.frozen, batch.reset))
@@ -171,17 +210,23 @@ class LayeredHalves(CompiledHalves):
     """A bucket's step compiled as layer programs and the decide half (`executables`: embed, one program per
     kind of layer in kind order, head, decide)."""
 
-    def __init__(self, executables: list, plan: LayerPlan, head_leaves: tuple[int, ...]):
+    def __init__(self, executables: list, plan: LayerPlan, head_leaves: tuple[int, ...], viewed: bool):
         kinds = sorted(set(plan.kinds))
         embed, *programs, head, decide = executables
         if len(programs) != len(kinds):
             raise ValueError(f"{len(executables)} executables do not fit a plan of {len(kinds)} layer kinds")
-        super().__init__([LayeredForward(plan, embed, dict(zip(kinds, programs)), head), decide], head_leaves)
+        super().__init__([LayeredForward(plan, embed, dict(zip(kinds, programs)), head, viewed), decide],
+                         head_leaves)
         self._executables = list(executables)
 
     @property
     def executables(self) -> list:
         return self._executables
+
+    @property
+    def layered(self) -> LayeredForward:
+        """The forward half's programs."""
+        return self._forward
 
 
 def compile_layered(halves: StepHalves, plan: LayerPlan, weights: tuple, cache: dict, batch: StepBatch,
@@ -189,6 +234,8 @@ def compile_layered(halves: StepHalves, plan: LayerPlan, weights: tuple, cache: 
     """Ahead-of-time compile one bucket as layer programs plus the decide half (each layer program donating its
     state, the decide half its cache)."""
     leaves = weights[0]
+    viewed = plan.viewed(*batch.tokens.shape)
+    layer_leaves = plan.with_views(leaves, _abstract_views) if viewed else leaves
     rest = split_cache(cache)[0]
     embed = jax.jit(plan.embed_program, static_argnums=3).lower(
         abstract_shapes(plan.embed.take(leaves)), abstract_shapes(rest), abstract_shapes(batch), verify_len).compile()
@@ -197,9 +244,14 @@ def compile_layered(halves: StepHalves, plan: LayerPlan, weights: tuple, cache: 
     programs = []
     for kind in sorted(set(plan.kinds)):
         programs.append(jax.jit(plan.layer_program(kind), donate_argnums=1).lower(
-            abstract_shapes(plan.layers[kind].take(leaves)), abstract_shapes(cache["layers"][kind]), streams, rows,
+            abstract_shapes(plan.layers[kind].take(layer_leaves)), abstract_shapes(cache["layers"][kind]), streams, rows,
             layer_batch).compile())
     head = jax.jit(plan.head_program).lower(
         abstract_shapes(plan.head_leaves(leaves)), streams, [streams] * len(plan.collect), rows).compile()
     decide = compile_decide(halves, weights, cache, batch, head.out_info, verify_len)
-    return LayeredHalves([embed, *programs, head, decide], plan, halves.head_leaves)
+    return LayeredHalves([embed, *programs, head, decide], plan, halves.head_leaves, viewed)
+
+
+def _abstract_views(stack) -> tuple:
+    """The shapes of `expert_views(stack)`."""
+    return tuple(jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype) for _ in range(stack.shape[0]))

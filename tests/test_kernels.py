@@ -8,6 +8,7 @@ blocks that run past their arrays; the `in_bounds` fixture finds gathers and sli
 
 import contextlib
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jax.extend import core as jax_core
 
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks, quantize_fp4_packed, quantize_fp8_blocks
 from pallas_kernels import fp4_experts, hyper, moe, paged_attention, quant_linear, registry, sparse_attention, tuning
+from pallas_kernels.expert_views import ExpertViews, expert_views
 
 pytestmark = pytest.mark.kernels
 ON_GPU = jax.default_backend() == "gpu"
@@ -194,6 +196,36 @@ def test_routed_experts_equal_reference(t, k, e):
     unchosen = ~np.isin(np.arange(e), np.asarray(ids))
     ws_nan = [np.where(unchosen.reshape(-1, 1, 1), np.nan, w) for w in ws]  # experts nobody chose: never read
     close(moe.routed_experts(x, ids, weights, *map(jnp.asarray, ws_nan), 10.0), expected)
+
+
+@pytest.mark.skipif(ON_GPU, reason="expert views alias host memory (the CPU backend's)")
+@pytest.mark.parametrize("t,k,e", [(1, 2, 8), (2, 3, 8)])  # decode of one token, of two
+def test_expert_views_read_only_the_chosen_experts(t, k, e):
+    """Given per-expert views aliasing the stacks, the reference runs each pair through a switch over the experts'
+    own arrays: equal to float64 numpy, with NaN in every expert nobody chose (never read)."""
+    rng = np.random.default_rng(11 + t)
+    x, ids, weights, ws = moe_case(rng, t, k, e, unused=(0,))
+    unchosen = ~np.isin(np.arange(e), np.asarray(ids))
+    stacks = [jnp.asarray(np.where(unchosen.reshape(-1, 1, 1), np.nan, w)) for w in ws]
+    views = [expert_views(stack) for stack in stacks]
+    for stack, parts in zip(stacks, views):
+        assert [p.unsafe_buffer_pointer() - stack.unsafe_buffer_pointer() for p in parts] == \
+            [j * stack[0].nbytes for j in range(e)]
+    got = jax.jit(lambda *v: moe.routed_experts_reference(x, ids, weights, *map(ExpertViews, v), 10.0))(*views)
+    close(got, _experts_numpy(x, ids, weights, *ws, 10.0), 1e-5)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the split is XLA:CPU's")
+@pytest.mark.parametrize("lead,out,inp", [((1,), 512, 512), ((1, 1), 96, 40), ((1,), 2048, 1024), ((1,), 7, 16)])
+def test_one_row_dot_splits_small_weights_by_core(lead, out, inp):
+    """One row through a small fp32 weight runs as a product batched over one group of rows per core (the
+    largest count that divides the rows); from 4 MiB up, one product. Either way x W^T as float64 numpy."""
+    rng = np.random.default_rng(out)
+    x, w = rng.normal(size=(*lead, inp)).astype(np.float32), (rng.normal(size=(out, inp)) / inp**0.5).astype(np.float32)
+    cores = len(os.sched_getaffinity(0))
+    expected_groups = 1 if out * inp * 4 >= 2**22 else max(g for g in range(1, cores + 1) if out % g == 0)
+    assert quant_linear.gemv_groups(jnp.asarray(w)) == expected_groups
+    close(jax.jit(quant_linear.dot_f32)(jnp.asarray(x), jnp.asarray(w)), x.astype(np.float64) @ w.T, 1e-5)
 
 
 def test_routed_experts_all_tokens_on_one_expert(in_bounds):

@@ -41,6 +41,25 @@ def test_layers_of_one_structure_share_a_program_and_the_engine_gives_the_models
         np.testing.assert_allclose(np.stack(out.logits), logits, atol=2e-5, rtol=0)
 
 
+def test_one_row_decode_reads_the_chosen_experts_where_they_lie(model):
+    """A one-row decode bucket (2 pairs, fewer than the 4 experts) passes each layer's expert stacks as views that
+    alias the stack, expert by expert (no copy); prefill buckets keep the stacks. Tokens and logits still equal
+    the model's full forward."""
+    engine = Engine(model, max_slots=1, max_len=64, page_tokens=16, prefill_chunk=16, return_logits=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = engine.generate(PROMPTS, greedy)
+    viewed = {bucket for bucket, compiled in engine.compiled.items() if compiled.layered.viewed}
+    assert viewed and viewed == {bucket for bucket in engine.compiled if bucket[1] == 1}
+    views = engine.compiled[min(viewed)].layered.views
+    assert len(views) == 3 * CONFIG.num_hidden_layers  # w1, w2, w3 of every layer
+    for stack, parts in views.values():
+        offsets = [part.unsafe_buffer_pointer() - stack.unsafe_buffer_pointer() for part in parts]
+        assert offsets == [e * stack.nbytes // stack.shape[0] for e in range(stack.shape[0])]
+    for out, (tokens, logits) in zip(outputs, greedy_full_forward(model, PROMPTS, 6)):
+        assert out.token_ids == tokens
+        np.testing.assert_allclose(np.stack(out.logits), logits, atol=2e-5, rtol=0)
+
+
 def test_models_it_does_not_cover_run_as_one_program(model):
     assert Engine(stack_layers(model), max_slots=2, max_len=64).layer_plan is None
     assert Engine(model, max_slots=2, max_len=64, layer_programs=False).layer_plan is None
