@@ -12,7 +12,6 @@ Glossary: m rows of activations, i inputs, o outputs, kb scale blocks along i.
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +32,7 @@ def gemv_groups(w: Float[Array, "*g o i"]) -> int:
     XLA:CPU spreads a batched product over its threads (about 20 GB/s at 1 MB on 2 cores); 1 otherwise."""
     if jax.default_backend() != "cpu" or w.ndim != 2 or w.size * 4 >= SPLIT_GEMV_BYTES:
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(g for g in range(1, min(cores, w.shape[0]) + 1) if w.shape[0] % g == 0)
+    return max(g for g in range(1, min(tuning.host_cores(), w.shape[0]) + 1) if w.shape[0] % g == 0)
 
 
 def dot_f32(x: Float[Array, "... i"], w: Float[Array, "*g o i"], round_inputs: bool = True

@@ -9,6 +9,7 @@ the device's compute capability. Interpret mode uses small tiles so tests cross 
 import contextlib
 import dataclasses
 import functools
+import os
 
 import jax
 
@@ -47,6 +48,11 @@ DECODE_MAX_QUERIES = 8  # calls with at most this many queries per row use the d
 
 
 _forced: list[str] = []
+
+
+def host_cores() -> int:
+    """The CPU cores this process may run on (XLA:CPU's thread pool has one thread per core)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def compute_capability() -> tuple[int, int]:

@@ -24,7 +24,7 @@ import jax
 import jaxlib
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
-from pallas_kernels import registry
+from pallas_kernels import registry, tuning
 
 LOG = logging.getLogger(__name__)
 
@@ -59,11 +59,12 @@ def _source_digest() -> str:
 
 
 def _environment() -> tuple:
-    """What a trace depends on beyond its inputs: versions, backend and devices, flags, source, kernels."""
+    """What a trace depends on beyond its inputs: versions, backend and devices, flags, source, kernels, host cores
+    (one-row products split by them on the CPU: `quant_linear.gemv_groups`)."""
     return (jax.__version__, jaxlib.__version__, jax.default_backend(), jax.devices()[0].client.platform_version,
             tuple(d.device_kind for d in jax.devices()), os.environ.get("XLA_FLAGS", ""),
             jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision), _source_digest(),
-            registry.implementation())
+            registry.implementation(), tuning.host_cores())
 
 
 def describe(tree) -> str:

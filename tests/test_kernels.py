@@ -222,7 +222,7 @@ def test_one_row_dot_splits_small_weights_by_core(lead, out, inp):
     largest count that divides the rows); from 4 MiB up, one product. Either way x W^T as float64 numpy."""
     rng = np.random.default_rng(out)
     x, w = rng.normal(size=(*lead, inp)).astype(np.float32), (rng.normal(size=(out, inp)) / inp**0.5).astype(np.float32)
-    cores = len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0))  # the machine's, as XLA:CPU's thread pool sees it
     expected_groups = 1 if out * inp * 4 >= 2**22 else max(g for g in range(1, cores + 1) if out % g == 0)
     assert quant_linear.gemv_groups(jnp.asarray(w)) == expected_groups
     close(jax.jit(quant_linear.dot_f32)(jnp.asarray(x), jnp.asarray(w)), x.astype(np.float64) @ w.T, 1e-5)
