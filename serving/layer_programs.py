@@ -183,17 +183,14 @@ class LayeredForward:
     def __init__(self, plan: LayerPlan, embed, kinds: dict[int, object], head, viewed: bool):
         self.plan, self.embed, self.head, self.viewed = plan, embed, head, viewed
         self.layers = [kinds[kind] for kind in plan.kinds]
-        self.views: dict[int, tuple] = {}  # id(stack) -> (stack, its expert views), made once per stack
-
-    def _expert_views(self, stack) -> tuple:
-        if id(stack) not in self.views or self.views[id(stack)][0] is not stack:
-            self.views[id(stack)] = (stack, expert_views(stack))
-        return self.views[id(stack)][1]
+        self.views: tuple[list, list] | None = None  # (target leaves, the same with expert views), made once
 
     def __call__(self, target_leaves: list, cache: dict, batch: StepBatch) -> tuple[Forwarded, dict]:
         plan = self.plan
         if self.viewed:
-            target_leaves = plan.with_views(target_leaves, self._expert_views)
+            if self.views is None or self.views[0] is not target_leaves:
+                self.views = (target_leaves, plan.with_views(target_leaves, expert_views))
+            target_leaves = self.views[1]
         rest, _ = split_cache(cache)
         rows, streams = self.embed(plan.embed.take(target_leaves), rest, batch)
         layer_batch = jax.device_put(LayerBatch(batch.slots, batch.block_tables, batch.frozen, batch.reset))

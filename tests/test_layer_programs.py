@@ -50,9 +50,9 @@ def test_one_row_decode_reads_the_chosen_experts_where_they_lie(model):
     outputs = engine.generate(PROMPTS, greedy)
     viewed = {bucket for bucket, compiled in engine.compiled.items() if compiled.layered.viewed}
     assert viewed and viewed == {bucket for bucket in engine.compiled if bucket[1] == 1}
-    views = engine.compiled[min(viewed)].layered.views
-    assert len(views) == 3 * CONFIG.num_hidden_layers  # w1, w2, w3 of every layer
-    for stack, parts in views.values():
+    leaves, with_views = engine.compiled[min(viewed)].layered.views
+    assert len(engine.layer_plan.experts) == 3 * CONFIG.num_hidden_layers  # w1, w2, w3 of every layer
+    for stack, parts in ((leaves[i], with_views[i]) for i in engine.layer_plan.experts):
         offsets = [part.unsafe_buffer_pointer() - stack.unsafe_buffer_pointer() for part in parts]
         assert offsets == [e * stack.nbytes // stack.shape[0] for e in range(stack.shape[0])]
     for out, (tokens, logits) in zip(outputs, greedy_full_forward(model, PROMPTS, 6)):
