@@ -45,7 +45,7 @@ from serving.step import (CompiledHalves, Forwarded, RowInputs, StepBatch, StepH
 
 
 class LayerBatch(NamedTuple):
-    """What a layer program reads of the step's batch (placed on the device once per step)."""
+    """What a layer program reads of the step's batch (an output of the embed program: on the device with it)."""
 
     slots: Int[Array, " r"]
     block_tables: Int[Array, "r p"]
@@ -145,9 +145,12 @@ class LayerPlan:
         return out
 
     def embed_program(self, leaves: list, cache: dict, batch: StepBatch, verify_len: int):
-        """(the rows' inputs, their first streams) of the step (`cache`: without its layer state)."""
+        """(the rows' inputs, their first streams, what the layer programs read of the batch) of the step
+        (`cache`: without its layer state); the layer batch comes out on the device with them, so the host
+        places nothing more per step."""
         rows = row_inputs(cache, batch, verify_len)
-        return rows, input_streams(self.embed.module(leaves), rows.tokens, self.hc_mult)
+        layer_batch = LayerBatch(batch.slots, batch.block_tables, batch.frozen, batch.reset)
+        return rows, input_streams(self.embed.module(leaves), rows.tokens, self.hc_mult), layer_batch
 
     def layer_program(self, layer: int):
         """The program of layer `layer`'s kind: (weights, its cache state, streams, rows, layer batch) -> (streams,
@@ -192,8 +195,7 @@ class LayeredForward:
                 self.views = (target_leaves, plan.with_views(target_leaves, expert_views))
             target_leaves = self.views[1]
         rest, _ = split_cache(cache)
-        rows, streams = self.embed(plan.embed.take(target_leaves), rest, batch)
-        layer_batch = jax.device_put(LayerBatch(batch.slots, batch.block_tables, batch.frozen, batch.reset))
+        rows, streams, layer_batch = self.embed(plan.embed.take(target_leaves), rest, batch)
         states, taps = list(cache["layers"]), {}
         for i, (program, piece) in enumerate(zip(self.layers, plan.layers)):
             streams, states[i] = program(piece.take(target_leaves), states[i], streams, rows, layer_batch)
@@ -236,8 +238,7 @@ def compile_layered(halves: StepHalves, plan: LayerPlan, weights: tuple, cache: 
     rest = split_cache(cache)[0]
     embed = jax.jit(plan.embed_program, static_argnums=3).lower(
         abstract_shapes(plan.embed.take(leaves)), abstract_shapes(rest), abstract_shapes(batch), verify_len).compile()
-    rows, streams = embed.out_info
-    layer_batch = abstract_shapes(LayerBatch(batch.slots, batch.block_tables, batch.frozen, batch.reset))
+    rows, streams, layer_batch = embed.out_info
     programs = []
     for kind in sorted(set(plan.kinds)):
         programs.append(jax.jit(plan.layer_program(kind), donate_argnums=1).lower(
