@@ -39,7 +39,7 @@ def few_pairs(pairs: int, n_exp: int) -> bool:
 
 
 VIEWED_BRANCHES = 128
-"""The most (pairs x experts) switch branches `viewed_pairs` is given to compile per MoE layer: the `small` preset's
+"""The most (pairs x experts) switch branches `pair_by_pair` is given to compile per MoE layer: the `small` preset's
 batch-1 decode has 16, a V4-Flash-sized one (6 of 256) would have 1,536, and keeps the stacked experts."""
 
 
@@ -59,11 +59,12 @@ def routed_experts_reference(
     """Sum over each token's chosen experts of weight * expert(x), accumulated in fp32 (`dot_f32`).
 
     Given `ExpertViews` (the CPU engine's decode: `serving.layer_programs`), each pair runs its expert through a
-    switch over the experts' own arrays (`viewed_pairs`). Otherwise three forms by the number of pairs P = t*k
-    (each pair's numbers are its expert's on its token either way).
+    switch over the experts' own arrays, read where they lie (`pair_by_pair`). Otherwise three forms by the
+    number of pairs P = t*k (each pair's numbers are its expert's on its token either way).
     With fewer pairs than experts (decode of a token or two), each pair indexes its expert's weights and reads
     only those (XLA:CPU copies the slice once, where a gather of the pairs' expert weights ran at a tenth of the
-    speed; a `switch` over the experts ran no faster and compiled one branch per expert, 24x slower at 64).
+    speed; a `switch` over slices of the stack ran no faster, the slices being copied too, and compiled one
+    branch per expert, 24x slower at 64).
     Up to `DENSE_PAIRS_PER_EXPERT` pairs per expert with at most `DENSE_FLOPS_RATIO` experts per chosen one
     (batched decode of a model with few experts), the experts run as batched matmuls over the stacked weights
     (each expert read once, no sort or weight copy): every token through every expert when there are few tokens,
@@ -82,14 +83,10 @@ def routed_experts_reference(
         return dot_f32(clamped_swiglu(dot_f32(v, w1), dot_f32(v, w3), limit), w2)
 
     if isinstance(w1, ExpertViews):
-        return viewed_pairs(x, ids, weights, [functools.partial(mlp, w1=a, w2=b, w3=c)
-                                              for a, b, c in zip(w1.parts, w2.parts, w3.parts)])
+        branches = [functools.partial(mlp, w1=a, w2=b, w3=c) for a, b, c in zip(w1.parts, w2.parts, w3.parts)]
+        return pair_by_pair(x, ids, weights, lambda v, e: jax.lax.switch(e, branches, v))
     if few_pairs(ids.size, n_exp):
-        out = jnp.zeros(x.shape, jnp.float32)
-        for t, k in np.ndindex(ids.shape):
-            e = ids[t, k]
-            out = out.at[t].add(weights[t, k] * mlp(x[t], w1[e], w2[e], w3[e]))
-        return out
+        return pair_by_pair(x, ids, weights, lambda v, e: mlp(v, w1[e], w2[e], w3[e]))
     if ids.size <= DENSE_PAIRS_PER_EXPERT * n_exp and n_exp <= DENSE_FLOPS_RATIO * ids.shape[1]:
         rows = min(x.shape[0], pl.next_power_of_2(-(-2 * ids.size // n_exp)))
         if rows == x.shape[0] or rows < 8:  # every token through every expert (few rows: reading is the cost)
@@ -100,17 +97,15 @@ def routed_experts_reference(
     return expert_tiles(x, ids, weights, n_exp, lambda v, e: mlp(v, w1[e], w2[e], w3[e]), pairs)
 
 
-def viewed_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], experts: list
+def pair_by_pair(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], expert
                  ) -> Float32[Array, "t d"]:
-    """Sum over each token's pairs of weight * expert output, pair by pair in order, each a switch over
-    `experts` (one function [d] -> [d] per expert, closing over that expert's own arrays: `ExpertViews`), so the
-    chosen expert's weights are read where they lie. Unrolled: pairs x experts branches compile (a loop over
-    the pairs compiles the branches once but ran 1.13x slower at batch 1, `small`), so callers keep that
-    product small (`VIEWED_BRANCHES`)."""
-    k = ids.shape[1]
+    """Sum over each token's pairs of weight * `expert(token [d], expert id)` -> [d], pair by pair in order,
+    unrolled. With a switch over `ExpertViews` per pair, pairs x experts branches compile (a loop over the
+    pairs compiles them once but ran 1.13x slower at batch 1, `small`), so callers keep that product small
+    (`VIEWED_BRANCHES`)."""
     out = jnp.zeros(x.shape, jnp.float32)
     for t, j in np.ndindex(ids.shape):
-        out = out.at[t].add(weights[t, j] * jax.lax.switch(ids[t, j], experts, x[t]))
+        out = out.at[t].add(weights[t, j] * expert(x[t], ids[t, j]))
     return out
 
 
@@ -181,9 +176,8 @@ def sort_pairs(ids: Int[Array, "t k"], n_exp: int, tile: int, valid: Bool[Array,
 
 
 def routed_experts(
-    x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
-    w1: Float[Array, "e i d"] | ExpertViews, w2: Float[Array, "e d i"] | ExpertViews,
-    w3: Float[Array, "e i d"] | ExpertViews, limit: float, pairs: int | None = None,
+    x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Float[Array, "e i d"],
+    w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float, pairs: int | None = None,
 ) -> Float[Array, "t d"]:
     """Pallas form of `routed_experts_reference`. Its tiles are the tuning table's `moe_block_m` rows, whatever
     `pairs` expects; weight-0 pairs run (their output is weighted 0)."""
