@@ -270,11 +270,14 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_cache_and_grammar_flags(e) -> None:
+    """Engine flags `generate` and `serve` share: speculation, prefix caching, the KV pool, jump-forward decoding
+    of grammar-forced tokens, bounded decoder replay, how the step is compiled and the weights held."""
     e.add_argument("--layer-programs", action=argparse.BooleanOptionalAction, default=None,
                    help="V4 on one device: run the step's layers as one compiled program per kind of layer, so "
                         "compile time does not grow with depth (default: wherever the model allows)")
-    """Engine flags `generate` and `serve` share: speculation, prefix caching, the KV pool, jump-forward decoding
-    of grammar-forced tokens, bounded decoder replay."""
+    e.add_argument("--host-layout", action=argparse.BooleanOptionalAction, default=None,
+                   help="on the CPU backend: hold the fp32 routed-expert weights transposed, the layout XLA:CPU "
+                        "multiplies fastest (default: on a CPU without --mesh)")
     e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
                    help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
                    "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
@@ -314,9 +317,14 @@ def _engine_config(args, **settings):
         "replay": Replay(args.replay or "compact", args.replay_keep or DEFAULT_KEEP)}
     prefix = None if args.no_prefix_cache is None else not args.no_prefix_cache
     mesh = {"mesh": args.mesh, "redundant_experts": args.redundant_experts, "eplb_every": args.eplb_every}
+    host_layout = args.host_layout
+    if host_layout is None:
+        from pallas_kernels import registry
+
+        host_layout = not args.mesh and jax.default_backend() == "cpu" and registry.implementation() == "reference"
     return EngineConfig(max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                         batch_invariant=args.batch_invariant, seed=args.seed, speculation=args.speculation,
-                        layer_programs=args.layer_programs,
+                        layer_programs=args.layer_programs, host_layout=host_layout,
                         num_drafts=args.num_drafts, prefix_cache=prefix,
                         host_pages=args.host_pages, prefix_snapshots=args.prefix_snapshots,
                         jump_forward=args.jump_forward, token_budget=args.token_budget,

@@ -29,6 +29,7 @@ from model.config import ModelConfig, config_from_dict, read_config_json
 from model.config_v41 import V41Config
 from model.dspark import DSparkConfig, DSparkDrafter, Drafter, checkpoint_name
 from model.engram import EngramMemory, canonical_vocab, table_names
+from model.host_layout import checkpoint_layout
 from model.layer_stack import is_stacked, stack_layers, unstack_layers
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks
 from model.safetensors_io import INDEX_NAME, read_tensors, write_sharded, write_tensors
@@ -70,6 +71,8 @@ def to_native(model: Model | Drafter) -> dict[str, np.ndarray]:
     """The parameters as a dict of checkpoint tensor names to host arrays (experts split per expert; stacked
     layers, `model.layer_stack`, one per layer)."""
     rename = lambda name: name  # noqa: E731
+    if isinstance(model, Model):
+        model = checkpoint_layout(model)  # weights an engine holds transposed (`model.host_layout`)
     if isinstance(model, Model) and is_stacked(model):
         model = unstack_layers(model)
     if isinstance(model, Drafter):

@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, Float, Float32, Int
 from pallas_kernels import tuning
 from pallas_kernels.expert_views import ExpertViews
 from pallas_kernels.quant_linear import dot_f32
+from pallas_kernels.transposed_weights import TransposedWeight, logical
 
 
 def clamped_swiglu(gate: Float[Array, "..."], up: Float[Array, "..."], limit: float) -> Float[Array, "..."]:
@@ -53,12 +54,15 @@ top-6 of 256, or an expert shard's received pairs (one expert each), take the so
 
 def routed_experts_reference(
     x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
-    w1: Float[Array, "e i d"] | ExpertViews, w2: Float[Array, "e d i"] | ExpertViews,
-    w3: Float[Array, "e i d"] | ExpertViews, limit: float, pairs: int | None = None,
+    w1: Float[Array, "e i d"] | ExpertViews | TransposedWeight,
+    w2: Float[Array, "e d i"] | ExpertViews | TransposedWeight,
+    w3: Float[Array, "e i d"] | ExpertViews | TransposedWeight, limit: float, pairs: int | None = None,
 ) -> Float[Array, "t d"]:
     """Sum over each token's chosen experts of weight * expert(x), accumulated in fp32 (`dot_f32`).
 
-    Given `ExpertViews` (the CPU engine's decode: `serving.layer_programs`), each pair runs its expert through a
+    The stacks may be held transposed (`TransposedWeight`, `model.host_layout`): every form below contracts
+    them in that layout. Given `ExpertViews` (the CPU engine's decode: `serving.layer_programs`), possibly of
+    transposed stacks, each pair runs its expert through a
     switch over the experts' own arrays, read where they lie (`pair_by_pair`). Otherwise three forms by the
     number of pairs P = t*k (each pair's numbers are its expert's on its token either way).
     With fewer pairs than experts (decode of a token or two), each pair indexes its expert's weights and reads
@@ -82,8 +86,9 @@ def routed_experts_reference(
     def mlp(v, w1, w2, w3):  # v [..., d] through one expert's weights, or v [..., g, d] through stacked ones [g, ...]
         return dot_f32(clamped_swiglu(dot_f32(v, w1), dot_f32(v, w3), limit), w2)
 
-    if isinstance(w1, ExpertViews):
-        branches = [functools.partial(mlp, w1=a, w2=b, w3=c) for a, b, c in zip(w1.parts, w2.parts, w3.parts)]
+    if isinstance(w1, ExpertViews) or isinstance(getattr(w1, "t", None), ExpertViews):
+        parts = [expert_parts(w) for w in (w1, w2, w3)]
+        branches = [functools.partial(mlp, w1=a, w2=b, w3=c) for a, b, c in zip(*parts)]
         return pair_by_pair(x, ids, weights, lambda v, e: jax.lax.switch(e, branches, v))
     if few_pairs(ids.size, n_exp):
         return pair_by_pair(x, ids, weights, lambda v, e: mlp(v, w1[e], w2[e], w3[e]))
@@ -95,6 +100,14 @@ def routed_experts_reference(
         per_pair = expert_passes(x, ids, lambda xs: mlp(xs, w1, w2, w3), n_exp, rows)
         return jnp.sum(per_pair * weights[..., None], axis=1)
     return expert_tiles(x, ids, weights, n_exp, lambda v, e: mlp(v, w1[e], w2[e], w3[e]), pairs)
+
+
+def expert_parts(w: ExpertViews | TransposedWeight) -> tuple:
+    """The per-expert weights of a stack given as views: the views' arrays, each still transposed if the stack
+    was."""
+    if isinstance(w, TransposedWeight):
+        return tuple(TransposedWeight(part) for part in w.t.parts)
+    return w.parts
 
 
 def pair_by_pair(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], expert
@@ -176,11 +189,14 @@ def sort_pairs(ids: Int[Array, "t k"], n_exp: int, tile: int, valid: Bool[Array,
 
 
 def routed_experts(
-    x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], w1: Float[Array, "e i d"],
-    w2: Float[Array, "e d i"], w3: Float[Array, "e i d"], limit: float, pairs: int | None = None,
+    x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
+    w1: Float[Array, "e i d"] | TransposedWeight, w2: Float[Array, "e d i"] | TransposedWeight,
+    w3: Float[Array, "e i d"] | TransposedWeight, limit: float, pairs: int | None = None,
 ) -> Float[Array, "t d"]:
     """Pallas form of `routed_experts_reference`. Its tiles are the tuning table's `moe_block_m` rows, whatever
-    `pairs` expects; weight-0 pairs run (their output is weighted 0)."""
+    `pairs` expects; weight-0 pairs run (their output is weighted 0). Transposed stacks (a CPU engine's
+    `model.host_layout`) are put back in the checkpoint layout first, a copy per call."""
+    w1, w2, w3 = (logical(w) for w in (w1, w2, w3))
     t, k = ids.shape
     n_exp, inter, dim = w1.shape
     tiles = tuning.tiles()

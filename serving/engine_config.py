@@ -39,6 +39,7 @@ class EngineConfig:
     zero_overhead: bool = True  # read step N after dispatching step N+1 (always off for Engram models)
     context_tokens: int = 1024  # the smallest context bucket: a step reads the power-of-two multiple covering its longest row
     layer_programs: bool | None = None  # V4: the forward as one program per kind of layer (None: where supported)
+    host_layout: bool = False  # CPU: hold the model's fp32 routed-expert stacks transposed, in place (`model.host_layout`)
     # ---- outputs
     num_top_logprobs: int = 5  # top alternatives computed per token (a request's logprobs may ask up to this)
     return_logits: bool = False  # keep every row's last-position logits on its request (tests)
@@ -95,6 +96,11 @@ class EngineConfig:
         if self.mesh is not None and self.layer_programs:
             raise ValueError("a data-parallel engine (mesh=...) runs its step as one program: layer_programs=True "
                              "is single-device")
+        if not isinstance(self.host_layout, bool):
+            raise ValueError(f"host_layout must be True or False, got {self.host_layout!r}")
+        if self.mesh is not None and self.host_layout:
+            raise ValueError("host_layout=True is for a single-device CPU engine: a data-parallel engine (mesh=...) "
+                             "places the weights in the checkpoint layout")
         if self.mesh is not None and (self.speculation != "none" or self.prefix_cache):
             raise ValueError("a data-parallel engine (mesh=...) runs without speculation and prefix cache")
         if self.mesh is None and (self.redundant_experts or self.eplb_every):

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from model import moe
 from model.api import Model
+from model.host_layout import checkpoint_layout
 from model.layer_stack import is_stacked
 from serving.kv_cache import CacheLayout, PageAllocator, cache_axes, init_engine_cache
 from serving.request import Request
@@ -98,6 +99,7 @@ class DataParallel:
         if is_stacked(model):
             raise ValueError("a model with stacked layers (model.layer_stack, --scan-layers) runs on one device; "
                              "give the mesh engine the model as loaded")
+        model = checkpoint_layout(model)  # weights a CPU engine held transposed are placed as the checkpoint has them
         if mesh.shape["cp"] != 1:
             raise ValueError("the engine splits requests, not sequences: its mesh must have cp=1")
         self.mesh, self.ranks, self.ep = mesh, mesh.shape["dp"] * mesh.shape["ep"], mesh.shape["ep"]

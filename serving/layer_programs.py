@@ -120,8 +120,9 @@ class LayerPlan:
                 for block, empty in zip(module.layers, empty_layers)]
         float_experts = {i for i, block in enumerate(module.layers)
                          if block.ffn.experts.stacked()[0] == "routed_experts"}
+        stacks = {("ffn", "experts", name, "value") + held for name in ("w1", "w2", "w3") for held in ((), ("t",))}
         experts = tuple(i for i, path in enumerate(paths) if path[0] == "layers" and path[1] in float_experts
-                        and path[2:] in {("ffn", "experts", name, "value") for name in ("w1", "w2", "w3")})
+                        and path[2:] in stacks)  # held as they are or transposed (`model.host_layout`)
         return cls(_piece(module, paths, ("embed",)),
                    tuple(_piece(module, paths, ("layers", i)) for i in range(len(module.layers))),
                    tuple(keys.index(key) for key in keys),

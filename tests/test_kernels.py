@@ -21,6 +21,7 @@ from jax.extend import core as jax_core
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks, quantize_fp4_packed, quantize_fp8_blocks
 from pallas_kernels import fp4_experts, hyper, moe, paged_attention, quant_linear, registry, sparse_attention, tuning
 from pallas_kernels.expert_views import ExpertViews, expert_views
+from pallas_kernels.transposed_weights import TransposedWeight, logical, transposed
 
 pytestmark = pytest.mark.kernels
 ON_GPU = jax.default_backend() == "gpu"
@@ -226,6 +227,45 @@ def test_one_row_dot_splits_small_weights_by_core(lead, out, inp):
     expected_groups = 1 if out * inp * 4 >= 2**22 else max(g for g in range(1, cores + 1) if out % g == 0)
     assert quant_linear.gemv_groups(jnp.asarray(w)) == expected_groups
     close(jax.jit(quant_linear.dot_f32)(jnp.asarray(x), jnp.asarray(w)), x.astype(np.float64) @ w.T, 1e-5)
+
+
+@pytest.mark.parametrize("lead,out,inp", [((1,), 512, 512), ((16,), 512, 512), ((1, 1), 96, 40), ((3, 5), 7, 16)])
+def test_transposed_weight_dot_equals_float64(lead, out, inp):
+    """x W^T through W held as W^T (`TransposedWeight`: one row split along i, one group per core; more rows one
+    product) is float64 numpy's, and the held weight says W's shape."""
+    rng = np.random.default_rng(inp)
+    x, w = rng.normal(size=(*lead, inp)).astype(np.float32), (rng.normal(size=(out, inp)) / inp**0.5).astype(np.float32)
+    held = transposed(jnp.asarray(w))
+    assert held.shape == w.shape and held.t.shape == (inp, out)
+    np.testing.assert_array_equal(logical(held), w)
+    close(jax.jit(quant_linear.dot_f32)(jnp.asarray(x), held), x.astype(np.float64) @ w.T, 1e-5)
+
+
+def test_transposed_grouped_weight_dot_equals_float64():
+    """A grouped weight [g, o, i] held transposed maps each group of x's group axis through its own slice."""
+    rng = np.random.default_rng(3)
+    x, w = rng.normal(size=(5, 4, 24)).astype(np.float32), rng.normal(size=(4, 16, 24)).astype(np.float32) / 5
+    expected = np.einsum("rgi,goi->rgo", x.astype(np.float64), w.astype(np.float64))
+    close(jax.jit(quant_linear.dot_f32)(jnp.asarray(x), transposed(jnp.asarray(w))), expected, 1e-5)
+
+
+@pytest.mark.skipif(ON_GPU, reason="expert views alias host memory (the CPU backend's)")
+@pytest.mark.parametrize("t,k,e,form", [(1, 2, 8, "views"), (1, 2, 8, "pairs"), (4, 2, 8, "dense"),
+                                        (16, 2, 8, "passes"), (40, 2, 8, "tiles")])
+def test_routed_experts_reference_reads_transposed_stacks(t, k, e, form):
+    """Expert stacks held transposed (`model.host_layout`), in each form of the reference (per-expert views, pairs
+    one by one, every token through every expert, passes over the stacks, sorted tiles): float64 numpy."""
+    rng = np.random.default_rng(t + 17)
+    x, ids, weights, ws = moe_case(rng, t, k, e)
+    held = [transposed(jnp.asarray(w)) for w in ws]
+    if form == "views":
+        parts = [expert_views(h.t) for h in held]
+        run = lambda *v: moe.routed_experts_reference(  # noqa: E731
+            x, ids, weights, *(TransposedWeight(ExpertViews(p)) for p in v), 10.0)
+        got = jax.jit(run)(*parts)
+    else:
+        got = jax.jit(lambda *h: moe.routed_experts_reference(x, ids, weights, *h, 10.0))(*held)
+    close(got, _experts_numpy(x, ids, weights, *ws, 10.0), 1e-5)
 
 
 def test_routed_experts_all_tokens_on_one_expert(in_bounds):
