@@ -14,8 +14,9 @@ fixed token ids (numpy seed `--prompt-seed`) given to both sides. The HF side ru
 subprocess that loads the model once and then does one timed run per command; torch gets as many intra-op
 threads as the cores this process may use (all of them), which is what XLA's CPU backend uses.
 
-Engine: `Engine(model, max_slots=16, prefill_chunk=256, max_prefill_rows=2)` (zero-overhead scheduling on,
-the defaults otherwise), `warmup()` first: the compile time of every bucket is `jaxseek_compile_s`, outside
+Engine: `Engine(model, max_slots=16, prefill_chunk=256, max_prefill_rows=2, host_layout=True)` (zero-overhead
+scheduling on, the expert stacks held transposed as `jaxseek generate` and `serve` hold them on a CPU, the
+defaults otherwise), `warmup()` first: the compile time of every bucket is `jaxseek_compile_s`, outside
 every other figure. Each figure is the median of `--repeats` timed runs after one untimed warm-up run per side
 (`*_runs_tps*` lists them), and requests are greedy (temperature 0) with `ignore_eos` (HF: `eos_token_id=None`,
 so EOS neither stops nor is suppressed on either side).
@@ -102,7 +103,8 @@ from serving.sampling import SamplingParams
 
 HF_SCRIPT = REPO_ROOT / "scripts" / "hf_bench.py"  # runs in the oracle venv, from a source checkout
 MAX_SLOTS, PREFILL_CHUNK, MAX_PREFILL_ROWS = 16, 256, 2
-ENGINE = EngineConfig(max_slots=MAX_SLOTS, prefill_chunk=PREFILL_CHUNK, max_prefill_rows=MAX_PREFILL_ROWS)
+ENGINE = EngineConfig(max_slots=MAX_SLOTS, prefill_chunk=PREFILL_CHUNK, max_prefill_rows=MAX_PREFILL_ROWS,
+                      host_layout=True)
 BUSY_CORES = 0.25  # background load above which the result carries a warning
 HEADLINE = ("benchmark", "decode_speedup_b1", "decode_speedup_b16", "roofline_fraction_b1", "roofline_fraction_b16",
             "prefill_speedup", "host_overhead_fraction",
