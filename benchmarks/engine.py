@@ -58,11 +58,14 @@ the ratio least disturbed by a load that changes over time. A busy machine hurts
 per-op thread barriers stall whenever one of its threads has no core (seen here: HF decode steps of ~50 ms
 took ~1.5 s while a test suite ran alongside), so never trust a result with a warning.
 
-Roofline (after the timed runs, `scripts/roofline.py`): this machine's fp32 GEMM peak at each decode step's
-matmul shapes (1 and 16 rows) and its streaming read bandwidth; `model.step_cost` counts the FLOPs and bytes a
-decode step needs at the runs' middle position (each row's chosen experts only, each hit expert read once), and
-`roofline_fraction_b*` = the least time such a step can take (max of FLOPs / peak, bytes / bandwidth) over the
-measured time per step (rows / decode tokens/s).
+Roofline (`benchmarks/roofline.py`): this machine's fp32 GEMM peak at each decode step's matmul shapes (1 and 16
+rows) and its streaming read bandwidth, measured right after each of jaxseek's timed decode rounds (the machine
+may be shared, and its speed drifts over minutes; `roofline_rounds_b*` lists them) and once more after all the
+runs (the top-level `read_bytes_per_s`, `gemm_flops_per_s_b*`). `model.step_cost` counts the FLOPs and bytes a
+decode step needs at the runs' middle position (each row's chosen experts only, each hit expert read once).
+`roofline_fraction_b*` is the median over rounds of the least time such a step takes on the round's roofline
+(max of FLOPs / peak, bytes / bandwidth) over the round's measured time per step (rows / decode tokens/s);
+`roofline_fraction_end_b*` pairs the median decode with the measurement after all the runs instead.
 
 Speedups are jaxseek tokens/s over HF tokens/s. `greedy_match_*` compares the greedy tokens of both sides (the
 fraction of rows whose N tokens are identical): fp32 on both sides, so anything well below 1 is a numerics
@@ -437,7 +440,8 @@ def run_all(ckpt: Path, prompts: dict, prompts_file: Path, threads: int, args) -
         for batch in (1, 16):
             e, h = ok("jaxseek", engine), ok("hf", hf)
             rows = prompts["decode"][:batch]
-            measure(f"decode_b{batch}", e and (lambda: decode_run(e, rows, args.decode_tokens)),
+            measure(f"decode_b{batch}", e and (lambda: decode_run(e, rows, args.decode_tokens)
+                                               | roofline.measure(e.model_config, (batch,))),
                     h and (lambda: h.call(op="decode", batch=batch, new_tokens=args.decode_tokens)),
                     args.repeats, r, errors)
     finally:
@@ -463,16 +467,24 @@ def run_all(ckpt: Path, prompts: dict, prompts_file: Path, threads: int, args) -
 def roofline_figures(config, result: dict, context: int) -> dict:
     """This machine's roofline (GEMM peak at each decode step's shapes, streaming read bandwidth), the FLOPs and
     bytes a decode step of 1 and 16 rows needs at position `context` (`model.step_cost`), and the fraction of
-    that roofline the measured decode reaches: (least time a step can take) / (measured time per step)."""
+    that roofline the measured decode reaches: (least time a step can take) / (measured time per step). Each
+    round in `result["roofline_rounds_b{rows}"]` (tps and the roofline measured right after it) gives one
+    fraction, and `roofline_fraction_b{rows}` is their median; without rounds, the median decode over the
+    measurement made here (also reported as `roofline_fraction_end_b{rows}`)."""
     measured = roofline.measure(config, (1, 16))
     out = dict(measured)
     for rows in (1, 16):
         cost = decode_step_cost(config, rows, context)
         ideal = roofline_seconds(cost, measured[f"gemm_flops_per_s_b{rows}"], measured["read_bytes_per_s"])
         tps = result.get(f"jaxseek_decode_tps_b{rows}")
+        end = ideal * tps / rows if tps else None
+        rounds = [(roofline_seconds(cost, r[f"gemm_flops_per_s_b{rows}"], r["read_bytes_per_s"]), r["tps"])
+                  for r in result.get(f"roofline_rounds_b{rows}") or ()]
         out |= {f"step_flops_b{rows}": cost["flops"], f"step_bytes_b{rows}": cost["bytes"],
-                f"roofline_ms_per_step_b{rows}": ideal * 1e3,
-                f"roofline_fraction_b{rows}": ideal * tps / rows if tps else None}
+                f"roofline_ms_per_step_b{rows}": statistics.median(i for i, _ in rounds) * 1e3 if rounds
+                else ideal * 1e3,
+                f"roofline_fraction_end_b{rows}": end,
+                f"roofline_fraction_b{rows}": statistics.median(i * t / rows for i, t in rounds) if rounds else end}
     return out
 
 
@@ -547,6 +559,9 @@ def main(argv: list[str] | None = None) -> None:
             result[f"{side}_{kind}_tps{suffix}"] = median_of(values, "tps")
             result[f"{side}_{kind}_ttft_s{suffix}"] = median_of(values, "ttft_s")
             result[f"{side}_{kind}_runs_tps{suffix}"] = [v["tps"] for v in values] if values else None
+            if side == "jaxseek" and kind == "decode" and values:
+                result[f"roofline_rounds{suffix}"] = [
+                    {k: v[k] for k in ("tps", f"gemm_flops_per_s{suffix}", "read_bytes_per_s")} for v in values]
             loads[f"{side}_{name}"] = [None if v["background_load_cores"] is None else
                                        round(v["background_load_cores"], 2) for v in values or ()]
         if runs["jaxseek"] and runs["hf"]:
