@@ -15,8 +15,8 @@ subprocess that loads the model once and then does one timed run per command; to
 threads as the cores this process may use (all of them), which is what XLA's CPU backend uses.
 
 Engine: `Engine(model, max_slots=16, prefill_chunk=256, max_prefill_rows=2, host_layout=True)` (zero-overhead
-scheduling on, the expert stacks held transposed as `jaxseek generate` and `serve` hold them on a CPU, the
-defaults otherwise), `warmup()` first: the compile time of every bucket is `jaxseek_compile_s`, outside
+scheduling on, the weights held transposed as `jaxseek generate` and `serve` hold them on a CPU, the defaults
+otherwise), `warmup()` first: the compile time of every bucket is `jaxseek_compile_s`, outside
 every other figure. Each figure is the median of `--repeats` timed runs after one untimed warm-up run per side
 (`*_runs_tps*` lists them), and requests are greedy (temperature 0) with `ignore_eos` (HF: `eos_token_id=None`,
 so EOS neither stops nor is suppressed on either side).

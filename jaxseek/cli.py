@@ -276,8 +276,8 @@ def _add_cache_and_grammar_flags(e) -> None:
                    help="V4 on one device: run the step's layers as one compiled program per kind of layer, so "
                         "compile time does not grow with depth (default: wherever the model allows)")
     e.add_argument("--host-layout", action=argparse.BooleanOptionalAction, default=None,
-                   help="on the CPU backend: hold the fp32 routed-expert weights transposed, the layout XLA:CPU "
-                        "multiplies fastest (default: on a CPU without --mesh)")
+                   help="on the CPU backend: hold the fp32 linear maps and routed-expert weights transposed, the "
+                        "layout XLA:CPU multiplies fastest (default: on a CPU without --mesh)")
     e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
                    help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
                    "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")

@@ -1,33 +1,45 @@
 """A model's weights in the layout the CPU backend multiplies fastest, and back to the checkpoint's.
 
-On XLA:CPU a batched decode step spends most of its time in the routed experts, several rows per expert through
-the expert's [out, in] weight. The same product through the transposed weight [in, out] runs about 1.4x as fast
-(`pallas_kernels.transposed_weights`). `host_layout` holds every fp32 routed-expert stack of a model transposed,
-in place; the model computes the same function (the expert ops read either layout). `checkpoint_layout` gives
-the model back in the checkpoint's layout, for what stores, quantizes or shards the weights.
+On XLA:CPU a batched decode step spends most of its time multiplying several rows through [out, in] weights:
+the routed experts' and the linear maps'. The same products through the transposed weights [in, out] run 1.4-2x
+as fast (`pallas_kernels.transposed_weights`). `host_layout` holds a model's fp32 linear maps and routed-expert
+stacks transposed, in place; the model computes the same function (`dot_f32` and the expert ops read either
+layout). `checkpoint_layout` gives the model back in the checkpoint's layout, for what stores, quantizes or
+shards the weights.
 """
 
 import jax
 from flax import nnx
 
 from model.api import Model
+from model.linear import Linear
 from pallas_kernels.transposed_weights import TransposedWeight, logical, transposed
 
 EXPERT_STACKS = frozenset({"w1", "w2", "w3"})
+KEPT = frozenset({"head"})  # linear maps others read directly (a DSpark drafter reads the vocabulary head)
 
 
-def _is_float_expert_stack(path: tuple, value) -> bool:
-    return (len(path) >= 2 and path[-2] == "experts" and path[-1] in EXPERT_STACKS
-            and not isinstance(value, TransposedWeight) and value.dtype == jax.numpy.float32)
+def _linear_weights(model: Model) -> set[tuple]:
+    """The parameter paths of the model's float linear maps (`Linear`, not FP8) but those named in `KEPT`."""
+    return {(*path, "weight") for path, node in nnx.iter_graph(model.module())
+            if type(node) is Linear and not hasattr(node, "scale") and path[-1] not in KEPT}
+
+
+def _held_transposed(path: tuple, value, linears: set[tuple]) -> bool:
+    """Whether the host layout holds this fp32 parameter transposed: a linear map's weight, a routed-expert stack."""
+    if isinstance(value, TransposedWeight) or value.dtype != jax.numpy.float32:
+        return False
+    return path in linears or (len(path) >= 2 and path[-2] == "experts" and path[-1] in EXPERT_STACKS)
 
 
 def host_layout(model: Model) -> int:
-    """Hold `model`'s fp32 routed-expert stacks transposed, in place: each stack is replaced as it is converted,
-    so the model never holds a stack twice. Returns how many stacks changed (0 when already done)."""
-    changed = 0
+    """Hold `model`'s fp32 linear maps (but the vocabulary head) and routed-expert stacks transposed, in place:
+    each weight is replaced as it is converted, so the model never holds one twice. Returns how many weights
+    changed (0 when already done)."""
+    linears, changed = _linear_weights(model), 0
     for path, var in nnx.to_flat_state(model.params):
         value = var.get_value()
-        if _is_float_expert_stack(path, value):
+        if _held_transposed(tuple(path), value, linears):
             var.set_value(transposed(value))
             changed += 1
     return changed

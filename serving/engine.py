@@ -84,7 +84,7 @@ class Engine:
             if jax.default_backend() != "cpu" or registry.implementation() != "reference":
                 raise ValueError("host_layout=True is the CPU backend's weight layout (with the reference kernels); "
                                  f"this process runs {jax.default_backend()} with {registry.implementation()} kernels")
-            host_layout(model)  # before the drafter is made from the model: it shares the MTP blocks' experts
+            host_layout(model)  # before the drafter is made from the model: it shares the MTP blocks' weights
         drafter = None if config.speculation == "none" else model.drafter or mtp_drafter(model.module())
         if config.speculation != "none" and drafter is None:
             raise ValueError(f"speculation={config.speculation!r} needs a model with a DSpark drafter or an MTP "

@@ -39,7 +39,7 @@ class EngineConfig:
     zero_overhead: bool = True  # read step N after dispatching step N+1 (always off for Engram models)
     context_tokens: int = 1024  # the smallest context bucket: a step reads the power-of-two multiple covering its longest row
     layer_programs: bool | None = None  # V4: the forward as one program per kind of layer (None: where supported)
-    host_layout: bool = False  # CPU: hold the model's fp32 routed-expert stacks transposed, in place (`model.host_layout`)
+    host_layout: bool = False  # CPU: hold the model's fp32 matrices transposed, in place (`model.host_layout`)
     # ---- outputs
     num_top_logprobs: int = 5  # top alternatives computed per token (a request's logprobs may ask up to this)
     return_logits: bool = False  # keep every row's last-position logits on its request (tests)
