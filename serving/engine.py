@@ -73,7 +73,8 @@ class _Forwarding(NamedTuple):
 class Engine:
     """Offline / online generation over one model, with the settings of an `EngineConfig`: `Engine(model, config)`,
     or `Engine(model, max_slots=..., max_len=...)` with keywords naming its fields; keywords given with a config
-    replace those fields of it. `config` holds the settings, `model_config` the model's."""
+    replace those fields of it. `config` holds the settings, `model_config` the model's. With `host_layout=True`
+    the engine first converts the model's weights to the CPU's layout, in place (`model.host_layout`)."""
 
     # told about each step bucket compiled, before (seconds None) and after (e.g. a progress bar)
     on_compile: Callable[[tuple[int, int, int, int], float | None], None] | None = None

@@ -10,6 +10,7 @@ import pytest
 from model.checkpoint import to_native
 from model.config import preset
 from model.host_layout import checkpoint_layout, has_host_layout, host_layout
+from pallas_kernels import registry
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
 from serving.sampling import SamplingParams
@@ -47,6 +48,10 @@ def test_an_engine_on_the_host_layout_gives_the_checkpoint_layouts_tokens():
 
 
 def test_settings_the_host_layout_cannot_serve_are_refused():
+    model = random_model(CONFIG, seed=5)
+    with registry.use("pallas"), pytest.raises(ValueError, match="host_layout=True is the CPU backend's"):
+        Engine(model, max_slots=1, max_len=64, host_layout=True)
+    assert not has_host_layout(model)  # refused before anything changed
     with pytest.raises(ValueError, match="host_layout=True is for a single-device CPU engine"):
         EngineConfig(mesh="dp=2", host_layout=True)
     with unchecked(), pytest.raises(ValueError, match="host_layout must be True or False"):
