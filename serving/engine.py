@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from model.api import Model
-from model.host_layout import host_layout
+from model.host_layout import has_host_layout, host_layout
 from model.mtp_drafter import mtp_drafter
 from model.replay import for_engine
 from pallas_kernels import registry
@@ -149,7 +149,7 @@ class Engine:
         self.executables = None if stored is None else ExecutableCache(
             stored, model.config, drafter.config if drafter else None, self.layout, self.replay,
             self.layer_plan is None, config.num_top_logprobs, config.return_logits, self._engram_shapes(),
-            describe(self.weights), describe(self.cache))
+            describe(self.weights), describe(self.cache), has_host_layout(model))  # flat leaves: layout said apart
         self.requests: dict[str, Request] = {}
         self.pending: list[tuple[list[Row], object]] = []
         self._cancelled: list[RequestOutput] = []

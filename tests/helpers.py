@@ -24,6 +24,23 @@ def random_model(config, seed: int = 0, noise: float = 0.1, **init_kwargs) -> Mo
     return Model(nnx.merge(model.graphdef, jax.tree.unflatten(treedef, out)), engram=model.engram)
 
 
+def assert_views_alias_their_stacks(layer_plan, layered) -> None:
+    """Every expert stack a layer-programs bucket passes as per-expert views (`LayeredForward.views`) is viewed
+    in place: expert e's array starts e experts into the stack's buffer."""
+    leaves, with_views = layered.views
+    for stack, parts in ((leaves[i], with_views[i]) for i in layer_plan.experts):
+        offsets = [part.unsafe_buffer_pointer() - stack.unsafe_buffer_pointer() for part in parts]
+        assert offsets == [e * stack.nbytes // stack.shape[0] for e in range(stack.shape[0])]
+
+
+def assert_full_forward_tokens(outputs, model: Model, prompts: list[list[int]], steps: int, atol: float = 2e-5
+                               ) -> None:
+    """The outputs' greedy tokens equal the full forward's (`greedy_full_forward`), their logits within `atol`."""
+    for out, (tokens, logits) in zip(outputs, greedy_full_forward(model, prompts, steps), strict=True):
+        assert out.token_ids == tokens
+        np.testing.assert_allclose(np.stack(out.logits), logits, atol=atol, rtol=0)
+
+
 def greedy_full_forward(model: Model, prompts: list[list[int]], steps: int, rows: int = 8, width: int = 64
                         ) -> list[tuple[list[int], np.ndarray]]:
     """Greedy tokens and their fp32 logits [steps, V] for every prompt, one full-sequence forward per token: all

@@ -14,7 +14,7 @@ from pallas_kernels import registry
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
 from serving.sampling import SamplingParams
-from tests.helpers import greedy_full_forward, random_model
+from tests.helpers import assert_full_forward_tokens, assert_views_alias_their_stacks, random_model
 from tests.typecheck import unchecked
 
 CONFIG = dataclasses.replace(preset("tiny"), num_hidden_layers=6, compress_ratios=(0, 4, 16, 4, 16, 0, 0))
@@ -31,15 +31,10 @@ def test_an_engine_on_the_host_layout_gives_the_checkpoint_layouts_tokens():
     assert has_host_layout(held) and host_layout(held) == 0  # done once, in place
     assert len(engine.layer_plan.experts) == 3 * CONFIG.num_hidden_layers
     outputs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    viewed = [compiled for bucket, compiled in engine.compiled.items() if compiled.layered.viewed]
+    viewed = [compiled.layered for compiled in engine.compiled.values() if compiled.layered.viewed]
     assert viewed
-    leaves, with_views = viewed[0].layered.views
-    for stack, parts in ((leaves[i], with_views[i]) for i in engine.layer_plan.experts):
-        offsets = [part.unsafe_buffer_pointer() - stack.unsafe_buffer_pointer() for part in parts]
-        assert offsets == [e * stack.nbytes // stack.shape[0] for e in range(stack.shape[0])]
-    for out, (tokens, logits) in zip(outputs, greedy_full_forward(reference, PROMPTS, 6)):
-        assert out.token_ids == tokens
-        np.testing.assert_allclose(np.stack(out.logits), logits, atol=2e-5, rtol=0)
+    assert_views_alias_their_stacks(engine.layer_plan, viewed[0])
+    assert_full_forward_tokens(outputs, reference, PROMPTS, 6)
     expected, got = to_native(reference), to_native(held)
     assert expected.keys() == got.keys()
     for name in expected:

@@ -14,7 +14,7 @@ from model.layer_stack import stack_layers
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
 from serving.sampling import SamplingParams
-from tests.helpers import greedy_full_forward, random_model
+from tests.helpers import assert_full_forward_tokens, assert_views_alias_their_stacks, random_model
 from tests.typecheck import unchecked
 
 # a sliding hash layer, (CSA, HCA) twice, a sliding layer; MTP: one sliding layer
@@ -36,9 +36,7 @@ def test_layers_of_one_structure_share_a_program_and_the_engine_gives_the_models
     outputs = engine.generate(PROMPTS, greedy)
     for bucket, compiled in engine.compiled.items():  # embed, 4 kinds, head, decide
         assert len(compiled.executables) == 7, bucket
-    for out, (tokens, logits) in zip(outputs, greedy_full_forward(model, PROMPTS, 6)):
-        assert out.token_ids == tokens
-        np.testing.assert_allclose(np.stack(out.logits), logits, atol=2e-5, rtol=0)
+    assert_full_forward_tokens(outputs, model, PROMPTS, 6)
 
 
 def test_one_row_decode_reads_the_chosen_experts_where_they_lie(model):
@@ -50,14 +48,9 @@ def test_one_row_decode_reads_the_chosen_experts_where_they_lie(model):
     outputs = engine.generate(PROMPTS, greedy)
     viewed = {bucket for bucket, compiled in engine.compiled.items() if compiled.layered.viewed}
     assert viewed and viewed == {bucket for bucket in engine.compiled if bucket[1] == 1}
-    leaves, with_views = engine.compiled[min(viewed)].layered.views
     assert len(engine.layer_plan.experts) == 3 * CONFIG.num_hidden_layers  # w1, w2, w3 of every layer
-    for stack, parts in ((leaves[i], with_views[i]) for i in engine.layer_plan.experts):
-        offsets = [part.unsafe_buffer_pointer() - stack.unsafe_buffer_pointer() for part in parts]
-        assert offsets == [e * stack.nbytes // stack.shape[0] for e in range(stack.shape[0])]
-    for out, (tokens, logits) in zip(outputs, greedy_full_forward(model, PROMPTS, 6)):
-        assert out.token_ids == tokens
-        np.testing.assert_allclose(np.stack(out.logits), logits, atol=2e-5, rtol=0)
+    assert_views_alias_their_stacks(engine.layer_plan, engine.compiled[min(viewed)].layered)
+    assert_full_forward_tokens(outputs, model, PROMPTS, 6)
 
 
 def test_models_it_does_not_cover_run_as_one_program(model):
