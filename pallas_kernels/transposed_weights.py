@@ -44,8 +44,10 @@ class TransposedWeight:
         axes, giving expert e's weight, still transposed."""
         if key is Ellipsis:
             return self
-        if isinstance(key, tuple) and Ellipsis in key:
-            raise TypeError(f"a TransposedWeight takes `...` alone or leading-axis indices, not {key!r}")
+        keys = key if isinstance(key, tuple) else (key,)
+        if Ellipsis in keys or len(keys) > self.ndim - 2:
+            raise TypeError(f"a TransposedWeight of shape {self.shape} takes `...` alone or indices of its leading "
+                            f"(stack) axes, not {key!r}")
         return TransposedWeight(self.t[key])
 
     def tree_flatten_with_keys(self):

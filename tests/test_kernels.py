@@ -238,6 +238,8 @@ def test_transposed_weight_dot_equals_float64(lead, out, inp):
     held = transposed(jnp.asarray(w))
     assert held.shape == w.shape and held.t.shape == (inp, out)
     np.testing.assert_array_equal(logical(held), w)
+    with pytest.raises(TypeError, match="indices of its leading"):
+        held[0]  # a matrix has no stack axis to index
     close(jax.jit(quant_linear.dot_f32)(jnp.asarray(x), held), x.astype(np.float64) @ w.T, 1e-5)
 
 
