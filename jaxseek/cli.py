@@ -319,9 +319,9 @@ def _engine_config(args, **settings):
     mesh = {"mesh": args.mesh, "redundant_experts": args.redundant_experts, "eplb_every": args.eplb_every}
     host_layout = args.host_layout
     if host_layout is None:
-        from pallas_kernels import registry
+        from model.host_layout import unsupported_here
 
-        host_layout = not args.mesh and jax.default_backend() == "cpu" and registry.implementation() == "reference"
+        host_layout = not args.mesh and unsupported_here() is None
     return EngineConfig(max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                         batch_invariant=args.batch_invariant, seed=args.seed, speculation=args.speculation,
                         layer_programs=args.layer_programs, host_layout=host_layout,

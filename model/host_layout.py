@@ -13,10 +13,19 @@ from flax import nnx
 
 from model.api import Model
 from model.linear import Linear
+from pallas_kernels import registry
 from pallas_kernels.transposed_weights import TransposedWeight, logical, transposed
 
 EXPERT_STACKS = frozenset({"w1", "w2", "w3"})
 KEPT = frozenset({"head"})  # linear maps others read directly (a DSpark drafter reads the vocabulary head)
+
+
+def unsupported_here() -> str | None:
+    """Why this process cannot run a model in the host layout (None: it can): the layout is the CPU backend's,
+    read by the reference kernels."""
+    if jax.default_backend() != "cpu" or registry.implementation() != "reference":
+        return f"this process runs {jax.default_backend()} with {registry.implementation()} kernels"
+    return None
 
 
 def _linear_weights(model: Model) -> set[tuple]:

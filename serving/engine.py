@@ -22,10 +22,9 @@ import jax
 import numpy as np
 
 from model.api import Model
-from model.host_layout import has_host_layout, host_layout
+from model.host_layout import has_host_layout, host_layout, unsupported_here
 from model.mtp_drafter import mtp_drafter
 from model.replay import for_engine
-from pallas_kernels import registry
 from serving.constraints import ConstraintSpec
 from serving.engine_config import EngineConfig
 from serving.engine_dp import DataParallel
@@ -82,9 +81,9 @@ class Engine:
     def __init__(self, model: Model, config: EngineConfig | None = None, **settings):
         config = EngineConfig(**settings) if config is None else dataclasses.replace(config, **settings)
         if config.host_layout:
-            if jax.default_backend() != "cpu" or registry.implementation() != "reference":
-                raise ValueError("host_layout=True is the CPU backend's weight layout (with the reference kernels); "
-                                 f"this process runs {jax.default_backend()} with {registry.implementation()} kernels")
+            if why := unsupported_here():
+                raise ValueError("host_layout=True is the CPU backend's weight layout (with the reference kernels): "
+                                 + why)
             host_layout(model)  # before the drafter is made from the model: it shares the MTP blocks' weights
         drafter = None if config.speculation == "none" else model.drafter or mtp_drafter(model.module())
         if config.speculation != "none" and drafter is None:

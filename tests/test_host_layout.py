@@ -1,6 +1,7 @@
 """The CPU host layout (`model.host_layout`): an engine with `host_layout=True` holds the model's linear maps and
-expert stacks transposed, in place, and still gives the tokens and logits of the same model in the checkpoint layout (its full
-forward: the reference); the checkpoint tensors come back unchanged; settings it cannot serve are refused."""
+expert stacks transposed, in place, and still gives the tokens and logits of the same model in the checkpoint
+layout (its full forward: the reference); the checkpoint tensors come back unchanged; settings it cannot serve
+are refused."""
 
 import dataclasses
 
