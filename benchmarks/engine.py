@@ -67,6 +67,12 @@ decode step needs at the runs' middle position (each row's chosen experts only, 
 (max of FLOPs / peak, bytes / bandwidth) over the round's measured time per step (rows / decode tokens/s);
 `roofline_fraction_end_b*` pairs the median decode with the measurement after all the runs instead.
 
+Step products (`benchmarks/step_products.py`): after each of those rounds, the least time of a program made of
+nothing but the step's weight products (the FLOPs `model.step_cost` counts, the engine's weights and product
+forms, one after the other). `products_ceiling_fraction_b*` (median over rounds of the round's roofline over
+it) is the most any XLA program of the step can reach on this machine; `products_share_b*` (median over rounds
+of it over the round's time per step) is the part of the step those products are.
+
 Speedups are jaxseek tokens/s over HF tokens/s. `greedy_match_*` compares the greedy tokens of both sides (the
 fraction of rows whose N tokens are identical): fp32 on both sides, so anything well below 1 is a numerics
 problem (or a near-tie in a random model), not a timing one. If either side fails, its traceback is put into
@@ -96,6 +102,7 @@ import numpy as np
 
 from benchmarks import roofline
 from benchmarks.bench_json import json_line
+from benchmarks.step_products import StepProducts
 from model.checkpoint import load_model, save_checkpoint
 from model.config import preset
 from model.initialize import init_model
@@ -110,6 +117,7 @@ ENGINE = EngineConfig(max_slots=MAX_SLOTS, prefill_chunk=PREFILL_CHUNK, max_pref
                       host_layout=True)
 BUSY_CORES = 0.25  # background load above which the result carries a warning
 HEADLINE = ("benchmark", "decode_speedup_b1", "decode_speedup_b16", "roofline_fraction_b1", "roofline_fraction_b16",
+            "products_ceiling_fraction_b1", "products_ceiling_fraction_b16", "products_share_b1", "products_share_b16",
             "prefill_speedup", "host_overhead_fraction",
             "jaxseek_decode_tps_b1", "hf_decode_tps_b1", "jaxseek_decode_tps_b16", "hf_decode_tps_b16",
             "jaxseek_prefill_tps", "hf_prefill_tps", "device_ms_per_step", "host_ms_per_step", "wall_ms_per_step",
@@ -433,6 +441,7 @@ def run_all(ckpt: Path, prompts: dict, prompts_file: Path, threads: int, args) -
             log(f"hf failed to start:\n{errors['hf']}")
     ok = lambda side, obj: obj if side not in errors and obj is not None else None  # noqa: E731
 
+    products = StepProducts(engine.model) if ok("jaxseek", engine) else None
     try:
         e, h = ok("jaxseek", engine), ok("hf", hf)
         measure("prefill", e and (lambda: prefill_ttft(e, prompts["prefill"])),
@@ -441,7 +450,8 @@ def run_all(ckpt: Path, prompts: dict, prompts_file: Path, threads: int, args) -
             e, h = ok("jaxseek", engine), ok("hf", hf)
             rows = prompts["decode"][:batch]
             measure(f"decode_b{batch}", e and (lambda: decode_run(e, rows, args.decode_tokens)
-                                               | roofline.measure(e.model_config, (batch,))),
+                                               | roofline.measure(e.model_config, (batch,))
+                                               | {"products_s": products.seconds(batch)}),
                     h and (lambda: h.call(op="decode", batch=batch, new_tokens=args.decode_tokens)),
                     args.repeats, r, errors)
     finally:
@@ -470,7 +480,9 @@ def roofline_figures(config, result: dict, context: int) -> dict:
     that roofline the measured decode reaches: (least time a step can take) / (measured time per step). Each
     round in `result["roofline_rounds_b{rows}"]` (tps and the roofline measured right after it) gives one
     fraction, and `roofline_fraction_b{rows}` is their median; without rounds, the median decode over the
-    measurement made here (also reported as `roofline_fraction_end_b{rows}`)."""
+    measurement made here (also reported as `roofline_fraction_end_b{rows}`). Rounds that also timed the step's
+    weight products alone (`products_s`) give their median time, `products_ceiling_fraction_b{rows}` (roofline
+    over products) and `products_share_b{rows}` (products over the time per step), each the median over rounds."""
     measured = roofline.measure(config, (1, 16))
     out = dict(measured)
     for rows in (1, 16):
@@ -478,13 +490,21 @@ def roofline_figures(config, result: dict, context: int) -> dict:
         ideal = roofline_seconds(cost, measured[f"gemm_flops_per_s_b{rows}"], measured["read_bytes_per_s"])
         tps = result.get(f"jaxseek_decode_tps_b{rows}")
         end = ideal * tps / rows if tps else None
+        runs = result.get(f"roofline_rounds_b{rows}") or ()
         rounds = [(roofline_seconds(cost, r[f"gemm_flops_per_s_b{rows}"], r["read_bytes_per_s"]), r["tps"])
-                  for r in result.get(f"roofline_rounds_b{rows}") or ()]
+                  for r in runs]
+        products = [(i, r["products_s"], r["tps"]) for (i, _), r in zip(rounds, runs) if r.get("products_s")]
         out |= {f"step_flops_b{rows}": cost["flops"], f"step_bytes_b{rows}": cost["bytes"],
                 f"roofline_ms_per_step_b{rows}": statistics.median(i for i, _ in rounds) * 1e3 if rounds
                 else ideal * 1e3,
                 f"roofline_fraction_end_b{rows}": end,
-                f"roofline_fraction_b{rows}": statistics.median(i * t / rows for i, t in rounds) if rounds else end}
+                f"roofline_fraction_b{rows}": statistics.median(i * t / rows for i, t in rounds) if rounds else end,
+                f"products_ms_per_step_b{rows}": statistics.median(p for _, p, _ in products) * 1e3
+                if products else None,
+                f"products_ceiling_fraction_b{rows}": statistics.median(i / p for i, p, _ in products)
+                if products else None,
+                f"products_share_b{rows}": statistics.median(p * t / rows for _, p, t in products)
+                if products else None}
     return out
 
 
@@ -561,7 +581,8 @@ def main(argv: list[str] | None = None) -> None:
             result[f"{side}_{kind}_runs_tps{suffix}"] = [v["tps"] for v in values] if values else None
             if side == "jaxseek" and kind == "decode" and values:
                 result[f"roofline_rounds{suffix}"] = [
-                    {k: v[k] for k in ("tps", f"gemm_flops_per_s{suffix}", "read_bytes_per_s")} for v in values]
+                    {k: v[k] for k in ("tps", f"gemm_flops_per_s{suffix}", "read_bytes_per_s", "products_s")}
+                    for v in values]
             loads[f"{side}_{name}"] = [None if v["background_load_cores"] is None else
                                        round(v["background_load_cores"], 2) for v in values or ()]
         if runs["jaxseek"] and runs["hf"]:

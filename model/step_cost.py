@@ -29,6 +29,20 @@ def expected_experts_hit(config: ModelConfig | V41Config, rows: int) -> float:
     return e * (1 - (1 - k / e) ** rows)
 
 
+def weight_role(path: tuple, shape: tuple[int, ...], dtype) -> str | None:
+    """How a plain decode step uses the parameter at `path`: "lookup" (the embedding or an integer table: the
+    rows it looks up), "experts" (a routed-expert stack: each row through its k chosen experts), "matrix"
+    (every row multiplied through it), "vector" (read, no product); None for the MTP blocks, which it does not
+    run."""
+    if path[0] == "mtp":
+        return None
+    if path[0] == "embed" or not np.issubdtype(dtype, np.floating):
+        return "lookup"
+    if len(path) >= 2 and path[-2] == "experts":
+        return "experts"
+    return "matrix" if len(shape) >= 2 else "vector"
+
+
 def weight_cost(config: ModelConfig | V41Config, rows: int, dtype: str = "float32") -> dict[str, float]:
     """FLOPs and bytes of the step's weights for `rows` rows (attention over the cache excluded)."""
     flops = weight_bytes = 0.0
@@ -36,15 +50,14 @@ def weight_cost(config: ModelConfig | V41Config, rows: int, dtype: str = "float3
     hit = expected_experts_hit(config, rows)
     for path, var in nnx.to_flat_state(abstract_model(config, dtype).params):
         size, itemsize = math.prod(var.shape), np.dtype(var.dtype).itemsize
-        if path[0] == "mtp":
-            continue
-        if path[0] == "embed" or not np.issubdtype(var.dtype, np.floating):  # looked up: the rows read
+        role = weight_role(tuple(path), var.shape, var.dtype)
+        if role == "lookup":  # the rows read
             weight_bytes += rows * (size // var.shape[0]) * itemsize
-        elif len(path) >= 2 and path[-2] == "experts":
+        elif role == "experts":
             flops += 2 * rows * k * size / e
             weight_bytes += hit * size / e * itemsize
-        else:
-            flops += 2 * rows * size if len(var.shape) >= 2 else 0
+        elif role is not None:
+            flops += 2 * rows * size if role == "matrix" else 0
             weight_bytes += size * itemsize
     if isinstance(config, V41Config):
         row = config.engram_lookups * config.engram_head_dim

@@ -67,13 +67,19 @@ def test_bench_engine_roofline_figures_are_json_safe(monkeypatch):
     assert figures["roofline_fraction_b1"] == pytest.approx(ideal * 100.0)
     assert figures["roofline_fraction_b16"] is None  # no batch-16 figure measured
     # rounds each paired with the roofline measured right after them: the median of the rounds' fractions
-    rounds = [{"tps": np.float64(tps), "gemm_flops_per_s_b1": 1e10, "read_bytes_per_s": bw}
-              for tps, bw in ((100.0, 1e10), (50.0, 2e10), (90.0, 1e10))]
+    assert figures["products_ceiling_fraction_b1"] is None  # no round timed the products alone
+    rounds = [{"tps": np.float64(tps), "gemm_flops_per_s_b1": 1e10, "read_bytes_per_s": bw, "products_s": p}
+              for tps, bw, p in ((100.0, 1e10, 0.004), (50.0, 2e10, np.float64(0.002)), (90.0, 1e10, 0.005))]
     figures = json.loads(json_line(bench_engine.roofline_figures(
         config, {"jaxseek_decode_tps_b1": 90.0, "roofline_rounds_b1": rounds}, 40)))
     at = [max(cost["flops"] / 1e10, cost["bytes"] / bw) for bw in (1e10, 2e10, 1e10)]
     assert figures["roofline_fraction_b1"] == pytest.approx(sorted([at[0] * 100, at[1] * 50, at[2] * 90])[1])
     assert figures["roofline_fraction_end_b1"] == pytest.approx(ideal * 90.0)
+    # the products' time, the roofline over it and it over the step's time: medians over the rounds
+    assert figures["products_ms_per_step_b1"] == pytest.approx(4.0)
+    assert figures["products_ceiling_fraction_b1"] == pytest.approx(sorted([at[0] / 0.004, at[1] / 0.002,
+                                                                            at[2] / 0.005])[1])
+    assert figures["products_share_b1"] == pytest.approx(sorted([0.004 * 100, 0.002 * 50, 0.005 * 90])[1])
 
 
 def test_bench_layer_scan_summary_is_json_safe():

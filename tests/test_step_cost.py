@@ -40,3 +40,20 @@ def test_v41_attention_cost_by_hand():
     flops = 4 * 4 * 32 * keys + 2 * 16 * 16 * scored
     state = keys * 32 * 4 + scored * 16 * 4
     assert attention_cost(config, 3, 40) == {"flops": 3 * flops, "bytes": 3 * state}
+
+
+@pytest.mark.parametrize("layout", ["checkpoint", "host"])
+def test_step_products_do_the_counted_flops(layout):
+    """The benchmark's program of a step's weight products alone (`benchmarks.step_products`) does the FLOPs
+    `weight_cost` counts, as XLA counts them in the compiled program (its few scalar ops aside): one row
+    through two of the four experts of each stack, 16 rows as 8 through every expert."""
+    from benchmarks.step_products import StepProducts
+    from model.host_layout import host_layout
+    from model.initialize import init_model
+
+    model = init_model(TINY, seed=0)
+    if layout == "host":
+        assert host_layout(model)
+    products = StepProducts(model)
+    for rows in (1, 16):
+        assert products.flops(rows) == pytest.approx(weight_cost(TINY, rows)["flops"], rel=0.03)
