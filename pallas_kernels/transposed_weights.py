@@ -19,6 +19,9 @@ from jaxtyping import Array, Float
 from pallas_kernels.expert_views import ExpertViews
 
 
+HELD_KEY = "t"  # the key path entry of a TransposedWeight's array in a pytree (`GetAttrKey` of its field)
+
+
 @jax.tree_util.register_pytree_with_keys_class
 @dataclasses.dataclass(frozen=True)
 class TransposedWeight:
@@ -51,7 +54,7 @@ class TransposedWeight:
         return TransposedWeight(self.t[key])
 
     def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("t"), self.t),), None
+        return ((jax.tree_util.GetAttrKey(HELD_KEY), self.t),), None
 
     def tree_flatten(self):
         return (self.t,), None
@@ -60,7 +63,7 @@ class TransposedWeight:
     def tree_unflatten(cls, _, leaves):
         """Any leaf, as pytree maps make (shapes, shardings, leaf indices), not only an array."""
         held = object.__new__(cls)
-        object.__setattr__(held, "t", leaves[0])
+        object.__setattr__(held, HELD_KEY, leaves[0])
         return held
 
 

@@ -39,6 +39,7 @@ from model.transformer import Block, input_streams, project_logits
 from pallas_kernels import registry
 from pallas_kernels.expert_views import ExpertViews, expert_views
 from pallas_kernels.moe import VIEWED_BRANCHES, few_pairs
+from pallas_kernels.transposed_weights import HELD_KEY
 from serving.kv_cache import layer_rows, put_rows
 from serving.step import (CompiledHalves, Forwarded, RowInputs, StepBatch, StepHalves, abstract_shapes, compile_decide,
                           forwarded, row_inputs, split_cache)
@@ -120,7 +121,7 @@ class LayerPlan:
                 for block, empty in zip(module.layers, empty_layers)]
         float_experts = {i for i, block in enumerate(module.layers)
                          if block.ffn.experts.stacked()[0] == "routed_experts"}
-        stacks = {("ffn", "experts", name, "value") + held for name in ("w1", "w2", "w3") for held in ((), ("t",))}
+        stacks = {("ffn", "experts", name, "value") + held for name in ("w1", "w2", "w3") for held in ((), (HELD_KEY,))}
         experts = tuple(i for i, path in enumerate(paths) if path[0] == "layers" and path[1] in float_experts
                         and path[2:] in stacks)  # held as they are or transposed (`model.host_layout`)
         return cls(_piece(module, paths, ("embed",)),
