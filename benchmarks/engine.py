@@ -70,8 +70,8 @@ decode step needs at the runs' middle position (each row's chosen experts only, 
 Step products (`benchmarks/step_products.py`): after each of those rounds, the least time of a program made of
 nothing but the step's weight products (the FLOPs `model.step_cost` counts, the engine's weights and product
 forms, one after the other). `products_ceiling_fraction_b*` (median over rounds of the round's roofline over
-it) is the most any XLA program of the step can reach on this machine; `products_share_b*` (median over rounds
-of it over the round's time per step) is the part of the step those products are.
+it) is the most a step multiplying these weights in these forms can reach on this machine; `products_share_b*`
+(median over rounds of it over the round's time per step) is the part of the step those products are.
 
 Speedups are jaxseek tokens/s over HF tokens/s. `greedy_match_*` compares the greedy tokens of both sides (the
 fraction of rows whose N tokens are identical): fp32 on both sides, so anything well below 1 is a numerics

@@ -2,7 +2,7 @@
 step of `rows` rows needs (`model.step_cost`'s FLOPs), in the layout and the forms the engine multiplies them
 (`dot_f32`), and nothing else.
 
-Against the roofline it is the ceiling of what any XLA program of the step can reach here: the step's
+Against the roofline it is the ceiling of a step that multiplies these weights in these forms: the step's
 attention, norms, routing and state writes only add to it. Each weight is multiplied once, one after the other
 (each product's input scaled by a scalar taken from the one before, as a layer's products depend on each other):
 a matrix by every row; a routed-expert stack, for `rows * k` (row, expert) pairs, by one row through each of the
