@@ -24,33 +24,36 @@ from model.step_cost import weight_role
 from pallas_kernels.quant_linear import dot_f32
 
 
-def step_weights(model: Model, rows: int) -> list:
-    """The weights a decode step of `rows` rows multiplies, as the products program takes them: each matrix, and
-    per routed-expert stack either the stack or, when the pairs are fewer than its experts, the experts used."""
+def step_weights(model: Model, rows: int) -> tuple[list, tuple[int, ...]]:
+    """The weights a decode step of `rows` rows multiplies, as the products program takes them, and how many rows
+    go through each: each matrix (`rows`), and per routed-expert stack either the experts used, when the pairs
+    are fewer than its experts (one row each), or the stack (`rows * k / E` rows through every expert)."""
     config = model.config
-    pairs = rows * config.num_experts_per_tok
-    out = []
+    pairs, n_exp = rows * config.num_experts_per_tok, config.n_routed_experts
+    weights, counts = [], []
     for path, var in nnx.to_flat_state(model.params):
         value = var.get_value()
         role = weight_role(tuple(path), value.shape, value.dtype)
         if role == "matrix":
-            out.append(value)
+            weights.append(value)
+            counts.append(rows)
+        elif role == "experts" and pairs < n_exp:
+            weights.extend(value[e] for e in range(pairs))
+            counts.extend([1] * pairs)
         elif role == "experts":
-            out.extend([value[e] for e in range(pairs)] if pairs < config.n_routed_experts else [value])
-    return out
+            weights.append(value)
+            counts.append(pairs // n_exp)
+    return weights, tuple(counts)
 
 
-def _products(x0: Float[Array, "r i"], weights: list, rows: int, per_expert: int) -> Float[Array, ""]:
-    """Every weight's product in turn; a scalar depending on all of them."""
+def _products(x0: Float[Array, "r i"], weights: list, counts: tuple[int, ...]) -> Float[Array, ""]:
+    """Every weight's product with its count of rows, in turn; a scalar depending on all of them. A 3-D weight
+    (an expert stack, a grouped map [g, o, i]) takes its rows through each of its g matrices."""
     s = jnp.float32(1)
-    for w in weights:
-        fan_in = w.shape[-1]
-        if len(w.shape) == 3 and per_expert:  # an expert stack [E, o, i]: per_expert rows through each expert
-            x = jnp.broadcast_to(x0[:per_expert, None, :fan_in], (per_expert, w.shape[0], fan_in))
-        elif len(w.shape) == 3:  # a grouped map [g, o, i]: every row through every group
-            x = jnp.broadcast_to(x0[:rows, None, :fan_in], (rows, w.shape[0], fan_in))
-        else:
-            x = x0[:rows, :fan_in]
+    for w, n in zip(weights, counts, strict=True):
+        x = x0[:n, : w.shape[-1]]
+        if len(w.shape) == 3:
+            x = jnp.broadcast_to(x[:, None], (n, w.shape[0], w.shape[-1]))
         y = dot_f32(x * s, w)
         s = 1 + 1e-9 * y.reshape(-1)[0]
     return s
@@ -66,13 +69,10 @@ class StepProducts:
     def program(self, rows: int) -> tuple:
         """(jitted products program, its arguments) for `rows` rows."""
         if rows not in self._programs:
-            config = self.model.config
-            weights = step_weights(self.model, rows)
-            pairs = rows * config.num_experts_per_tok
-            per_expert = pairs // config.n_routed_experts if pairs >= config.n_routed_experts else 0
+            weights, counts = step_weights(self.model, rows)
             width = max(w.shape[-1] for w in weights)
-            x0 = jnp.asarray(np.random.default_rng(0).normal(size=(max(rows, per_expert), width)), jnp.float32)
-            run = jax.jit(lambda x, ws: _products(x, ws, rows, per_expert))
+            x0 = jnp.asarray(np.random.default_rng(0).normal(size=(max(counts), width)), jnp.float32)
+            run = jax.jit(lambda x, ws: _products(x, ws, counts))
             self._programs[rows] = (run, (x0, weights))
         return self._programs[rows]
 
