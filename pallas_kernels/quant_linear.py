@@ -65,9 +65,9 @@ def dot_f32(x: Float[Array, "... i"], w: Float[Array, "*g o i"] | TransposedWeig
 def transposed_dot(x: Float[Array, "... i"], w: TransposedWeight) -> Float32[Array, "... o"]:
     """x W^T for W held as W^T [i, o] (or [g, i, o], applied to x's group axis), in fp32. A grouped weight's
     group axis is moved in front of the rows, so each group is one product with its rows (the form XLA:CPU runs
-    fast: with the group axis left among the rows, a `small` batch-16 decode step took 3x as long). One row through a small 2-D
-    weight is split along i into one group per core, the groups' partial products summed (`gemv_groups` of
-    W^T: the reshape is free in this layout, the batched product uses every core)."""
+    fast: with the group axis left among the rows, a `small` batch-16 decode step took 3x as long). One row
+    through a small 2-D weight is split along i into one group per core, the groups' partial products summed
+    (`gemv_groups` of W^T: the reshape is free in this layout, the batched product uses every core)."""
     t = w.t.astype(jnp.float32)
     x = x.astype(jnp.float32)
     if t.ndim == 3:
