@@ -177,7 +177,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_study(args) -> int:
-    """Layout study: per-device parameter, KV and HBM figures of a preset on a mesh (sharding/study.py)."""
+    """Layout study: per-device parameter, KV and HBM figures of a preset on a mesh, and its predicted decode
+    and prefill step times (sharding/study.py)."""
     from sharding.study import run
 
     return run(args)

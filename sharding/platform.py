@@ -29,7 +29,9 @@ class PlatformError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class DeviceProfile:
-    """Peak figures of one accelerator (dense, per chip) for cost models."""
+    """Peak figures of one accelerator (dense, per chip, bandwidths one direction) for cost models: HBM, the
+    dense bf16 and FP8 rates, the scale-up link (NVLink) among the `scale_up_domain` chips of one domain and
+    the scale-out NIC beyond it. `source` names where each figure comes from."""
 
     name: str
     hbm_bytes: float
@@ -37,23 +39,41 @@ class DeviceProfile:
     bf16_flops: float
     fp8_flops: float
     interconnect: str
-    interconnect_bytes_per_s: float  # per chip, one direction
+    scale_up_bytes_per_s: float
+    scale_up_domain: int
+    scale_out_bytes_per_s: float
     source: str
 
 
 G, T, P = 1e9, 1e12, 1e15
+_AIC = "ai-dynamo/aiconfigurator src/aiconfigurator/systems/"
 PROFILES = {profile.name: profile for profile in (
-    DeviceProfile("H200", 141 * G, 4.8 * T, 989 * T, 1979 * T, "NVLink 4", 450 * G,
-                  "NVIDIA H200 SXM datasheet; dense = half the sparse figure"),
-    DeviceProfile("B200", 180 * G, 8.0 * T, 2.25 * P, 4.5 * P, "NVLink 5", 900 * G,
-                  "NVIDIA HGX B200 datasheet per GPU; dense = half the sparse figure"),
-    DeviceProfile("GB300", 288 * G, 8.0 * T, 2.5 * P, 5.0 * P, "NVLink 5", 900 * G,
-                  "NVIDIA GB300 NVL72 datasheet per GPU; dense = half the sparse figure"),
-    DeviceProfile("Ascend 950", 144 * G, 4.0 * T, 0.5 * P, 1.0 * P, "Lingqu", 1.0 * T,
-                  "Huawei 2025 roadmap, 950DT (HiZQ 2.0); FP8 1 PFLOPS and 2 TB/s interconnect announced, "
-                  "bf16 assumed half of FP8 (not published)"),
+    DeviceProfile("H800", 80 * G, 3.35 * T, 989 * T, 1979 * T, "NVLink 4 (export)", 200 * G, 8, 50 * G,
+                  f"{_AIC}h800_sxm.yaml; NVLink 200 GB/s a direction, ConnectX-7 400 Gb/s per GPU"),
+    DeviceProfile("H100", 80 * G, 3.35 * T, 989 * T, 1979 * T, "NVLink 4", 450 * G, 8, 50 * G,
+                  f"{_AIC}h100_sxm.yaml; ConnectX-7 400 Gb/s per GPU"),
+    DeviceProfile("H200", 141 * G, 4.8 * T, 989 * T, 1979 * T, "NVLink 4", 450 * G, 8, 50 * G,
+                  "NVIDIA H200 SXM datasheet, dense = half the sparse figure; "
+                  f"{_AIC}h200_sxm.yaml for the links (ConnectX-7 400 Gb/s per GPU)"),
+    DeviceProfile("B200", 180 * G, 8.0 * T, 2.25 * P, 4.5 * P, "NVLink 5", 900 * G, 8, 50 * G,
+                  "NVIDIA HGX B200 datasheet per GPU, dense = half the sparse figure; NVLink 5 inside the "
+                  "8-GPU board; ConnectX-7 400 Gb/s per GPU, as many B200 fleets run (SemiAnalysis "
+                  "InferenceMAX; AIConfigurator's b200_sxm.yaml assumes ConnectX-8, 100 GB/s)"),
+    DeviceProfile("B300", 288 * G, 7.75 * T, 2.25 * P, 4.5 * P, "NVLink 5", 900 * G, 8, 100 * G,
+                  f"{_AIC}b300_sxm.yaml; ConnectX-8 800 Gb/s per GPU"),
+    DeviceProfile("GB200", 186 * G, 8.0 * T, 2.5 * P, 5.0 * P, "NVLink 5 (NVL72)", 900 * G, 72, 100 * G,
+                  f"{_AIC}gb200.yaml: one NVLink domain of 72 GPUs, 100 GB/s per GPU between racks"),
+    DeviceProfile("GB300", 288 * G, 8.0 * T, 2.5 * P, 5.0 * P, "NVLink 5 (NVL72)", 900 * G, 72, 100 * G,
+                  "NVIDIA GB300 NVL72 datasheet per GPU, dense = half the sparse figure; "
+                  f"{_AIC}gb300.yaml for the links (ConnectX-8, 72 NICs a rack)"),
+    DeviceProfile("Ascend 950", 144 * G, 4.0 * T, 0.5 * P, 1.0 * P, "Lingqu", 1.0 * T, 8192, 1.0 * T,
+                  "Huawei Connect 2025 roadmap (secondary coverage), 950DT (HiZQ 2.0): FP8 1 PFLOPS, "
+                  "interconnect 2 TB/s (taken as both directions), bf16 assumed half of FP8 (not "
+                  "published); the Atlas 950 SuperPoD's Lingqu fabric joins 8,192 chips, so no separate "
+                  "scale-out figure"),
 )}
-_KIND_TO_PROFILE = (("GB300", "GB300"), ("B300", "GB300"), ("B200", "B200"), ("GB200", "B200"), ("H200", "H200"))
+_KIND_TO_PROFILE = (("GB300", "GB300"), ("GB200", "GB200"), ("B300", "B300"), ("B200", "B200"),
+                    ("H200", "H200"), ("H100", "H100"), ("H800", "H800"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,16 +35,21 @@ from model.checkpoint import WEIGHTS, layout_for
 from model.step_cost import decode_step_cost
 from sharding.expert_parallel import expert_parallel
 from sharding.mesh import MeshSpec, MeshSpecError, batch_sharded, make_mesh, model_forward, param_shardings
+from sharding.efficiency import EFFICIENCY, calibrated
 from sharding.platform import PROFILES, DeviceProfile
+from sharding.step_time import Speculation, StepModel, best_under_tpot, decode, front, prefill
 from sharding.storage import KV_FORMATS, kv_figures, v32
 
-DEVICE_ALIASES = {"h200": "H200", "sm90": "H200", "b200": "B200", "sm100": "B200", "gb300": "GB300",
-                  "b300": "GB300", "sm103": "GB300", "ascend950": "Ascend 950", "ascend": "Ascend 950"}
+DEVICE_ALIASES = {"sm90": "H200", "sm100": "B200", "sm103": "GB300", "ascend950": "Ascend 950",
+                  "ascend": "Ascend 950"}
 ENGRAM_PLACEMENTS = ("host", "device", "sharded")
 ENGRAM_ROW_SCALE_BLOCK = 32  # FP8 rows with one UE8M0 scale per 32 channels (model.engram.SCALE_BLOCK)
 COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce", "reduce-scatter",
                "collective-permute")
 STEPS = ("decode", "prefill")
+# the context of the compiled and timed decode steps when --context is not given (and the most compiled):
+# DeepInfer profiles its decode cost table at a synthetic 8,192-token context
+STEP_CONTEXT = 8192
 
 
 def device_profile(name: str) -> DeviceProfile:
@@ -72,9 +77,23 @@ class StudyOptions:
     context: int | None = None            # context length the amortised KV per token refers to
     compile_steps: tuple[str, ...] = ("decode",)
     prefill_chunk: int = 512
+    batch_per_device: tuple[int, ...] = ()       # decode batches to time (default: sequences_per_device)
+    prefill_tokens_per_device: tuple[int, ...] = ()
+    num_drafts: int = 0
+    acceptance: tuple[float, ...] = ()
+    tpot_target_ms: float | None = None
+    calibration: str | None = None               # `jaxseek bench kernels --json` output measured on the device
+    two_batch_overlap: bool = False
 
     def __post_init__(self) -> None:
         device_profile(self.device)
+        Speculation(self.num_drafts, tuple(self.acceptance))
+        for name in ("batch_per_device", "prefill_tokens_per_device"):
+            bad = [v for v in getattr(self, name) if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+            if bad:
+                raise ValueError(f"--{name.replace('_', '-')} values must be positive integers, got {bad}")
+        if self.tpot_target_ms is not None and not self.tpot_target_ms > 0:
+            raise ValueError(f"--tpot-target must be a positive number of milliseconds, got {self.tpot_target_ms}")
         if self.kv_format is not None and self.kv_format not in KV_FORMATS:
             raise ValueError(f"unknown KV format {self.kv_format!r}; choose one of {sorted(KV_FORMATS)}")
         if self.param_format not in WEIGHTS:
@@ -277,7 +296,7 @@ def study(config_name: str, spec: MeshSpec, options: StudyOptions) -> dict:
               "kv_ratio_to_v32": kv["kv_bytes_per_token_global"]
               / kv_figures(v32())["kv_bytes_per_token_global"],
               "flops_per_token_params": 2 * param_counts(model, config)["active"]}
-    compiled_len = min(context, 8192)
+    compiled_len = min(context, STEP_CONTEXT)
     steps = compile_steps(config_name, spec, options, compiled_len) if options.compile_steps else {}
     if "decode" in steps:
         analytic = decode_step_cost(config, 1, compiled_len - 1)["flops"]
@@ -292,11 +311,50 @@ def study(config_name: str, spec: MeshSpec, options: StudyOptions) -> dict:
                   sequences_per_device=options.sequences_per_device)
     if free < 0:
         report["note"] = "the parameters exceed the usable HBM"
+    report.update(_times(config, spec, options, profile, report))
     return report
 
 
+def step_model(config, spec: MeshSpec, options: StudyOptions) -> StepModel:
+    """The step-time model of `options` (device, formats, EPLB slots, calibration, overlap) on `spec`."""
+    profile = device_profile(options.device)
+    table = calibrated(options.calibration, profile) if options.calibration else dict(EFFICIENCY)
+    return StepModel(config, spec, profile, options.param_format, options.kv_format, options.redundant_experts,
+                     table, options.two_batch_overlap)
+
+
+def _times(config, spec: MeshSpec, options: StudyOptions, profile: DeviceProfile, report: dict) -> dict:
+    """The decode and prefill time predictions of a study (`sharding.step_time`), each decode point marked
+    with whether its requests' KV fits beside the parameters."""
+    model = step_model(config, spec, options)
+    speculation = Speculation(options.num_drafts, tuple(options.acceptance))
+    context = options.context or STEP_CONTEXT
+    out: dict = {"decode": [], "prefill": []}
+    if spec.cp == 1:
+        room = report["hbm_usable_bytes"] - report["param_bytes_per_device"]
+        per_request = context * report["kv_bytes_per_token_global"] + report["kv_fixed_bytes_per_sequence"]
+        for batch in options.batch_per_device or (options.sequences_per_device,):
+            point = decode(model, batch, context, speculation)
+            out["decode"].append(point | {"kv_fits": batch * per_request <= room})
+    for tokens in options.prefill_tokens_per_device:
+        out["prefill"].append(prefill(model, tokens))
+    return out
+
+
+def compare(reports: list[dict], tpot_target_ms: float | None) -> dict:
+    """Across studied meshes: the decode points on the throughput-latency front, and the best under a TPOT target."""
+    points = [p | {"mesh": r["mesh"]} for r in reports for p in r["decode"] if p["kv_fits"]]
+    out = {"front": [{k: p[k] for k in ("mesh", "batch_per_device", "tok_s_per_device", "tok_s_per_user")}
+                     for p in front(points)]}
+    if tpot_target_ms is not None:
+        out["tpot_target_ms"] = tpot_target_ms
+        out["best_under_tpot"] = best_under_tpot([(p["mesh"], p) for p in points], tpot_target_ms / 1e3)
+    return out
+
+
 def chart(reports: list[dict], path: str) -> None:
-    """A PNG of memory per device for each studied mesh: stacked parameters and the KV that fits."""
+    """A PNG of memory per device for each studied mesh (stacked parameters and the KV that fits) and, when
+    decode was timed, tokens/s per device against tokens/s per user, one curve per mesh."""
     try:
         import matplotlib
 
@@ -308,7 +366,10 @@ def chart(reports: list[dict], path: str) -> None:
     parts = (("backbone", "param_bytes_backbone_per_device"), ("experts", "param_bytes_experts_per_device"),
              ("Engram", "param_bytes_engram_per_device"), ("KV (fits)", "hbm_free_for_kv_bytes"))
     labels = [f"{r['config']}\n{r['mesh']}" for r in reports]
-    fig, ax = plt.subplots(figsize=(3 + 1.6 * len(reports), 4.5))
+    timed = any(len(r.get("decode", ())) > 1 for r in reports)
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(3 + 1.6 * len(reports) + (5 if timed else 0), 4.5),
+                             squeeze=False)
+    ax = axes[0][0]
     bottom = [0.0] * len(reports)
     for name, key in parts:
         values = [r[key] / gib for r in reports]
@@ -319,6 +380,18 @@ def chart(reports: list[dict], path: str) -> None:
     ax.set_ylabel("GiB per device")
     ax.set_title(f"memory per device ({reports[0]['device']}; dashed: HBM)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+    if timed:
+        ax = axes[0][1]
+        for r in reports:
+            points = sorted(r["decode"], key=lambda p: p["tok_s_per_user"])
+            ax.plot([p["tok_s_per_user"] for p in points], [p["tok_s_per_device"] for p in points], "o-",
+                    label=r["mesh"])
+            for p in points:
+                ax.annotate(str(p["batch_per_device"]), (p["tok_s_per_user"], p["tok_s_per_device"]), fontsize=7)
+        ax.set_xlabel("tokens/s per user")
+        ax.set_ylabel("tokens/s per device")
+        ax.set_title("decode (labels: requests per device)")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -331,8 +404,9 @@ def _human(value: float) -> str:
     return f"{value:.1f} B"
 
 
-def print_table(reports: list[dict], out=sys.stdout) -> None:
-    """The main figures, one column per studied mesh."""
+def print_table(reports: list[dict], out=sys.stdout, comparison: dict | None = None) -> None:
+    """The main figures, one column per studied mesh, then the timed decode and prefill steps and, across
+    meshes, the throughput-latency front and the best layout under the TPOT target."""
     rows = (("mesh", "mesh", str), ("devices", "devices", str), ("device", "device", str),
             ("params / device", "param_bytes_per_device", _human),
             ("  backbone", "param_bytes_backbone_per_device", _human),
@@ -355,6 +429,40 @@ def print_table(reports: list[dict], out=sys.stdout) -> None:
             print(f"{r['mesh']:>16} {step:>7}: {figures['flops_per_token'] / 1e9:.1f} GFLOP/token compiled{analytic}, "
                   f"collectives {used or 'none'}, XLA:CPU temp {_human(figures['xla_cpu_temp_bytes_per_device'])}, "
                   f"compile {figures['compile_s']} s ({figures['programs_compiled']} programs)", file=out)
+    _print_times(reports, out, comparison)
+
+
+def _print_times(reports: list[dict], out, comparison: dict | None) -> None:
+    """The time predictions as tables (one row per mesh and batch or token count)."""
+    if any(r["decode"] for r in reports):
+        print(f"\n{'mesh':>16} {'batch':>6} {'step':>10} {'TPOT':>10} {'tok/s/device':>13} {'tok/s/user':>11} "
+              f"{'bound':>13} {'KV fits':>7}  largest parts", file=out)
+        for r in reports:
+            for p in r["decode"]:
+                print(f"{r['mesh']:>16} {p['batch_per_device']:>6} {p['step_s'] * 1e3:>7.2f} ms "
+                      f"{p['tpot_s'] * 1e3:>7.2f} ms {p['tok_s_per_device']:>13,.0f} {p['tok_s_per_user']:>11,.1f} "
+                      f"{p['bound']:>13} {'yes' if p['kv_fits'] else 'no':>7}  {_largest(p['parts_s'])}", file=out)
+    if any(r["prefill"] for r in reports):
+        print(f"\n{'mesh':>16} {'tokens':>8} {'step':>10} {'tok/s/device':>13} {'bound':>13}  largest parts",
+              file=out)
+        for r in reports:
+            for p in r["prefill"]:
+                print(f"{r['mesh']:>16} {p['tokens_per_device']:>8} {p['step_s'] * 1e3:>7.1f} ms "
+                      f"{p['tok_s_per_device']:>13,.0f} {p['bound']:>13}  {_largest(p['parts_s'])}", file=out)
+    if comparison and comparison["front"]:
+        print("\nfront (tok/s/user -> tok/s/device): " + ", ".join(
+            f"{p['mesh']} x{p['batch_per_device']}: {p['tok_s_per_user']:,.0f} -> {p['tok_s_per_device']:,.0f}"
+            for p in comparison["front"]), file=out)
+    if comparison and "best_under_tpot" in comparison:
+        best = comparison["best_under_tpot"]
+        print(f"best under TPOT {comparison['tpot_target_ms']} ms: " + (
+            "none of the candidates meets it" if best is None else
+            f"{best['mesh']} at {best['batch_per_device']} per device, TPOT {best['tpot_s'] * 1e3:.2f} ms, "
+            f"{best['tok_s_per_device']:,.0f} tok/s/device"), file=out)
+
+
+def _largest(parts: dict[str, float], n: int = 3) -> str:
+    return ", ".join(f"{name} {s * 1e3:.2f}" for name, s in sorted(parts.items(), key=lambda kv: -kv[1])[:n])
 
 
 def add_arguments(p) -> None:
@@ -387,9 +495,46 @@ def add_arguments(p) -> None:
                         "(default decode; each distinct layer compiles once)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per sequence of the compiled prefill "
                    "step (default 512)")
-    p.add_argument("--chart", metavar="PNG", help="write a chart of memory per device (needs matplotlib)")
+    p.add_argument("--batch-per-device", type=_ints, default=(), metavar="B[,B...]",
+                   help="decode batches (requests per attention rank) to time (default: --sequences-per-device)")
+    p.add_argument("--prefill-tokens-per-device", type=_ints, default=(), metavar="T[,T...]",
+                   help="prefill steps to time: prompt tokens per device (one prompt over the cp ranks)")
+    p.add_argument("--num-drafts", type=int, default=0, help="speculative drafts verified per decode step (0)")
+    p.add_argument("--acceptance", type=_floats, default=(), metavar="P[,P...]",
+                   help="acceptance rate of each draft position given the ones before it (one per draft)")
+    p.add_argument("--tpot-target", type=float, metavar="MS", help="pick the mesh and batch with the most "
+                   "tokens/s per device whose time per output token meets MS milliseconds")
+    p.add_argument("--calibration", metavar="FILE", help="efficiencies measured on the device: the output of "
+                   "`jaxseek bench kernels --json` there (default: the cited public measurements)")
+    p.add_argument("--two-batch-overlap", action="store_true", help="time decode as two half batches, one's "
+                   "all-to-alls under the other's compute")
+    p.add_argument("--chart", metavar="PNG", help="write a chart of memory per device and, with several "
+                   "decode batches, tokens/s per device against tokens/s per user (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout ({'studies': [...]} when "
                    "comparing meshes)")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers (an argparse type)."""
+    import argparse
+
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be positive, got {text!r}")
+    return values
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    """A comma-separated list of numbers (an argparse type)."""
+    import argparse
+
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def run(args) -> int:
@@ -399,14 +544,19 @@ def run(args) -> int:
     options = StudyOptions(device=args.device, kv_format=args.kv_format, param_format=args.param_format,
                            redundant_experts=args.redundant_experts, engram=args.engram,
                            hbm_utilization=args.hbm_utilization, sequences_per_device=args.sequences_per_device,
-                           context=args.context, compile_steps=steps, prefill_chunk=args.prefill_chunk)
+                           context=args.context, compile_steps=steps, prefill_chunk=args.prefill_chunk,
+                           batch_per_device=args.batch_per_device,
+                           prefill_tokens_per_device=args.prefill_tokens_per_device, num_drafts=args.num_drafts,
+                           acceptance=args.acceptance, tpot_target_ms=args.tpot_target,
+                           calibration=args.calibration, two_batch_overlap=args.two_batch_overlap)
     reports = [study(args.config, spec, options) for spec in specs]
+    comparison = compare(reports, args.tpot_target)
     if args.chart:
         chart(reports, args.chart)
     if args.json:
-        print(json.dumps(reports[0] if len(reports) == 1 else {"studies": reports}))
+        print(json.dumps(reports[0] | comparison if len(reports) == 1 else {"studies": reports, **comparison}))
     else:
-        print_table(reports)
+        print_table(reports, comparison=comparison)
     return 0
 
 
