@@ -252,6 +252,13 @@ class DisaggregatedEngine:
         elif request_id in self.engine.requests:
             self.engine.cancel(request_id)
 
+    def abort(self) -> list[RequestOutput]:
+        """After a failed step: the decode engine's `abort`; requests still in prefill or waiting are dropped."""
+        for request_id in self.in_prefill:
+            self.inbox.put(("cancel", request_id))
+        self.in_prefill, self.waiting, self.finished = set(), [], []
+        return self.engine.abort()
+
     @property
     def has_work(self) -> bool:
         return bool(self.in_prefill or self.waiting or self.finished or self.engine.has_work)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from model.api import Model
@@ -143,6 +144,7 @@ class Engine:
                                          spec, self.replay)
         self.layer_plan = self._layer_plan(model, config, empty["layers"], spec)
         self.compiled: dict[tuple[int, int, int, int], Callable] = {}
+        self._unproven: set[tuple[int, int, int, int]] = set()  # buckets loaded from disk, not yet run
         # compiled buckets kept on disk beside JAX's compile cache (not for a data-parallel engine's steps)
         stored = directory() if self.data_parallel is None else None
         self.executables = None if stored is None else ExecutableCache(
@@ -215,25 +217,27 @@ class Engine:
                 times = []
                 for _ in range(repeats + 2):
                     start = time.perf_counter()
-                    outputs, self.cache = self._executable((rows, width, width, pages))(
-                        self.weights, self.cache, batch._replace(draft=np.asarray(draft)))
+                    bucket = (rows, width, width, pages)
+                    outputs, self.cache = self._launch(bucket, self._executable(bucket),
+                                                       batch._replace(draft=np.asarray(draft)))
                     jax.block_until_ready(outputs)
                     times.append(time.perf_counter() - start)
                 seconds[rows, width if draft else 0] = min(times[2:])
         widths = (1,) + self.speculation.verify_widths
         return CostTable(interpolated(monotone_in_width(seconds), self.decode_rows, widths))
 
-    def _executable(self, bucket: tuple[int, int, int, int]):
+    def _executable(self, bucket: tuple[int, int, int, int], load: bool = True):
         if bucket not in self.compiled:
             if self.on_compile is not None:
                 self.on_compile(bucket, None)
             start = time.perf_counter()
-            self._compile(bucket)
+            self._compile(bucket, load)
             if self.on_compile is not None:
                 self.on_compile(bucket, time.perf_counter() - start)
         return self.compiled[bucket]
 
-    def _compile(self, bucket: tuple[int, int, int, int]) -> None:
+    def _compile(self, bucket: tuple[int, int, int, int], load: bool = True) -> None:
+        """Compile a bucket's step (`load`: or load it from the executable cache)."""
         rows, width, verify_len, pages = bucket
         if self.data_parallel is not None:
             self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache,
@@ -250,8 +254,11 @@ class Engine:
                 return compile_halves(self._halves, self.weights, self.cache, batch, verify_len).executables
             return [compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)]
 
-        executables = (compile_bucket() if self.executables is None else
-                       self.executables.load_or_compile(bucket, compile_bucket))
+        stored = self.executables
+        loaded = None if stored is None else stored.loaded
+        executables = compile_bucket() if stored is None else stored.load_or_compile(bucket, compile_bucket, load)
+        if stored is not None and stored.loaded != loaded:  # from disk: its first call proves it runs
+            self._unproven.add(bucket)
         if plan is not None:
             self.compiled[bucket] = LayeredHalves(executables, plan, self._halves.head_leaves,
                                                   plan.viewed(rows, width))
@@ -336,6 +343,17 @@ class Engine:
             self.scheduler.release(request)
             self._cancelled.append(request.result(self.config.detokenize))
 
+    def abort(self) -> list[RequestOutput]:
+        """After a failed step: finish every request not finished yet (finish_reason 'error'), free its slot and
+        pages and forget the steps in flight; their results."""
+        self.pending, self._cancelled, aborted = [], [], []
+        for request in self.requests.values():
+            if request.status is not Status.FINISHED:
+                request.finish("error")
+                self.scheduler.release(request)
+                aborted.append(request.result(self.config.detokenize))
+        return aborted
+
     @property
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self.pending or self._cancelled)
@@ -408,7 +426,7 @@ class Engine:
         bucket = (next(r for r in row_buckets if r >= per_rank), width, verify_len,
                   next(p for p in self.context_pages if p >= held))
         executable = self._executable(bucket)
-        later = decoding and isinstance(executable, CompiledHalves) and any(
+        later = decoding and isinstance(executable, CompiledHalves) and bucket not in self._unproven and any(
             row.sample and row.request.grammar is not None for row in rows)
         batch = self._batch(rows, bucket[0] if dp is None else len(rows), width, verify_len, bucket[3], budget,
                             masks=not later)._replace(draft=np.asarray(draft))
@@ -422,7 +440,7 @@ class Engine:
         if later:
             forwarded, self.cache = executable.forward(self.weights, self.cache, batch)
         else:
-            outputs, self.cache = executable(self.weights, self.cache, batch)
+            outputs, self.cache = self._launch(bucket, executable, batch)
         if width == verify_len:
             self.speculation.dispatched(bucket[0], width, draft)
         self.stats["nodraft_steps"] += not draft
@@ -445,6 +463,24 @@ class Engine:
             return _Forwarding(rows, bucket, batch, executable, forwarded)
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
         return rows, outputs, bucket
+
+    def _launch(self, bucket: tuple[int, int, int, int], executable, batch: StepBatch) -> tuple:
+        """Run a bucket's step on the engine's cache. The first call of a bucket loaded from the executable cache
+        keeps a copy of the cache (the step donates it) and is waited for: if the executable fails (an entry that
+        loads but cannot run), its entry is dropped, the bucket compiled again and the step run on the copy."""
+        if bucket not in self._unproven:
+            return executable(self.weights, self.cache, batch)
+        self._unproven.discard(bucket)
+        kept = jax.tree.map(jnp.copy, self.cache)
+        try:
+            return jax.block_until_ready(executable(self.weights, self.cache, batch))
+        except jax.errors.JaxRuntimeError as e:
+            LOG.warning("compiled step %s from the executable cache failed when run (%s); compiling it again",
+                        bucket, e)
+        self.cache = kept
+        self.executables.drop(bucket)
+        del self.compiled[bucket]
+        return self._executable(bucket, load=False)(self.weights, self.cache, batch)
 
     def _decide(self, step: _Forwarding):
         """Fill the token masks of a step whose forward half runs (its rows' previous tokens are read by now)

@@ -141,12 +141,13 @@ class EngineLoop:
                 self._deliver(finished)
                 if self.observe is not None:
                     self.observe(engine, finished)
-            except Exception as e:  # the engine's state is unknown: fail everyone, refuse new work
+            except Exception as e:  # the engine's state is unknown: fail everyone, free what they hold, refuse new work
                 log.exception("engine step failed")
                 self.error = f"{type(e).__name__}: {e}"
                 for sink in {t.sink for t in self.tracked.values()}:
                     sink.deliver([Failed(self.error)])
                 self.tracked.clear()
+                self._release_after_failure()
                 self._drain_after_failure()
                 return
 
@@ -196,6 +197,18 @@ class EngineLoop:
                 events.setdefault(t.sink, []).append(Done(t.index, output))
         for sink, batch in events.items():
             sink.deliver(batch)
+
+    def _release_after_failure(self) -> None:
+        """Finish the failed engine's requests and free their slots and pages (so `observe`, e.g. /health, shows
+        them released)."""
+        try:
+            aborted = self.engine.abort()
+            for output in aborted:
+                self.engine.requests.pop(output.request_id, None)
+            if self.observe is not None:
+                self.observe(self.engine, [])
+        except Exception:  # noqa: BLE001  (the engine is already failed: its error stands)
+            log.exception("releasing the failed engine's requests failed")
 
     def _drain_after_failure(self) -> None:
         while True:

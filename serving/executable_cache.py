@@ -2,10 +2,18 @@
 lowering its step (JAX's persistent compile cache is looked up only after both).
 
 The entries live in `jaxseek-executables/` under JAX's compile-cache directory (`--compile-cache`), one file per
-bucket, named by a hash of everything the step's trace depends on: JAX and the backend, the project's traced
-source, the kernel implementation, the engine's model, layout and step options, the shapes, dtypes and
-shardings of its weights and cache, and the bucket. An entry that cannot be read is compiled again and
-overwritten.
+bucket, named by a hash of everything the step's trace and its executable depend on: JAX, the jaxlib build and
+the backend, XLA flags, the host CPU's instruction-set features, the project's traced source, the kernel
+implementation, the engine's model, layout and step options, the shapes, dtypes and shardings of its weights
+and cache, and the bucket. An entry that cannot be read is compiled again and overwritten; one that loads but
+fails when run is dropped by the engine (`drop`), which compiles the bucket again.
+
+Only executables compiled afresh are stored: XLA:CPU cannot serialize again an executable it loaded from JAX's
+persistent cache (the copy loads, then fails when a kernel it lacks is first reached). Such an executable
+reaches a bucket in two ways: JAX's persistent cache serves one of the bucket's programs (a cache-hit event in
+the compiling thread), or JAX's in-process cache hands back a program another bucket compiled before (no event
+at all: e.g. a decode step's decide half, the same at every context bucket). `ExecutableCache` therefore
+remembers, per executable, whether it was compiled afresh, and stores a bucket only when all of its are.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import logging
 import os
 import pathlib
 import pickle
+import platform
 import tempfile
 import threading
 from collections.abc import Callable
@@ -41,6 +50,11 @@ def _count_hit(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_hit)
 
 
+def _hits() -> int:
+    """Compilations JAX's persistent cache has served in this thread."""
+    return getattr(_JAX_CACHE_HITS, "n", 0)
+
+
 def directory() -> pathlib.Path | None:
     """Where executables are kept: under JAX's compile-cache directory (None when that cache is off)."""
     root = jax.config.jax_compilation_cache_dir
@@ -58,11 +72,37 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
+@functools.cache
+def cpu_features() -> str:
+    """The host CPU's model and instruction-set flags (XLA:CPU compiles for the host's features: an executable
+    built for AVX-512 dies with SIGILL on a host without it)."""
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()}|{platform.processor()}"
+    fields = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = " ".join(sorted(set(fields.get("flags", fields.get("Features", "")).split())))
+    return f"{platform.machine()}|{fields.get('model name', '')}|{flags}"
+
+
+@functools.cache
+def jaxlib_build() -> tuple:
+    """The jaxlib build: its version, commit, and the size and time of its native library."""
+    native = pathlib.Path(jaxlib.__file__).parent / "_jax.so"
+    stat = native.stat() if native.exists() else None
+    return (jaxlib.__version__, getattr(jaxlib.version, "_git_hash", ""),
+            None if stat is None else (stat.st_size, stat.st_mtime_ns))
+
+
 def _environment() -> tuple:
-    """What a trace depends on beyond its inputs: versions, backend and devices, flags, source, kernels, host cores
-    (one-row products split by them on the CPU: `quant_linear.gemv_groups`)."""
-    return (jax.__version__, jaxlib.__version__, jax.default_backend(), jax.devices()[0].client.platform_version,
-            tuple(d.device_kind for d in jax.devices()), os.environ.get("XLA_FLAGS", ""),
+    """What a trace and its executable depend on beyond their inputs: versions and the jaxlib build, backend and
+    devices, XLA flags, the host CPU's features, source, kernels, host cores (one-row products split by them on
+    the CPU: `quant_linear.gemv_groups`)."""
+    return (jax.__version__, jaxlib_build(), jax.default_backend(), jax.devices()[0].client.platform_version,
+            tuple(d.device_kind for d in jax.devices()), os.environ.get("XLA_FLAGS", ""), cpu_features(),
             jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision), _source_digest(),
             registry.implementation(), tuning.host_cores())
 
@@ -78,13 +118,19 @@ def describe(tree) -> str:
 class ExecutableCache:
     """One engine's compiled buckets on disk (`directory()`): `load(bucket)` gives the executables stored for a
     bucket (None when absent or unreadable), `store(bucket, executables)` keeps them, `load_or_compile` does
-    both around a compilation. `parts` are the engine's inputs to every trace (model config, layout, step
-    options, weights and cache as `describe` text); `loaded` and `stored` count buckets."""
+    both around a compilation, `drop(bucket)` deletes a bucket's entry (it failed when run). `parts` are the
+    engine's inputs to every trace (model config, layout, step options, weights and cache as `describe` text);
+    `loaded`, `stored` and `dropped` count buckets."""
 
     def __init__(self, root: pathlib.Path, *parts):
         self.root = root
         self.base = hashlib.sha256(repr((_environment(), parts)).encode()).hexdigest()
-        self.loaded = self.stored = 0
+        self.loaded = self.stored = self.dropped = 0
+        # per runtime executable this engine compiled: (it, compiled afresh, the bucket that first had it, the
+        # count of buckets noted then); by id (not weakly referenceable), the executable held so that its id
+        # is not reused
+        self._fresh: dict[int, tuple[object, bool, tuple, int]] = {}
+        self._lock, self._noted = threading.Lock(), 0
 
     def path(self, bucket: tuple) -> pathlib.Path:
         return self.root / hashlib.sha256(f"{self.base}{bucket}".encode()).hexdigest()
@@ -120,14 +166,38 @@ class ExecutableCache:
             return
         self.stored += 1
 
-    def load_or_compile(self, bucket: tuple, compile_bucket: Callable[[], list]) -> list[jax.stages.Compiled]:
-        """The bucket's stored executables, else `compile_bucket()`'s, stored unless JAX's persistent cache
-        served them: XLA:CPU cannot serialize again an executable it loaded from there (it would fail when
-        run), so such a bucket is stored once it is compiled afresh."""
-        executables = self.load(bucket)
+    def drop(self, bucket: tuple) -> None:
+        """Delete the bucket's entry (it loaded but failed when run)."""
+        self.path(bucket).unlink(missing_ok=True)
+        self.dropped += 1
+
+    def load_or_compile(self, bucket: tuple, compile_bucket: Callable[[], list], load: bool = True
+                        ) -> list[jax.stages.Compiled]:
+        """The bucket's stored executables (unless `load` is False), else `compile_bucket()`'s, stored when every
+        one of them was compiled afresh (see the module's docstring). An executable this engine compiled for an
+        earlier bucket (JAX's in-process cache hands it back) keeps the freshness it had then; one new to this
+        bucket is fresh when JAX's persistent cache served nothing during the bucket's compilation."""
+        executables = self.load(bucket) if load else None
         if executables is None:
-            hits = getattr(_JAX_CACHE_HITS, "n", 0)
+            hits, since = _hits(), self._noted
             executables = compile_bucket()
-            if getattr(_JAX_CACHE_HITS, "n", 0) == hits:
+            if self._note_fresh(bucket, [e.runtime_executable() for e in executables], _hits() == hits, since):
                 self.store(bucket, executables)
         return executables
+
+    def _note_fresh(self, bucket: tuple, runtimes: list, unserved: bool, since: int) -> bool:
+        """Record the freshness of a bucket's executables (`unserved`: JAX's persistent cache served none of
+        its compilations in this thread; `since`: the count of buckets noted when its compilation began);
+        whether all of them are fresh. An executable that a bucket of another thread, noted while this one
+        compiled, took for its own fresh one may be the one served here: that bucket's entry is dropped."""
+        with self._lock:
+            self._noted += 1
+            fresh = []
+            for runtime in runtimes:
+                _, known, owner, noted = self._fresh.get(id(runtime), (runtime, unserved, bucket, self._noted))
+                if known and not unserved and owner != bucket and noted > since:
+                    self.drop(owner)
+                    known = False
+                self._fresh[id(runtime)] = (runtime, known, owner, noted)
+                fresh.append(known)
+            return all(fresh)
