@@ -21,7 +21,7 @@ from model.engram import Engram
 from model.fake_quant import fake_quant_fp4, fake_quant_fp8
 from model.hyper import collapse, expand
 from model.linear import Linear
-from model.moe import MoE, any_rank
+from model.moe import MoE
 from model.norms import RMSNorm
 from model.paged import Paged, as_paged, pools, store_windows
 from model.replay import Replay, key_positions, kept_span, put_rows, take_positions, take_rows
@@ -328,19 +328,13 @@ class DeepseekV41(nnx.Module):
         def skipped():
             return streams, pre_mix, [cache["layers"][i] for i in layer_ids], unchanged
 
-        return jax.lax.cond(any_rank(jnp.any(length > 0)), replayed, skipped)
+        return jax.lax.cond(jnp.any(length > 0), replayed, skipped)
 
     def __call__(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None, collect=(),
-                 replay: Replay | None = None, prompt_end=None, at=None, final=False):
+                 replay: Replay | None = None, prompt_end=None, at=None):
         """(fp32 logits [b, c, vocab], new cache), plus the taps of `streams` when `collect` names layers.
         With an active `replay`, positions below each row's floor hold no next-token logits (`model.replay`).
-        `at` [b, v] (chunk offsets) gives the logits of those positions only, [b, v, vocab]. `final` also
-        returns, last, every position's (streams, pre-mix weights): what `final_logits` projects."""
+        `at` [b, v] (chunk offsets) gives the logits of those positions only, [b, v, vocab]."""
         streams, pre_mix, cache, *taps = self.streams(tokens, cache, engram_rows, count, collect, replay, prompt_end)
-        picked = self.final_logits((take_positions(streams, at), take_positions(pre_mix, at)))
-        return (picked, cache, *taps) + (((streams, pre_mix),) if final else ())
-
-    def final_logits(self, final: tuple) -> Float[Array, "b c v"]:
-        """fp32 logits of every position from the (streams, pre-mix weights) `__call__(..., final=True)` returns."""
-        streams, pre_mix = final
-        return self.head(self.norm(collapse(streams, pre_mix)).astype(jnp.float32))
+        hidden = collapse(take_positions(streams, at), take_positions(pre_mix, at))
+        return self.head(self.norm(hidden).astype(jnp.float32)), cache, *taps

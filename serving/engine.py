@@ -34,7 +34,6 @@ from serving.jump_forward import jump_forward
 from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache, page_bytes
 from serving.layer_programs import LayeredHalves, LayerPlan, compile_layered
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
-from serving.prompt_logprobs import PromptLogprobStore, record
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
@@ -287,10 +286,9 @@ class Engine:
                              f"decode finds its window filled (exact replay: {exact}), got {replay!r}")
         self.device_pages = DevicePages(self, self.layout.max_len)
         snapshots = 8 * self.layout.max_slots if config.prefix_snapshots is None else config.prefix_snapshots
-        self.prompt_store = PromptLogprobStore(self.layout.page_tokens, self.layout.num_pages)
         return PrefixAdmission(self.scheduler.pages, replay, config.host_pages, self.device_pages.read,
                                self.device_pages.write, self.replay.keep if self.replay is not None else 0,
-                               snapshots, self.device_pages.take, exact, self.prompt_store)
+                               snapshots, self.device_pages.take, exact)
 
     def prefix_cache_metrics(self) -> dict[str, float]:
         """Prefix-cache counters (`PrefixAdmission.metrics`: `hit_rate` = prompt tokens served from the cache
@@ -324,8 +322,6 @@ class Engine:
         num_top = self.config.num_top_logprobs
         if params.logprobs is not None and params.logprobs > num_top:
             raise ValueError(f"logprobs={params.logprobs} exceeds the engine's num_top_logprobs={num_top}")
-        if params.prompt_logprobs is not None:
-            self._check_prompt_logprobs(params.prompt_logprobs)
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -333,23 +329,11 @@ class Engine:
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
         request = Request(request_id, prompt, params, grammar=grammar, constraint=constraint)
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None] * len(prompt)
         if self.engram is not None:
             request.engram_history = self.engram.empty_history(1)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
-
-    def _check_prompt_logprobs(self, n: int) -> None:
-        """Raise ValueError if this engine cannot compute prompt logprobs with `n` alternatives."""
-        if n > self.config.num_top_logprobs:
-            raise ValueError(f"prompt_logprobs={n} exceeds the engine's num_top_logprobs="
-                             f"{self.config.num_top_logprobs}")
-        if self.replay is not None and self.replay.mode == "compact" and self.config.prefill_chunk > self.replay.keep:
-            raise ValueError(f"prompt logprobs need every prompt position through the replay layers: compact replay "
-                             f"runs at most keep={self.replay.keep} of a chunk's {self.config.prefill_chunk} tokens "
-                             "(lower prefill_chunk, or replay off)")
 
     def cancel(self, request_id: str) -> None:
         """Stop a request; its result has finish_reason 'cancelled'."""
@@ -524,9 +508,6 @@ class Engine:
             b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset and row.restore is None, row.sample
             b.block_tables[i] = self.scheduler.block_table(row.request)[:pages]
             b.frozen[i], b.prompt_end[i] = row.frozen, row.prompt_end
-            if row.request.prompt_logprobs is not None and not row.from_prev:  # runs every position: no replay bound
-                following = row.request.sequence[row.start + 1:row.start + n + 1]
-                b.targets[i, :len(following)], b.scored[i], b.prompt_end[i] = following, True, 0
         b.budget[...] = b.caps.sum() if budget is None else budget
         sampling = SamplingBatch.from_params([r.request.params for r in rows], num_rows)
         return b._replace(sampling=sampling)
@@ -570,11 +551,6 @@ class Engine:
             out = jax.tree.map(np.asarray, outputs)
             for i, row in enumerate(rows):
                 request = row.request
-                if (request.prompt_logprobs is not None and not row.from_prev and request.status is not Status.FINISHED
-                        and record(request, row.start, *(x[i, :len(row.tokens)] for x in (
-                            out.prompt_logprob, out.prompt_top_ids, out.prompt_top_logprobs)))
-                        and self.scheduler.prefix is not None):
-                    self.prompt_store.put(request)
                 if not row.sample or request.status is Status.FINISHED:
                     continue  # a prefill chunk, or a row dispatched before its request stopped
                 request.in_flight.popleft()

@@ -51,8 +51,7 @@ class SamplingParams:
     `temperature` 0 is greedy (so is anything below 1e-5, as in vLLM); `top_k` 0, `top_p` 1, `min_p` 0 and
     `repetition_penalty` 1 are off. `seed` None means the engine assigns one before the request is batched.
     `logprobs` None returns no logprobs; n returns the chosen token's logprob and the n most likely
-    alternatives; `prompt_logprobs` n does the same for every prompt token (vLLM's field; a completion's
-    `echo`). `stop` and `stop_token_ids` are stored as tuples.
+    alternatives. `stop` and `stop_token_ids` are stored as tuples.
     """
 
     max_tokens: int = 16
@@ -68,7 +67,6 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         def fix(name, value):  # the dataclass is frozen
@@ -96,8 +94,6 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             fix("logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
-        if self.prompt_logprobs is not None:
-            fix("prompt_logprobs", _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS))
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> SamplingParams:
