@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import os
 import socket
@@ -214,8 +215,8 @@ class Server:
     # ---- request checks -----------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
         if self.config.api_key is not None:
-            given = request.headers.get("authorization", "")
-            if given != f"Bearer {self.config.api_key}":
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {self.config.api_key}".encode()):  # constant time
                 raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
 
     async def _body(self, request: Request, allowed: frozenset[str]) -> dict:

@@ -65,11 +65,25 @@ def metric(text: str, name: str) -> float:
     return float(line.split()[-1])
 
 
-def test_models_and_auth(served, client):
+def test_models_and_auth(served, client, monkeypatch):
+    """Only the exact key is let in (not a prefix, an extension, another case or a missing header), and it is
+    compared in constant time (`hmac.compare_digest` sees every check)."""
     assert [m.id for m in client.models.list().data] == [MODEL]
     bad = openai.OpenAI(base_url=served[2] + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="API key"):
         bad.models.list()
+    import serving.server
+
+    compared = []
+    real = serving.server.hmac.compare_digest
+    monkeypatch.setattr(serving.server.hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
+    url = served[2] + "/v1/models"
+    wrong = (f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", f"Bearer {KEY.upper()}", KEY, "Bearer", "Bearer \xe9".encode())
+    for header in wrong:
+        assert httpx.get(url, headers={"Authorization": header}).status_code == 401, header
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == MODEL
+    assert len(compared) == 8 and compared[-1] == (f"Bearer {KEY}".encode(),) * 2
     assert httpx.get(served[2] + "/health").json()["status"] == "ok"
 
 
