@@ -464,8 +464,9 @@ class Engine:
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
         return rows, outputs, bucket
 
-    def _launch(self, bucket: tuple[int, int, int, int], executable, batch: StepBatch) -> tuple:
-        """Run a bucket's step on the engine's cache. The first call of a bucket loaded from the executable cache
+    def _launch(self, bucket: tuple[int, int, int, int], executable, batch) -> tuple:
+        """Run a bucket's step on the engine's cache (`batch`: the step's inputs, laid out for the ranks on a mesh).
+        The first call of a bucket loaded from the executable cache
         keeps a copy of the cache (the step donates it) and is waited for: if the executable fails (an entry that
         loads but cannot run), its entry is dropped, the bucket compiled again and the step run on the copy."""
         if bucket not in self._unproven:

@@ -404,9 +404,11 @@ def _human(value: float) -> str:
     return f"{value:.1f} B"
 
 
-def print_table(reports: list[dict], out=sys.stdout, comparison: dict | None = None) -> None:
+def print_table(reports: list[dict], out=None, comparison: dict | None = None) -> None:
     """The main figures, one column per studied mesh, then the timed decode and prefill steps and, across
-    meshes, the throughput-latency front and the best layout under the TPOT target."""
+    meshes, the throughput-latency front and the best layout under the TPOT target (`out`: a text stream,
+    the current `sys.stdout` when None)."""
+    out = sys.stdout if out is None else out
     rows = (("mesh", "mesh", str), ("devices", "devices", str), ("device", "device", str),
             ("params / device", "param_bytes_per_device", _human),
             ("  backbone", "param_bytes_backbone_per_device", _human),
