@@ -194,14 +194,17 @@ def default_weights(quantized: bool) -> str:
     return "checkpoint" if jax.default_backend() == "gpu" else "bfloat16"
 
 
-def load_model(path: str | Path | None = None, weights: str | None = None, engram_placement: str = "host") -> Model:
+def load_model(path: str | Path | None = None, weights: str | None = None, engram_placement: str = "host",
+               dtype: str | None = None) -> Model:
     """Load a DeepSeek-V4 or V4.1 checkpoint directory (config.json + safetensors) into a Model; without a path,
     the bundled default model (`model/bundled/`: a toy V4.1 trained on Shakespeare, see its README).
 
-    `weights`: the resident format (`WEIGHTS`; default `default_weights`). The directory's tokenizer.json,
-    when there is one, becomes `model.tokenizer`. V4.1 Engram tables stay in their stored format (FP8 rows +
-    scales) in host memory or on the device; their canonical token ids come from the tokenizer.json.
+    `weights`: the resident format (`WEIGHTS`; default `default_weights`); `dtype` is its other name (the
+    CLI's `--dtype`, vLLM's), `auto` the default. The directory's tokenizer.json, when there is one, becomes
+    `model.tokenizer`. V4.1 Engram tables stay in their stored format (FP8 rows + scales) in host memory or on
+    the device; their canonical token ids come from the tokenizer.json.
     """
+    weights = _weights_or_dtype(weights, dtype)
     path = BUNDLED if path is None else Path(path)
     plan = _plan(path, weights)
     layout, config = plan.layout, plan.config
@@ -219,6 +222,19 @@ def load_model(path: str | Path | None = None, weights: str | None = None, engra
         raise CheckpointError(f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} ids; the model's vocabulary "
                               f"has {config.vocab_size}")
     return Model(nnx.merge(model.graphdef, model.params), tokenizer=tokenizer, engram=engram, drafter=drafter)
+
+
+def _weights_or_dtype(weights: str | None, dtype: str | None) -> str | None:
+    """`load_model`'s resident format from `weights` and its alias `dtype` (None or `auto`: the default)."""
+    if dtype is None:
+        return weights
+    if dtype != "auto" and dtype not in WEIGHTS:
+        raise ValueError(f"dtype must be auto or one of {WEIGHTS}, got {dtype!r}")
+    dtype = None if dtype == "auto" else dtype
+    if weights is not None and weights != dtype:
+        raise ValueError(f"weights={weights!r} and dtype={dtype or 'auto'!r} disagree: dtype is weights' other "
+                         "name, give one of them")
+    return dtype
 
 
 def checkpoint_model(path: str | Path, weights: str | None = None) -> Model:

@@ -85,6 +85,24 @@ def test_bfloat16_load_keeps_fp32_sites(saved, model):
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.85  # this random model's logits have near-ties
 
 
+def test_dtype_is_an_alias_of_weights(saved, model):
+    """`dtype` (the keyword before stored weights, the CLI's --dtype) loads what `weights` loads; `auto` is the
+    default (float32 for this float checkpoint); the two disagreeing, or an unknown dtype, is refused."""
+    bf16 = load_model(saved, dtype="bfloat16")
+    assert str(bf16.module().layers[1].attn.wq_a.weight.dtype) == "bfloat16"
+    np.testing.assert_array_equal(np.asarray(bf16.logits(TOKENS)),
+                                  np.asarray(load_model(saved, weights="bfloat16").logits(TOKENS)))
+    auto = load_model(saved, dtype="auto", weights=None)
+    assert str(auto.module().layers[1].attn.wq_a.weight.dtype) == "float32"
+    np.testing.assert_array_equal(np.asarray(auto.logits(TOKENS)), np.asarray(model.logits(TOKENS)))
+    assert str(load_model(saved, weights="float32", dtype="float32").module().layers[1].attn.wq_a.weight.dtype) \
+        == "float32"
+    with pytest.raises(ValueError, match="weights='float32' and dtype='bfloat16' disagree"):
+        load_model(saved, weights="float32", dtype="bfloat16")
+    with pytest.raises(ValueError, match="dtype must be auto or one of"):
+        load_model(saved, dtype="float16")
+
+
 def _tensors(saved):
     return {k: np.array(v) for k, v in read_tensors(saved).items()}
 
