@@ -395,8 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help=cmd_convert.__doc__, description=cmd_convert.__doc__ + (
         " fp8: FP8 E4M3 linears with UE8M0 scales per 128x128 block (the checkpoint's own block if it has one) "
         "and packed FP4 routed experts with a UE8M0 scale per 32 inputs, power-of-two scales as DeepSeek "
-        "chooses them; other tensors as the source stores them. bf16: every float tensor decoded to bf16 "
-        "(exact for FP8 / FP4). Shards with an index file."))
+        "chooses them; the other float matrices (embedding, head, small projections) in bf16, as DeepSeek's "
+        "checkpoints hold them; norms, mHC, sinks and biases as the source stores them. bf16: every float matrix "
+        "decoded to bf16 (exact for FP8 / FP4). Shards with an index file."))
     convert.set_defaults(fn=cmd_convert)
     convert.add_argument("src", help="checkpoint directory (native or HF `model.` names; fp32, bf16 or FP8/FP4)")
     convert.add_argument("dst", help="output directory")

@@ -1,8 +1,11 @@
 """`jaxseek convert`: a checkpoint rewritten in DeepSeek's FP8 / FP4 layout or in bf16, tensor by tensor.
 
-`fp8`: the FP8 linears and packed FP4 experts of `model.stored`'s rules, power-of-two UE8M0 scales; the other
-tensors as the source stores them. `bf16`: stored pairs decoded, and every float matrix named `*.weight` in
-bf16 (exact for FP8 / FP4 values); mHC, `ape`, norms, sinks and biases keep their type, as DeepSeek's do.
+`fp8`: the FP8 linears and packed FP4 experts of `model.stored`'s rules, power-of-two UE8M0 scales, and every
+other float matrix named `*.weight` (embedding, head, compressor and indexer projections, the router) in bf16,
+as DeepSeek's checkpoints hold them and as a model loaded `checkpoint` holds them (`model.checkpoint.layout_for`,
+what `jaxseek study --param-format checkpoint` counts). `bf16`: stored pairs decoded, and every float matrix
+named `*.weight` in bf16 (exact for FP8 / FP4 values). Both keep mHC, `ape`, norms, sinks and biases in their
+type, as DeepSeek's do.
 Sources may be float or already quantized (decoded first: re-encoding a decoded FP8 / FP4 tensor with its
 own block gives it back). The output is written one shard at a time (at most `max_shard_bytes` of tensors in
 memory), with `model.safetensors.index.json` when it takes more than one; config.json's
@@ -73,7 +76,9 @@ def _convert_one(name: str, tensors: dict[str, np.ndarray], weights: str, block)
         pair[stem + ".scale"] = tensors[stem + ".scale"]
     value = _dequantize(pair, block)[name]
     if weights == "fp8":
-        return quantize_tensors({name: value}, block)
+        out = quantize_tensors({name: value}, block)
+        if len(out) > 1:  # an FP8 linear or an FP4 expert, with its scale
+            return out
     if name.endswith(".weight") and value.ndim >= 2 and np.issubdtype(value.dtype, np.floating):
         return {name: np.asarray(value, np.float32).astype(ml_dtypes.bfloat16)}
     return {name: np.asarray(value)}

@@ -1,5 +1,9 @@
-"""Test helpers: models whose every parameter is random (no zero sinks, biases or position biases), and greedy
-decoding by the full-sequence forward (the reference engines are checked against)."""
+"""Test helpers: models whose every parameter is random (no zero sinks, biases or position biases), greedy
+decoding by the full-sequence forward (the reference engines are checked against), and a converted checkpoint
+with its BF16 tensors widened to F32."""
+
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -60,3 +64,16 @@ def greedy_full_forward(model: Model, prompts: list[list[int]], steps: int, rows
             logits[i].append(out[i, len(seq) - 1])
             seq.append(int(out[i, len(seq) - 1].argmax()))
     return [(seq[len(p):], np.stack(rows_)) for p, seq, rows_ in zip(prompts, ids, logits)]
+
+
+def widened_to_f32(src: Path, dst: Path) -> Path:
+    """`src`, a one-file checkpoint, with its BF16 tensors stored as F32 (exactly): loaded as `checkpoint` it keeps
+    its FP8 / FP4 tensors as stored and computes everything else in fp32, so that it can be compared tightly with
+    an fp32 decoding or an fp32 reference."""
+    from model.safetensors_io import read_tensors, write_tensors
+
+    dst.mkdir(parents=True)
+    shutil.copy2(src / "config.json", dst / "config.json")
+    tensors = {n: v.astype(np.float32) if v.dtype == jnp.bfloat16 else v for n, v in read_tensors(src).items()}
+    write_tensors(dst / "model.safetensors", tensors)
+    return dst

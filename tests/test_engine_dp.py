@@ -16,7 +16,7 @@ from serving.metrics import ServerMetrics
 from serving.request import Request
 from serving.sampling import SamplingParams
 from serving.engine_dp import DataParallelScheduler
-from tests.helpers import greedy_full_forward, random_model
+from tests.helpers import greedy_full_forward, random_model, widened_to_f32
 
 CONFIG = preset("tiny")
 RNG = np.random.default_rng(3)
@@ -111,12 +111,13 @@ def test_dp4_ep2_engine_with_eplb_rebalancing_mid_run_equals_single_device(model
 
 
 def test_dp4_ep2_engine_with_eplb_serves_stored_fp4_experts(model, tmp_path):
-    """The model converted to DeepSeek's layout and loaded as stored (FP8 linears, packed FP4 experts): its expert
-    codes and scales split over 2 shards with 2 redundant slots, rebalanced every 2 steps, give the tokens and
-    logits of the same stored model on one device."""
+    """The model converted to DeepSeek's layout and loaded as stored (FP8 linears, packed FP4 experts; its BF16
+    matrices widened to F32, so that bf16 rounding does not hide a wrong token): its expert codes and scales
+    split over 2 shards with 2 redundant slots, rebalanced every 2 steps, give the tokens and logits of the same
+    stored model on one device."""
     save_checkpoint(model, tmp_path / "fp32")
     convert(tmp_path / "fp32", tmp_path / "fp8", progress=False)
-    stored = load_model(tmp_path / "fp8", weights="checkpoint")
+    stored = load_model(widened_to_f32(tmp_path / "fp8", tmp_path / "fp8_f32"), weights="checkpoint")
     assert hasattr(stored.module().layers[1].ffn.experts, "w1_scale")
     engine = Engine(stored, mesh="dp=4,ep=2", redundant_experts=2, eplb_every=2,
                     **ENGINE | dict(prefill_chunk=1, max_prefill_rows=4))

@@ -6,6 +6,7 @@ import json
 import math
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -16,10 +17,11 @@ from model.checkpoint import CheckpointError, checkpoint_model, layout_for, load
 from jaxseek.cli import main
 from model.config import preset
 from model.convert import convert
-from model.quant import dequant_fp4_packed, dequant_fp8_blocks
+from model.quant import dequant_fp4_packed, dequant_fp8_blocks, quantize_fp4_packed, quantize_fp8_blocks
 from model.safetensors_io import read_tensors, write_tensors
 from model.stats import resident_bytes
-from tests.helpers import random_model
+from model.stored import FP4_EXPERT, FP8_LINEAR
+from tests.helpers import random_model, widened_to_f32
 
 CONFIG = preset("tiny")
 TOKENS = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 21))
@@ -39,15 +41,40 @@ def fp8_matrices(config) -> list[tuple[int, int]]:
     return out + [(d, d), (d, d)] * config.num_nextn_predict_layers
 
 
+def bf16_matrices(config) -> dict[str, tuple[int, int]]:
+    """Name: (out, in) of every matrix DeepSeek's V4 checkpoints hold in BF16 (v4-architecture.md, the Flash
+    headers), listed from the architecture: the embedding and head; per layer (main and MTP) wo_a and the
+    router's gate; a compressing layer's compressor wkv / wgate (a ratio-4 one overlaps: twice the head), and a
+    CSA (ratio 4) layer's indexer compressor wkv / wgate and weights_proj."""
+    d, hd = config.hidden_size, config.head_dim
+    out = {"embed.weight": (config.vocab_size, d), "head.weight": (config.vocab_size, d)}
+    ratios = config.compress_ratios[:config.num_hidden_layers + config.num_nextn_predict_layers]
+    for i, ratio in enumerate(ratios):
+        stem = f"layers.{i}" if i < config.num_hidden_layers else f"mtp.{i - config.num_hidden_layers}"
+        out[f"{stem}.attn.wo_a.weight"] = (config.o_groups * config.o_lora_rank,
+                                           config.num_attention_heads * hd // config.o_groups)
+        out[f"{stem}.ffn.gate.weight"] = (config.n_routed_experts, d)
+        if ratio:
+            for w in ("wkv", "wgate"):
+                out[f"{stem}.attn.compressor.{w}.weight"] = (hd * (2 if ratio == 4 else 1), d)
+        if ratio == 4:
+            for w in ("wkv", "wgate"):
+                out[f"{stem}.attn.indexer.compressor.{w}.weight"] = (2 * config.index_head_dim, d)
+            out[f"{stem}.attn.indexer.weights_proj.weight"] = (config.index_n_heads, d)
+    return out
+
+
 def stored_bytes(config, fp32_bytes: int) -> int:
     """Resident bytes of a converted fp32 model: FP8 linears 1 B a value + one UE8M0 byte per 128x128 block,
-    routed experts 0.5 B a value + one byte per 32 inputs of a row, every other parameter still 4 B."""
+    routed experts 0.5 B a value + one byte per 32 inputs of a row, the BF16 matrices 2 B a value, every other
+    parameter (norms, mHC, sinks, ape, biases) still 4 B."""
     fp8 = fp8_matrices(config)
     experts = 3 * config.n_routed_experts * config.moe_intermediate_size * config.hidden_size
     n_layers = config.num_hidden_layers + config.num_nextn_predict_layers
     fp8_bytes = sum(o * i + math.ceil(o / 128) * math.ceil(i / 128) for o, i in fp8)
     expert_bytes = n_layers * (experts // 2 + experts // 32)
-    return fp32_bytes - 4 * (sum(o * i for o, i in fp8) + n_layers * experts) + fp8_bytes + expert_bytes
+    bf16 = sum(o * i for o, i in bf16_matrices(config).values())
+    return fp32_bytes - 4 * (sum(o * i for o, i in fp8) + n_layers * experts) + fp8_bytes + expert_bytes - 2 * bf16
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +87,18 @@ def converted(tmp_path_factory):
     return model, root / "fp32", root / "fp8"
 
 
-def test_resident_model_computes_its_fp32_decoding(converted):
+def test_resident_model_computes_its_fp32_decoding(converted, tmp_path):
+    """Held as stored, the FP8 linears and FP4 experts compute what their fp32 decoding computes: compared with
+    the BF16 matrices widened to F32 (exactly), so that the decoding inside the matmuls is all that differs."""
     _, _, fp8_dir = converted
-    resident, decoded = load_model(fp8_dir, weights="checkpoint"), load_model(fp8_dir, weights="float32")
-    layer = resident.module().layers[2]
+    layer = load_model(fp8_dir, weights="checkpoint").module().layers[2]
     assert layer.attn.wq_a.weight.dtype == ml_dtypes.float8_e4m3fn and layer.attn.wq_a.block == (128, 128)
     assert layer.ffn.experts.w1.dtype == np.int8 and layer.ffn.experts.w1_scale.shape == (4, 32, 2)
-    assert layer.attn.compressor.wkv.weight.dtype == np.float32  # as the source stored it
+    assert layer.attn.compressor.wkv.weight.dtype == ml_dtypes.bfloat16  # as DeepSeek's checkpoints hold it
+    assert layer.attn.compressor.norm.weight.dtype == layer.hc_attn.fn.dtype == np.float32
+    resident = load_model(widened_to_f32(fp8_dir, tmp_path / "f32"), weights="checkpoint")
+    assert resident.module().layers[2].attn.wq_a.weight.dtype == ml_dtypes.float8_e4m3fn
+    decoded = load_model(fp8_dir, weights="float32")
     diff = np.abs(np.asarray(resident.logits(TOKENS)) - np.asarray(decoded.logits(TOKENS))).max()
     assert diff <= 1e-4
 
@@ -79,12 +111,58 @@ def test_resident_bytes_follow_the_formats(converted):
     resident = load_model(fp8_dir, weights="checkpoint")
     assert resident_bytes(resident) == stored_bytes(CONFIG, fp32_bytes) == resident_bytes(checkpoint_model(fp8_dir,
                                                                                                           "checkpoint"))
-    # `small` converted (abstractly: the same layout load_model builds): 28.9% of its fp32 bytes
+    # `small` converted (abstractly: the layout load_model builds, which `jaxseek study` counts): 21.8% of its
+    # fp32 bytes
     small = preset("small")
     fp32_small = resident_bytes(layout_for(small, "float32").model(small))
-    stored_small = resident_bytes(dataclasses.replace(layout_for(small, "checkpoint"), dtype="float32").model(small))
-    assert stored_small == stored_bytes(small, fp32_small) == 100_715_228
-    assert stored_small / fp32_small <= 0.3
+    stored_small = resident_bytes(layout_for(small, "checkpoint").model(small))
+    assert stored_small == stored_bytes(small, fp32_small) == 75_950_812
+    assert stored_small / fp32_small <= 0.22
+
+
+def _header(path) -> dict:
+    """A safetensors file's header, read by hand: name -> {dtype, shape, data_offsets}."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return {k: v for k, v in json.loads(f.read(size)).items() if k != "__metadata__"}
+
+
+def test_convert_fp8_writes_the_rest_in_bf16(converted, tmp_path):
+    """`convert --weights fp8` writes FP8 linears, packed FP4 experts, DeepSeek's BF16 matrices in BF16 and the
+    rest (norms, mHC, sinks, ape, biases) in F32: the file's bytes are what the `checkpoint` layout holds (what
+    `jaxseek study --param-format checkpoint` counts), and the model computes exactly what the source computes
+    with its linears quantized and those matrices rounded to bf16 (by jnp, here)."""
+    _, fp32_dir, fp8_dir = converted
+    header = _header(fp8_dir / "model.safetensors")
+    bf16 = bf16_matrices(CONFIG)
+    assert {n for n, h in header.items() if h["dtype"] == "BF16"} == set(bf16)
+    assert all(header[n]["shape"] == list(shape) for n, shape in bf16.items())
+    assert {h["dtype"] for h in header.values()} == {"F8_E4M3", "F8_E8M0", "I8", "BF16", "F32", "I32"}
+    assert {header[n]["dtype"] for n in ("norm.weight", "layers.1.attn_norm.weight", "layers.1.attn.attn_sink",
+                                          "layers.1.attn.compressor.ape", "layers.1.hc_attn_fn", "hc_head_base",
+                                          "layers.1.ffn.gate.bias")} == {"F32"}
+    data = sum(h["data_offsets"][1] - h["data_offsets"][0] for h in header.values())
+    assert data == resident_bytes(layout_for(CONFIG, "checkpoint").model(CONFIG))
+    # the reference: the source, quantized and rounded by hand, loaded in fp32
+    reference = {}
+    for name, value in read_tensors(fp32_dir).items():
+        value = np.asarray(value)
+        if name in bf16:
+            value = np.asarray(jnp.asarray(value).astype(jnp.bfloat16).astype(jnp.float32))
+        elif FP8_LINEAR.match(name):
+            value = dequant_fp8_blocks(*quantize_fp8_blocks(value, (128, 128)), (128, 128))
+        elif FP4_EXPERT.search(name):
+            value = dequant_fp4_packed(*quantize_fp4_packed(value))
+        reference[name] = value
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "ref" / "config.json").write_text((fp32_dir / "config.json").read_text())
+    write_tensors(tmp_path / "ref" / "model.safetensors", reference)
+    ours = np.asarray(load_model(fp8_dir, weights="float32").logits(TOKENS))
+    np.testing.assert_array_equal(ours, np.asarray(load_model(tmp_path / "ref").logits(TOKENS)))
+    # and the rounding to bf16 changed the model (the comparison above is not vacuous)
+    unrounded = {n: v if n in bf16 else reference[n] for n, v in read_tensors(fp32_dir).items()}
+    write_tensors(tmp_path / "ref" / "model.safetensors", unrounded)
+    assert np.abs(ours - np.asarray(load_model(tmp_path / "ref").logits(TOKENS))).max() > 1e-5
 
 
 def test_info_reports_the_resident_bytes(converted, capsys):
