@@ -11,7 +11,8 @@ from tokenizers import Tokenizer
 
 class TextTokenizer:
     """Text <-> token ids with a `tokenizer.json`. `encode` adds no special tokens (the model sees exactly the
-    prompt); `decode` leaves special tokens (bos, eos, chat markers) out of the text."""
+    prompt) unless asked (then those the tokenizer.json's post-processor adds, such as bos); `decode` leaves
+    special tokens (bos, eos, chat markers) out of the text."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -21,9 +22,12 @@ class TextTokenizer:
     def from_file(cls, path: str | Path) -> TextTokenizer:
         return cls(Tokenizer.from_file(str(path)))
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(t) for t in ids], skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str | None:
+        """A token's own text, special tokens included (None for an id the vocabulary lacks)."""
+        return self.tokenizer.id_to_token(int(token))

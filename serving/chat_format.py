@@ -309,6 +309,7 @@ class JinjaFormat:
                                                           extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = raise_exception
+        self.source = template
         try:
             self.template = env.from_string(template)
         except jinja2.TemplateError as e:

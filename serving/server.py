@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server (`jaxseek serve`): `/v1/chat/completions`, `/v1/completions`,
-`/v1/models`, `/health`, `/metrics`, over one `Engine` running on its own thread (`serving.engine_loop`).
+`/v1/models`, `/health`, `/metrics`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`, over one `Engine`
+running on its own thread (`serving.engine_loop`).
 
 Streaming is server-sent events with hand-written `data:` lines, ending in `data: [DONE]`; streamed text is
 detokenised incrementally and never ends in half a character or in what may be the start of a stop string. A
@@ -56,7 +57,7 @@ class ServerConfig:
 
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "tool_choice", "chat_template_kwargs", "thinking",
-                             "reasoning_effort", "return_token_strs"})
+                             "reasoning_effort", "return_token_strs", "add_special_tokens"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
@@ -163,14 +164,19 @@ class Server:
                                     f"{self.config.model_name!r}", param="model", code="model_not_found")
             return self._model_card()
 
+        @app.get("/tokenizer_info")
+        async def tokenizer_info(request: Request):
+            self._authorize(request)
+            return self._tokenizer_info()
+
         @app.post("/tokenize")
         async def tokenize(request: Request):
-            body = await self._body(request, TOKENIZE_FIELDS)
+            body = await self._body(request, TOKENIZE_FIELDS, model_optional=True)
             return self._tokenize(body)
 
         @app.post("/detokenize")
         async def detokenize(request: Request):
-            body = await self._body(request, DETOKENIZE_FIELDS)
+            body = await self._body(request, DETOKENIZE_FIELDS, model_optional=True)
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
                                                        0 <= t < self.model.config.vocab_size for t in tokens):
@@ -195,16 +201,40 @@ class Server:
                 "root": self.config.checkpoint or self.config.model_name, "parent": None,
                 "max_model_len": self.engine.layout.max_len}
 
+    def _tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's class, special tokens and context length, which a client's
+        remote tokenizer reads (lm-eval's takes `eos_token` as its stop string); the text of a token the
+        tokenizer has no text for (the byte-level fallback's) is null."""
+        cfg = self.model.config
+        eos, bos = cfg.eos_token_id, getattr(cfg, "bos_token_id", None)
+        text = getattr(self.tokenizer, "token_text", None)
+
+        def token(i):
+            return None if i is None or text is None else text(i)
+
+        return {"tokenizer_class": type(self.tokenizer).__name__, "bos_token": token(bos), "eos_token": token(eos),
+                "pad_token": None, "bos_token_id": bos, "eos_token_id": eos,
+                "model_max_length": self.engine.layout.max_len, "vocab_size": cfg.vocab_size,
+                "chat_template": getattr(self.fmt, "source", None), "chat_format": self.fmt.name}
+
     def _tokenize(self, body: dict) -> dict:
-        """vLLM's /tokenize: a prompt's token ids, or a chat's (its messages rendered as /v1/chat/completions
-        renders them)."""
+        """vLLM's /tokenize: a prompt's token ids as /v1/completions tokenizes it (no special tokens; with
+        `add_special_tokens: true`, those the tokenizer adds), or a chat's (its messages rendered as
+        /v1/chat/completions renders them)."""
         if ("prompt" in body) == ("messages" in body):
             raise ApiError(400, "give a prompt (a string) or messages", param="prompt")
+        special = body.get("add_special_tokens")
+        if special is not None and not isinstance(special, bool):
+            raise ApiError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
         if "prompt" in body:
             if not isinstance(body["prompt"], str):
                 raise ApiError(400, "prompt must be a string", param="prompt")
-            tokens = self.tokenizer.encode(body["prompt"])
+            tokens = (self.tokenizer.encode(body["prompt"], add_special_tokens=True) if special
+                      else self.tokenizer.encode(body["prompt"]))
         else:
+            if special:
+                raise ApiError(400, "add_special_tokens: true goes with a prompt; a chat's tokens are its rendered "
+                                    "messages, special tokens included", param="add_special_tokens")
             tokens = self.api.chat_prompt(body)[0]
         strs = body.get("return_token_strs")
         if strs is not None and not isinstance(strs, bool):
@@ -219,7 +249,9 @@ class Server:
             if not hmac.compare_digest(given, f"Bearer {self.config.api_key}".encode()):  # constant time
                 raise ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'")
 
-    async def _body(self, request: Request, allowed: frozenset[str]) -> dict:
+    async def _body(self, request: Request, allowed: frozenset[str], model_optional: bool = False) -> dict:
+        """The request's checked JSON body (`check_fields`); with `model_optional` a body may leave `model` out
+        (vLLM's /tokenize and /detokenize), but one it names must be the server's."""
         self._authorize(request)
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
@@ -236,7 +268,7 @@ class Server:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-        check_fields(body, allowed, self.config.model_name)
+        check_fields(body, allowed, None if model_optional and "model" not in body else self.config.model_name)
         return body
 
     # ---- running ------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ REPLACEMENT = "\ufffd"
 class Tokenizer(Protocol):
     """What the serving layer needs of a tokenizer."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -35,8 +35,12 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
         self.skip_ids = frozenset(int(t) for t in skip_ids)
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))  # bytes have no special tokens to add
+
+    def token_text(self, token: int) -> str | None:
+        """None: a byte, or a model id beyond them, has no text of its own."""
+        return None
 
     def decode(self, ids: Sequence[int], final: bool = True) -> str:
         parts, run = [], bytearray()

@@ -177,9 +177,57 @@ def test_tokenize_detokenize_and_version(served):
     bad = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": [10**9]}, headers=auth)
     assert bad.status_code == 400 and "tokens must be a list of token ids" in bad.json()["error"]["message"]
     assert httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "x"}).status_code == 401
+    # vLLM's: `model` optional; lm-eval's remote tokenizer sends {"prompt", "add_special_tokens": false}
+    assert httpx.post(url + "/tokenize", json={"prompt": prompt, "add_special_tokens": False},
+                      headers=auth).json()["tokens"] == ids
+    assert httpx.post(url + "/detokenize", json={"tokens": ids}, headers=auth).json() == {"prompt": prompt}
+    for path, body, status, message in (
+            ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
+            ("/detokenize", {"model": "gpt-9", "tokens": [1]}, 404, "does not exist"),
+            ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, 400, "add_special_tokens must be a boolean"),
+            ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "add_special_tokens": True}, 400,
+             "add_special_tokens: true goes with a prompt"),
+            ("/tokenize", {"prompt": ["x"]}, 400, "prompt must be a string"),
+            ("/tokenize", {}, 400, "give a prompt"),
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens must be a list of token ids")):
+        r = httpx.post(url + path, json=body, headers=auth)
+        assert (r.status_code, message in r.json()["error"]["message"]) == (status, True), (body, r.text)
     from serving.openai_api import package_version
 
     assert httpx.get(url + "/version").json() == {"version": package_version()}
+
+
+def test_tokenizer_info_and_special_tokens(served, monkeypatch):
+    """vLLM's /tokenizer_info: the special tokens as the bundled tokenizer.json names them (and /tokenize gives
+    eos's text back as its id, as lm-eval's remote tokenizer needs), the context length; /tokenize with
+    `add_special_tokens: true` adds what the tokenizer's post-processor adds (here a bos template), without it
+    nothing."""
+    model, server, url = served
+    auth = {"Authorization": f"Bearer {KEY}"}
+    added = {t["id"]: t["content"] for t in json.loads(
+        (Path(__file__).parents[1] / "model" / "bundled" / "tokenizer.json").read_text())["added_tokens"]}
+    cfg = model.config
+    info = httpx.get(url + "/tokenizer_info", headers=auth).json()
+    assert info == {"tokenizer_class": "TextTokenizer", "bos_token": added[cfg.bos_token_id],
+                    "eos_token": added[cfg.eos_token_id], "pad_token": None, "bos_token_id": cfg.bos_token_id,
+                    "eos_token_id": cfg.eos_token_id, "model_max_length": MAX_LEN, "vocab_size": cfg.vocab_size,
+                    "chat_template": None, "chat_format": "plain"}
+    eos = httpx.post(url + "/tokenize", json={"prompt": info["eos_token"]}, headers=auth).json()["tokens"]
+    assert eos == [cfg.eos_token_id]
+    assert httpx.get(url + "/tokenizer_info").status_code == 401
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from model.tokenizer import TextTokenizer
+
+    with_bos = Tokenizer.from_str(model.tokenizer.tokenizer.to_str())
+    bos = added[cfg.bos_token_id]
+    with_bos.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, cfg.bos_token_id)])
+    monkeypatch.setattr(server, "tokenizer", TextTokenizer(with_bos))
+    ids = model.tokenizer.encode("But soft")
+    for special, expected in ((True, [cfg.bos_token_id] + ids), (False, ids), (None, ids)):
+        body = {"prompt": "But soft"} | ({} if special is None else {"add_special_tokens": special})
+        assert httpx.post(url + "/tokenize", json=body, headers=auth).json()["tokens"] == expected, special
 
 
 def test_the_example_client_runs(served, capsys):
