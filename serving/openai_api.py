@@ -27,6 +27,7 @@ COMMON_FIELDS = frozenset({"model", "stream", "stream_options", "user"}) | CONST
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
                                "thinking", "reasoning_effort"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})  # the latter vLLM's: usage on every chunk
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older names
 MAX_CHOICES = 16
 
@@ -75,7 +76,8 @@ class Prepared:
 
 def check_fields(body: dict, allowed: frozenset[str], model_name: str | None = None) -> None:
     """The checks every body passes: vLLM's old guided fields refused, unknown fields dropped from `body` with a
-    warning, `model` (when `model_name` is given), `stream` and `stream_options`."""
+    warning (unknown `stream_options` keys too), `model` (when `model_name` is given), `stream` and
+    `stream_options`."""
     guided = [f for f in GUIDED_FIELDS if f in body]
     if guided:
         raise ApiError(400, f"{guided[0]} is vLLM's older spelling; send structured_outputs "
@@ -96,10 +98,20 @@ def check_fields(body: dict, allowed: frozenset[str], model_name: str | None = N
     if not isinstance(body.get("stream", False), bool):
         raise ApiError(400, "stream must be a boolean", param="stream")
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise ApiError(400, "stream_options must be {\"include_usage\": bool}", param="stream_options")
-    if options is not None and not body.get("stream"):
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object {\"include_usage\": bool, \"continuous_usage_stats\": "
+                            "bool}", param="stream_options")
+    if not body.get("stream"):
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    unknown = sorted(set(options) - STREAM_OPTIONS)
+    if unknown:
+        log.warning("ignoring unknown stream_options field(s): %s", ", ".join(unknown))
+    body["stream_options"] = options = {k: v for k, v in options.items() if k in STREAM_OPTIONS}
+    for key, value in options.items():
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"stream_options.{key} must be a boolean, got {value!r}", param="stream_options")
 
 
 def choice_count(body: dict) -> int:
@@ -243,8 +255,9 @@ class OpenAIRequests:
 
     # ---- responses ----------------------------------------------------------------------------------------
     @staticmethod
-    def usage(prompt_tokens: int, outputs: Sequence[RequestOutput]) -> dict:
-        done = sum(len(o.token_ids) for o in outputs)
+    def usage(prompt_tokens: int, outputs: Sequence[RequestOutput | None], generated: int = 0) -> dict:
+        """A usage object: the finished `outputs`' tokens (None: a choice not finished) plus `generated` more."""
+        done = generated + sum(len(o.token_ids) for o in outputs if o is not None)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
 
     def completion_body(self, rid: str, created: int, model: str, outputs: Sequence[RequestOutput],

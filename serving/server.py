@@ -325,11 +325,32 @@ class Server:
             raise ApiError(499, "the client closed the connection")
         return outputs
 
-    def _stream(self, sink: Sink, ids: list[str], chunks) -> StreamingResponse:
+    def _stream(self, sink: Sink, ids: list[str], chunks, header: dict, prompt_tokens: int,
+                options: dict | None) -> StreamingResponse:
         """An SSE response from `chunks(event) -> list of payloads`, with the requests cancelled if the client
-        leaves before the end."""
+        leaves before the end. `options` are the body's `stream_options`: `include_usage` ends the stream with a
+        chunk of no choices holding the usage (`header`: its id, object, created and model), and with it
+        `continuous_usage_stats` (vLLM's) puts the usage so far (the tokens every choice has streamed) on every
+        chunk."""
         finished: set[int] = set()
         released = []
+        usage = bool((options or {}).get("include_usage"))
+        continuous = usage and bool(options.get("continuous_usage_stats"))
+        generated, done = [0] * len(ids), [None] * len(ids)
+
+        def payloads(event) -> list[dict]:
+            if event is None:
+                return [{**header, "choices": [], "usage": self.api.usage(prompt_tokens, done)}] if usage else []
+            if isinstance(event, Done):
+                done[event.index], generated[event.index] = event.output, len(event.output.token_ids)
+            else:
+                generated[event.index] += len(event.token_ids)
+            out = chunks(event)
+            if continuous:
+                so_far = self.api.usage(prompt_tokens, [], sum(generated))
+                for payload in out:
+                    payload["usage"] = so_far
+            return out
 
         def release():
             if not released:
@@ -346,9 +367,9 @@ class Server:
                         return
                     if isinstance(event, Done):
                         finished.add(event.index)
-                    for payload in chunks(event):
+                    for payload in payloads(event):
                         yield _sse(payload)
-                for payload in chunks(None):
+                for payload in payloads(None):
                     yield _sse(payload)
                 yield b"data: [DONE]\n\n"
             finally:
@@ -375,27 +396,22 @@ class Server:
             return self.api.completion_body(rid, created, model, outputs, prepared.prompt_tokens)
 
         streams = [ChoiceStream(self.decode, s.params.stop) for s in subs]
-        include_usage = (body.get("stream_options") or {}).get("include_usage", False)
-        done: list = [None] * len(subs)
+        header = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
         def chunk(index, text, finish=None, logprobs=None):
-            return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
+            return {**header, "choices": [{"index": index, "text": text, "finish_reason": finish,
+                                           "logprobs": logprobs}]}
 
         def chunks(event) -> list[dict]:
-            if event is None:
-                return [{"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                         "usage": self.api.usage(prepared.prompt_tokens, done)}] if include_usage else []
             if isinstance(event, Delta):
                 text = "".join(t for _, t in streams[event.index].push(event.token_ids))
                 wants = subs[event.index].params.logprobs is not None
                 lps = self.api.completion_logprobs(event.logprobs) if wants else None
                 return [chunk(event.index, text, logprobs=lps)] if text or lps else []
-            done[event.index] = event.output
             text = "".join(t for _, t in streams[event.index].finish(event.output.text))
             return [chunk(event.index, text, event.output.finish_reason)]
 
-        return self._stream(sink, ids, chunks)
+        return self._stream(sink, ids, chunks, header, prepared.prompt_tokens, body.get("stream_options"))
 
     # ---- chat ---------------------------------------------------------------------------------------------
     async def _chat(self, request: Request, body: dict):
@@ -412,12 +428,11 @@ class Server:
         markers = {"reasoning": self.fmt.reasoning_end, "content": self.fmt.tool_calls_start if tools else None}
         streams = [ChoiceStream(self.decode, p.stop, {k: v for k, v in markers.items() if v}, thinking)
                    for p in params]
-        include_usage = (body.get("stream_options") or {}).get("include_usage", False)
-        done: list = [None] * n
+        header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
         def chunk(index, delta, finish=None, logprobs=None):
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+            return {**header, "choices": [{"index": index, "delta": delta, "finish_reason": finish,
+                                           "logprobs": logprobs}]}
 
         def deltas(index, pieces) -> list[dict]:
             out = []
@@ -429,9 +444,6 @@ class Server:
         started = [False] * n
 
         def chunks(event) -> list[dict]:
-            if event is None:
-                return [{"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "choices": [], "usage": self.api.usage(prepared.prompt_tokens, done)}] if include_usage else []
             first = [] if started[event.index] else [chunk(event.index, {"role": "assistant", "content": ""})]
             started[event.index] = True
             if isinstance(event, Delta):
@@ -439,7 +451,7 @@ class Server:
                 if params[event.index].logprobs is not None and event.logprobs:
                     out.append(chunk(event.index, {}, logprobs={"content": self.api.chat_logprobs(event.logprobs)}))
                 return first + out
-            done[event.index] = o = event.output
+            o = event.output
             stream = streams[event.index]
             out = deltas(event.index, stream.finish(o.text))
             reply = self.fmt.parse(o.text, thinking)
@@ -451,7 +463,7 @@ class Server:
                     out.append(chunk(event.index, {"content": reply.content[len(stream.emitted["content"]):]}))
             return first + out + [chunk(event.index, {}, self.api.finish(o, reply))]
 
-        return self._stream(sink, ids, chunks)
+        return self._stream(sink, ids, chunks, header, prepared.prompt_tokens, body.get("stream_options"))
 
 
 # ---- the command ----------------------------------------------------------------------------------------------

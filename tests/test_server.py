@@ -115,6 +115,50 @@ def test_chat_stream_equals_nonstream_with_usage(served, client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
 
 
+def sse_payloads(url: str, body: dict) -> list:
+    """The `data:` payloads of a streamed response, parsed (the closing `[DONE]` as the string)."""
+    with httpx.stream("POST", url, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) if line != "[DONE]" else line for line in lines]
+
+
+def test_continuous_usage_stats(served):
+    """guidellm's body (vLLM's `stream_options.continuous_usage_stats`, `stop: null`, `ignore_eos`): every chunk
+    carries the usage so far, whose completion tokens decode to at least the text streamed by then, and a final
+    chunk of no choices the whole usage, before [DONE]; without include_usage no chunk carries usage; unknown
+    stream_options keys are ignored, a non-boolean refused."""
+    model, _, url = served
+    prompt = "ROMEO:\n"
+    reference = greedy_reference(model, model.tokenizer.encode(prompt), 6)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "stop": None, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True, "x": 1}}
+    payloads = sse_payloads(url + "/v1/completions", body)
+    assert payloads[-1] == "[DONE]" and payloads[-2]["choices"] == []
+    usage = {"prompt_tokens": len(model.tokenizer.encode(prompt)), "completion_tokens": 6,
+             "total_tokens": len(model.tokenizer.encode(prompt)) + 6}
+    assert payloads[-2]["usage"] == usage
+    chunks, text, counts = payloads[:-2], "", []
+    assert chunks and all(c["choices"] and c["usage"]["prompt_tokens"] == usage["prompt_tokens"] for c in chunks)
+    for c in chunks:
+        text += c["choices"][0]["text"]
+        counts.append(c["usage"]["completion_tokens"])
+        assert model.tokenizer.decode(reference[:counts[-1]]).startswith(text)
+        assert c["usage"]["total_tokens"] == usage["prompt_tokens"] + counts[-1]
+    assert counts == sorted(counts) and counts[-1] == 6 and text == model.tokenizer.decode(reference)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Speak."}], "max_completion_tokens": 4,
+            "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    payloads = sse_payloads(url + "/v1/chat/completions", chat)
+    assert payloads[-1] == "[DONE]" and all("usage" not in p and p["choices"] for p in payloads[:-1])
+    chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    payloads = sse_payloads(url + "/v1/chat/completions", chat)
+    assert [p["usage"]["completion_tokens"] for p in payloads[-3:-1]] == [4, 4] and payloads[-2]["choices"] == []
+    assert payloads[0]["usage"]["completion_tokens"] <= 1  # the role chunk comes with the first token, if any
+    bad = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json=body | {"stream_options": {"include_usage": True, "continuous_usage_stats": "yes"}})
+    assert bad.status_code == 400 and "stream_options.continuous_usage_stats must be a boolean" in bad.text
+
+
 def test_n_seed_stop_and_logprobs(served, client):
     args = dict(model=MODEL, prompt="KING:\n", max_tokens=10, temperature=1.0, seed=7, n=2)
     a = client.completions.create(**args)
@@ -259,6 +303,9 @@ def test_the_example_client_runs(served, capsys):
     ({"model": MODEL, "prompt": "x", "temperature": "hot", "frobnicate": 1}, 400, "temperature must be"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream must be a boolean"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 2, "max_completion_tokens": 3}, 400, "are aliases"),
+    ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": [True]}, 400, "stream_options must be"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only allowed with stream"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role one of"),
     ({"model": MODEL, "prompt": "x" * 70_000}, 413, "exceeds the server's limit"),
 ])
