@@ -100,18 +100,23 @@ class Request:
 
     def accept(self, token: int, logprob: TokenLogprob | None, eos: int | None,
                detokenize: Callable[[list[int]], str] | None) -> None:
-        """Record a sampled token and apply the stop conditions (EOS / stop ids, stop strings, max tokens)."""
+        """Record a sampled token and apply the stop conditions (EOS / stop ids, stop strings, max tokens); none
+        but max tokens before `min_tokens` tokens, and a stop string only where it starts after their text (the
+        step's token masks keep EOS and the stop ids out before then: `serving.structured_outputs`)."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.output.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
         p = self.params
-        if token in p.stop_token_ids or (token == eos and not p.ignore_eos):
+        if len(self.output) <= p.min_tokens:
+            pass  # within the first min_tokens tokens: nothing stops the output
+        elif token in p.stop_token_ids or (token == eos and not p.ignore_eos):
             self.finish("stop")
         elif p.stop and detokenize is not None and self._stop_in_tail(detokenize):
             text = detokenize(self.output)
-            hits = [text.find(s) for s in p.stop if s in text]
+            start = len(detokenize(self.output[:p.min_tokens])) if p.min_tokens else 0
+            hits = [text.find(s, start) for s in p.stop if s in text[start:]]
             if hits:
                 self.text = text[: min(hits)]
                 self.finish("stop")

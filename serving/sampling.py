@@ -49,7 +49,8 @@ class SamplingParams:
     """How one request samples, with OpenAI / vLLM semantics; invalid values raise `ValueError` naming the field.
 
     `temperature` 0 is greedy (so is anything below 1e-5, as in vLLM); `top_k` 0, `top_p` 1, `min_p` 0 and
-    `repetition_penalty` 1 are off. `seed` None means the engine assigns one before the request is batched.
+    `repetition_penalty` 1 are off. `min_tokens` (vLLM's) tokens come before EOS, a stop token id or a stop
+    string may end the output. `seed` None means the engine assigns one before the request is batched.
     `logprobs` None returns no logprobs; n returns the chosen token's logprob and the n most likely
     alternatives. `stop` and `stop_token_ids` are stored as tuples.
     """
@@ -66,6 +67,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: int | None = None
 
     def __post_init__(self):
@@ -92,6 +94,9 @@ class SamplingParams:
         fix("stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        fix("min_tokens", _check_int("min_tokens", self.min_tokens, 0))
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             fix("logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
 

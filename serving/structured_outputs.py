@@ -64,21 +64,48 @@ class StructuredOutputs:
     def bitmask(self, rows: list[Row], masks: Int[np.ndarray, "rows v words"]):
         """The step's token masks [rows, v, W]: constrained rows from their grammars (a verify row's drafts are
         taken tentatively, up to the first the grammar refuses, which the verifier will reject), the rest all
-        allowed. A batch without constrained rows passes an all-allowed array kept on the device."""
+        allowed; and at the positions before a request's `min_tokens`-th token, no EOS or stop token id
+        (`refuse_stops`). A batch with neither passes an all-allowed array kept on the device."""
         grammars = [row.request.grammar if row.sample else None for row in rows]
-        if all(g is None for g in grammars):
+        short = any(row.sample and row.request.params.min_tokens > row.request.sampled_at_least for row in rows)
+        if all(g is None for g in grammars) and not short:
             shape = masks.shape
             if shape not in self._all_allowed:
                 self._all_allowed[shape] = jax.device_put(masks)
             return self._all_allowed[shape]
         start = time.perf_counter()
         num_rows, verify_len, words = masks.shape
-        if verify_len == 1:
+        if all(g is None for g in grammars):
+            pass  # the masks are all allowed already
+        elif verify_len == 1:
             fill_masks(grammars, masks.reshape(num_rows, words), self.executor)
         else:
             speculate_masks(grammars, [row.request.drafts[:row.caps] for row in rows], masks, self.executor)
+        if short:
+            self.refuse_stops(rows, masks)
         self.stats["grammar_seconds"] += time.perf_counter() - start
         return masks
+
+    def refuse_stops(self, rows: list[Row], masks: Int[np.ndarray, "rows v words"]) -> None:
+        """Clear EOS (unless the request ignores it) and its stop token ids from the masks of each position at
+        which a row's request would emit one of its first `min_tokens` tokens (vLLM's min_tokens). Tokens in
+        flight count as one each, the fewest they emit, so a speculative row may hold its stops back a little
+        longer than it needs, never shorter. A position whose constraint allows nothing else keeps them."""
+        eos = self.model.config.eos_token_id
+        bits = masks.view(np.uint32)
+        for i, row in enumerate(rows):
+            request = row.request
+            p, before = request.params, request.sampled_at_least
+            if not row.sample or p.min_tokens <= before:
+                continue
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos or eos is None else {eos})
+            stops = [t for t in stops if t < 32 * bits.shape[-1]]
+            for j in range(min(bits.shape[1], p.min_tokens - before)):
+                kept = bits[i, j].copy()
+                for t in stops:
+                    bits[i, j, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+                if not bits[i, j].any():
+                    bits[i, j] = kept
 
     def bitmask_during_forward(self, rows: list[Row], masks: Int[np.ndarray, "rows v words"],
                                forward_done: Callable[[], bool]):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import jsonschema
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -159,6 +160,55 @@ def test_continuous_usage_stats(served):
     assert bad.status_code == 400 and "stream_options.continuous_usage_stats must be a boolean" in bad.text
 
 
+def greedy_refusing(model, prompt_ids: list[int], n: int, refused: set[int], until: int) -> list[int]:
+    """n greedy tokens by the full forward, the `refused` ones left out of the first `until` positions and ending
+    the output after them (the reference for min_tokens with stop token ids)."""
+    ids = list(prompt_ids)
+    for k in range(n):
+        padded = np.zeros((1, MAX_LEN), np.int32)
+        padded[0, :len(ids)] = ids
+        logits = np.array(model.logits(padded))[0, len(ids) - 1]
+        if k < until:
+            logits[list(refused)] = -np.inf
+        ids.append(int(logits.argmax()))
+        if k >= until and ids[-1] in refused:
+            break
+    return ids[len(prompt_ids):]
+
+
+def test_min_tokens_holds_back_stop_tokens_and_strings(served, client):
+    """vLLM's min_tokens: a stop token id the greedy reply emits second ends it there without min_tokens; with
+    min_tokens 5 the reply is the greedy one with that token refused at the first 5 positions (by the full
+    forward), and a stop string counts only after the first min_tokens tokens' text."""
+    model = served[0]
+    prompt = "KING:\n"
+    ids = model.tokenizer.encode(prompt)
+    plain = greedy_reference(model, ids, 10)
+    stop = plain[1]
+    assert stop != plain[0]
+    args = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stop=None)
+    r = client.completions.create(**args, extra_body={"stop_token_ids": [stop]})
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (2, "stop")
+    expected = greedy_refusing(model, ids, 10, {stop}, 5)
+    assert expected[:2] != plain[:2]  # the refusal changes the reply
+    r = client.completions.create(**args, extra_body={"stop_token_ids": [stop], "min_tokens": 5})
+    assert r.usage.completion_tokens == len(expected) >= 5
+    assert r.choices[0].text == model.tokenizer.decode(expected)
+    assert r.choices[0].finish_reason == ("stop" if expected[-1] == stop else "length")
+    streamed = client.completions.create(**args, stream=True, extra_body={"stop_token_ids": [stop], "min_tokens": 5})
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    # a stop string inside the first min_tokens tokens' text does not count there
+    text = model.tokenizer.decode(plain)
+    word = text[:2]
+    early = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stop=[word])
+    assert early.choices[0].text == "" and early.choices[0].finish_reason == "stop"
+    late = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stop=[word],
+                                     extra_body={"min_tokens": 3})
+    head = model.tokenizer.decode(plain[:3])
+    cut = text.find(word, len(head))
+    assert late.choices[0].text == (text[:cut] if cut >= 0 else text)
+
+
 def test_n_seed_stop_and_logprobs(served, client):
     args = dict(model=MODEL, prompt="KING:\n", max_tokens=10, temperature=1.0, seed=7, n=2)
     a = client.completions.create(**args)
@@ -303,6 +353,8 @@ def test_the_example_client_runs(served, capsys):
     ({"model": MODEL, "prompt": "x", "temperature": "hot", "frobnicate": 1}, 400, "temperature must be"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream must be a boolean"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens (5) must not exceed"),
+    ({"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "min_tokens must be an integer >= 0"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 2, "max_completion_tokens": 3}, 400, "are aliases"),
     ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": [True]}, 400, "stream_options must be"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only allowed with stream"),
