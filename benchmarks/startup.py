@@ -16,6 +16,10 @@ Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite
 - `compile_s_by_layers_one_program`: the same with the whole step as one program (`--no-layer-programs`).
 - `compile_s_by_layers_stacked`: the same with the model's repeated layers stacked (`model.layer_stack`,
   `--scan-layers`), run as scans.
+- `serve_health_cold_s` / `serve_first_completion_s`: `jaxseek serve` (the bundled model) started with an empty
+  compile cache: seconds from starting the process to `/health` answering 200, then the seconds of a first
+  16-token `/v1/completions` request (while the server compiles its other buckets in the background);
+  `serve_4096_*` the same with `--max-model-len 4096` (more context buckets).
 - `dspark_warmup_s`: the bundled model's DSpark engine with 16 slots, from construction to the end of
   `Engine.warmup()` (every bucket compiled, the verify buckets profiled), no persistent cache.
 """
@@ -56,6 +60,41 @@ def first_token_s(cache_dir: str) -> float:
     return total - (wall - first)
 
 
+def serve_startup(cache_dir: str, *flags: str) -> tuple[float, float]:
+    """(seconds from starting `jaxseek serve` to /health answering 200, seconds of a first 16-token completion)."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "jaxseek.cli", "serve", "--port", str(port), "--compile-cache", cache_dir, *flags]
+    start = time.perf_counter()
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"jaxseek serve exited with {server.returncode}: {server.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        health = time.perf_counter() - start
+        begin = time.perf_counter()
+        reply = httpx.post(url + "/v1/completions", json={"prompt": "The sea", "max_tokens": 16, "ignore_eos": True},
+                           timeout=600.0)
+        reply.raise_for_status()
+        assert reply.json()["usage"]["completion_tokens"] == 16
+        return health, time.perf_counter() - begin
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
 def flash_pattern(config, layers: int):
     """`config` with `layers` main layers (even) in V4-Flash's pattern: two sliding, (CSA, HCA) pairs, one
     sliding; the MTP layer sliding."""
@@ -94,8 +133,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--skip-dspark", action="store_true", help="leave out dspark_warmup_s")
     parser.add_argument("--slots", type=int, default=16, help="the DSpark engine's slots (default 16)")
+    parser.add_argument("--serve-only", action="store_true", help="only the serve_* figures")
     args = parser.parse_args(argv)
     result = {"load_avg_1m_start": round(os.getloadavg()[0], 2)}
+    for prefix, flags in (("serve", ()), ("serve_4096", ("--max-model-len", "4096"))):
+        with tempfile.TemporaryDirectory() as cache:
+            log(f"jaxseek serve {' '.join(flags)} with an empty compile cache")
+            health, completion = serve_startup(cache, *flags)
+            result[f"{prefix}_health_cold_s"], result[f"{prefix}_first_completion_s"] = round(health, 2), round(
+                completion, 2)
+    if args.serve_only:
+        result["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+        print(json_line(result))
+        return result
     with tempfile.TemporaryDirectory() as cache:
         log("the first command with an empty compile cache")
         result["startup_cold_s"] = round(first_token_s(cache), 2)

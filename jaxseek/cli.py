@@ -350,7 +350,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--prefill-chunk", type=int_at_least(1), default=64, help="prompt tokens per prefill row")
     e.add_argument("--batch-invariant", action="store_true", help="tokens never depend on what else runs")
     _add_cache_and_grammar_flags(e)
-    e.add_argument("--no-warmup", action="store_true", help="compile step buckets when first used")
+    e.add_argument("--no-warmup", action="store_true", help="compile every step bucket when first used (default: "
+                   "the buckets of the first requests before answering, the others in the background)")
     e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
                    metavar="DIR", help="compiled steps kept on disk ('off' disables)")
 

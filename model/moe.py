@@ -5,7 +5,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from model.axes import param
 from model.config import ModelConfig
@@ -27,6 +27,14 @@ def expert_dispatch(routed):
         yield
     finally:
         _dispatch.pop()
+
+
+def any_rank(pred: Bool[Array, ""]) -> Bool[Array, ""]:
+    """`pred`, made one decision for every rank of an expert-parallel dispatch that runs inside a data-parallel
+    step (a dispatch with an `any_rank` method: True where any rank's `pred` is): a `lax.cond` whose branch runs
+    MoE layers must be taken by all ranks at once, or the ranks that took it wait forever in its all-to-all."""
+    routed = _dispatch[-1] if _dispatch else None
+    return routed.any_rank(pred) if hasattr(routed, "any_rank") else pred
 
 
 def route_scores(logits: Float[Array, "t e"], scoring_func: str) -> Float[Array, "t e"]:

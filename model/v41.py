@@ -21,7 +21,7 @@ from model.engram import Engram
 from model.fake_quant import fake_quant_fp4, fake_quant_fp8
 from model.hyper import collapse, expand
 from model.linear import Linear
-from model.moe import MoE
+from model.moe import MoE, any_rank
 from model.norms import RMSNorm
 from model.paged import Paged, as_paged, pools, store_windows
 from model.replay import Replay, key_positions, kept_span, put_rows, take_positions, take_rows
@@ -328,7 +328,7 @@ class DeepseekV41(nnx.Module):
         def skipped():
             return streams, pre_mix, [cache["layers"][i] for i in layer_ids], unchanged
 
-        return jax.lax.cond(jnp.any(length > 0), replayed, skipped)
+        return jax.lax.cond(any_rank(jnp.any(length > 0)), replayed, skipped)
 
     def __call__(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None, collect=(),
                  replay: Replay | None = None, prompt_end=None, at=None):

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from serving.jump_forward import jump_forward
 from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache, page_bytes
 from serving.layer_programs import LayeredHalves, LayerPlan, compile_layered
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
+from serving.prefix_ranks import RankedPrefix
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
 from serving.scheduler import NeedsFlush, Row, Scheduler
@@ -107,6 +109,7 @@ class Engine:
                                               redundant_experts=config.redundant_experts,
                                               eplb_every=config.eplb_every, eplb_window=config.eplb_window)
             model = self.data_parallel.model  # placed on the mesh (with EPLB: its maps and slot-stacked experts)
+            drafter = None if drafter is None else model.drafter or mtp_drafter(model.module())  # placed too
         # Engram hashes a decode row's input token on the host, so the host must have read the previous
         # step: zero-overhead scheduling is off for Engram models (device-side hashing would lift this).
         self.engram = model.engram
@@ -123,13 +126,13 @@ class Engine:
         self.prefill_rows = (prefill_rows,) if invariant else powers_of_two(prefill_rows)
         self.prefill_tokens = (chunk,) if invariant else tuple(t for t in (8, 32, 128, 512) if t < chunk) + (chunk,)
         # context buckets: one (the whole table) where a row's numbers must not depend on the other rows
-        # (batch-invariant) or on a mesh
-        self.context_pages = ((self.layout.pages_per_slot,) if invariant or self.data_parallel is not None
+        # (batch-invariant)
+        self.context_pages = ((self.layout.pages_per_slot,) if invariant
                               else context_buckets(self.layout, config.context_tokens))
         module = model.module()
         draft_module = drafter.module() if drafter is not None else None
         self.cache = (init_engine_cache(module, self.layout, draft_module) if self.data_parallel is None
-                      else self.data_parallel.init_cache(module))
+                      else self.data_parallel.init_cache(module, draft_module))
         self.replay = for_engine(model.config, config.replay, self.layout.ring, drafter_ring(self.cache),
                                  drafter.config.target_layer_ids if drafter is not None else ())
         self.scheduler.prefix = self._prefix_cache()
@@ -144,6 +147,8 @@ class Engine:
                                          spec, self.replay)
         self.layer_plan = self._layer_plan(model, config, empty["layers"], spec)
         self.compiled: dict[tuple[int, int, int, int], Callable] = {}
+        self._compiling: dict[tuple[int, int, int, int], threading.Lock] = {}  # a lock per bucket compiling
+        self._compiling_lock = threading.Lock()
         self._unproven: set[tuple[int, int, int, int]] = set()  # buckets loaded from disk, not yet run
         # compiled buckets kept on disk beside JAX's compile cache (not for a data-parallel engine's steps)
         stored = directory() if self.data_parallel is None else None
@@ -184,14 +189,21 @@ class Engine:
                         | {(r, t, 1) for r in self.prefill_rows for t in self.prefill_tokens})
         return [(*shape, pages) for shape in shapes for pages in self.context_pages]
 
-    def warmup(self) -> None:
-        """Compile every bucket ahead of time (afterwards no step ever compiles), except that a DSpark engine
-        compiles only the decode / verify buckets it profiles for its cost table (`profile`): its other buckets,
-        up to every rows x width x context, compile when first used. On an accelerator the buckets compile in
-        parallel threads, one per host core (XLA releases the GIL while it compiles); XLA:CPU already spreads
-        one compilation over the cores."""
+    def first_buckets(self) -> list[tuple[int, int, int, int]]:
+        """The buckets a server's first requests run: one row of decode, verify and each prefill width, at the
+        shortest context bucket."""
+        rows, pages = min(self.decode_rows[0], self.prefill_rows[0]), self.context_pages[0]
+        return [bucket for bucket in self.buckets() if bucket[0] == rows and bucket[3] == pages]
+
+    def warmup(self, buckets: Sequence[tuple[int, int, int, int]] | None = None) -> None:
+        """Compile `buckets` (default: every bucket, after which no step ever compiles) ahead of time, except that
+        a DSpark engine compiles only the decode / verify buckets it profiles for its cost table (`profile`): its
+        other buckets, up to every rows x width x context, compile when first used. On an accelerator the
+        buckets compile in parallel threads, one per host core (XLA releases the GIL while it compiles); XLA:CPU
+        already spreads one compilation over the cores."""
         dspark = self.speculation.mode == "dspark"
-        missing = [] if dspark else [bucket for bucket in self.buckets() if bucket not in self.compiled]
+        todo = self.buckets() if buckets is None else buckets
+        missing = [] if dspark else [bucket for bucket in todo if bucket not in self.compiled]
         workers = 1 if jax.default_backend() == "cpu" else min(len(missing), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(self._executable, missing))
@@ -226,22 +238,36 @@ class Engine:
         widths = (1,) + self.speculation.verify_widths
         return CostTable(interpolated(monotone_in_width(seconds), self.decode_rows, widths))
 
+    def compile_in_background(self) -> threading.Thread:
+        """Compile every bucket not compiled yet in a daemon thread, the fewest rows and shortest context first,
+        while the engine serves; a step that needs a bucket compiling there waits for it, one that needs a
+        bucket not reached yet compiles it itself (`jaxseek serve` answers once `first_buckets` are compiled)."""
+        order = sorted(self.buckets(), key=lambda b: (b[3], b[0], b[1], b[2]))
+        thread = threading.Thread(target=lambda: [self._executable(b) for b in order], name="compile", daemon=True)
+        thread.start()
+        return thread
+
     def _executable(self, bucket: tuple[int, int, int, int], load: bool = True):
-        if bucket not in self.compiled:
-            if self.on_compile is not None:
-                self.on_compile(bucket, None)
-            start = time.perf_counter()
-            self._compile(bucket, load)
-            if self.on_compile is not None:
-                self.on_compile(bucket, time.perf_counter() - start)
+        if bucket in self.compiled:
+            return self.compiled[bucket]
+        with self._compiling_lock:
+            lock = self._compiling.setdefault(bucket, threading.Lock())
+        with lock:  # one compilation per bucket, whichever thread asks first
+            if bucket not in self.compiled:
+                if self.on_compile is not None:
+                    self.on_compile(bucket, None)
+                start = time.perf_counter()
+                self._compile(bucket, load)
+                if self.on_compile is not None:
+                    self.on_compile(bucket, time.perf_counter() - start)
         return self.compiled[bucket]
 
     def _compile(self, bucket: tuple[int, int, int, int], load: bool = True) -> None:
         """Compile a bucket's step (`load`: or load it from the executable cache)."""
         rows, width, verify_len, pages = bucket
         if self.data_parallel is not None:
-            self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache,
-                                                               rows, width, verify_len, self._engram_shapes())
+            self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache, bucket,
+                                                               self._engram_shapes())
             return
         halves = width == verify_len  # a decode / verify bucket: in halves, for masks filled during the forward
         plan = self.layer_plan
@@ -274,7 +300,7 @@ class Engine:
             raise ValueError(f"layer_programs=True: this model cannot run as layer programs: {why}")
         return None if why else LayerPlan.for_model(model, empty_layers, spec.target_layers if spec else ())
 
-    def _prefix_cache(self) -> PrefixAdmission | None:
+    def _prefix_cache(self) -> PrefixAdmission | RankedPrefix | None:
         """The engine's prefix cache (None when off), with its device ops on `self.cache`."""
         config = self.config
         if not config.uses_prefix_cache:
@@ -286,9 +312,10 @@ class Engine:
                              f"decode finds its window filled (exact replay: {exact}), got {replay!r}")
         self.device_pages = DevicePages(self, self.layout.max_len)
         snapshots = 8 * self.layout.max_slots if config.prefix_snapshots is None else config.prefix_snapshots
-        return PrefixAdmission(self.scheduler.pages, replay, config.host_pages, self.device_pages.read,
-                               self.device_pages.write, self.replay.keep if self.replay is not None else 0,
-                               snapshots, self.device_pages.take, exact)
+        keep = self.replay.keep if self.replay is not None else 0
+        return self.scheduler.prefix_cache(lambda pages, shares: PrefixAdmission(
+            pages, replay, -(-config.host_pages // shares), self.device_pages.read, self.device_pages.write, keep,
+            -(-snapshots // shares), self.device_pages.take, exact))
 
     def prefix_cache_metrics(self) -> dict[str, float]:
         """Prefix-cache counters (`PrefixAdmission.metrics`: `hit_rate` = prompt tokens served from the cache
@@ -411,27 +438,27 @@ class Engine:
 
     def _dispatch_decode(self, rows: list[Row]):
         """The decode step: plain decoding, or a verify bucket whose drafts per row speculation chooses."""
-        width, budget, draft = self.speculation.decide(rows, self.decode_rows, self.zero_overhead, self.profile)
+        ranks = [self.scheduler.rank(row.request) for row in rows]
+        width, budget, draft = self.speculation.decide(rows, ranks, self.scheduler.ranks, self.decode_rows,
+                                                       self.zero_overhead, self.profile)
         return self._dispatch(rows, self.decode_rows, width, width, budget, draft=draft, decoding=True)
 
     def _dispatch(self, rows: list[Row], row_buckets: tuple[int, ...], width: int, verify_len: int,
-                  budget: int | None = None, draft: bool = True, decoding: bool = False):
+                  budget: list[int] | None = None, draft: bool = True, decoding: bool = False):
         """Build the batch of a bucket, launch its compiled step (async) and do the host bookkeeping; a verify
-        bucket's rows split `budget` drafts (default: every row verifies its cap); `draft` False: a decode
+        bucket's rows on each rank split its `budget` drafts (default: every row verifies its cap); `draft` False: a decode
         step whose drafter does not draft (the no-draft fallback). A decode / verify step (`decoding`) with
         constrained rows launches only its forward half: `_decide` fills the masks and launches the rest."""
-        dp = self.data_parallel
-        per_rank = len(rows) if dp is None else dp.rows_per_rank(rows)
+        per_rank = self.scheduler.rows_per_rank(rows)
         held = max(self.scheduler.pages.held(row.request.slot) for row in rows) if len(self.context_pages) > 1 else 0
         bucket = (next(r for r in row_buckets if r >= per_rank), width, verify_len,
                   next(p for p in self.context_pages if p >= held))
         executable = self._executable(bucket)
         later = decoding and isinstance(executable, CompiledHalves) and bucket not in self._unproven and any(
             row.sample and row.request.grammar is not None for row in rows)
-        batch = self._batch(rows, bucket[0] if dp is None else len(rows), width, verify_len, bucket[3], budget,
+        # a mesh step lays the batch out over its ranks (`serving.engine_dp`): the bucket's rows are per rank
+        batch = self._batch(rows, max(bucket[0], len(rows)), width, verify_len, bucket[3], budget,
                             masks=not later)._replace(draft=np.asarray(draft))
-        if dp is not None:
-            batch = dp.place(batch, rows, bucket[0], width, verify_len, self._engram_shapes())
         for row in rows:
             if row.reset and row.start:  # a prefix hit starts at `start`: its snapshot, the prompt before it
                 if row.restore is not None:
@@ -464,9 +491,8 @@ class Engine:
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
         return rows, outputs, bucket
 
-    def _launch(self, bucket: tuple[int, int, int, int], executable, batch) -> tuple:
-        """Run a bucket's step on the engine's cache (`batch`: the step's inputs, laid out for the ranks on a mesh).
-        The first call of a bucket loaded from the executable cache
+    def _launch(self, bucket: tuple[int, int, int, int], executable, batch: StepBatch) -> tuple:
+        """Run a bucket's step on the engine's cache. The first call of a bucket loaded from the executable cache
         keeps a copy of the cache (the step donates it) and is waited for: if the executable fails (an entry that
         loads but cannot run), its entry is dropped, the bucket compiled again and the step run on the copy."""
         if bucket not in self._unproven:
@@ -493,10 +519,10 @@ class Engine:
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
         return step.rows, outputs, step.bucket
 
-    def _batch(self, rows: list[Row], num_rows: int, width: int, verify_len: int, pages: int, budget: int | None,
-               masks: bool = True) -> StepBatch:
-        """The step's host inputs (`pages`: its context bucket); `masks` False: the token masks are left all
-        allowed (`_decide` fills them)."""
+    def _batch(self, rows: list[Row], num_rows: int, width: int, verify_len: int, pages: int,
+               budget: list[int] | None, masks: bool = True) -> StepBatch:
+        """The step's host inputs (`pages`: its context bucket; `budget`: each rank's verify budget, None: the
+        rows' caps); `masks` False: the token masks are left all allowed (`_decide` fills them)."""
         b = empty_batch(self.layout, num_rows, width, self._engram_shapes(), verify_len, pages)
         if masks:
             b = b._replace(bitmask=self.structured.bitmask(rows, b.bitmask))
@@ -509,7 +535,10 @@ class Engine:
             b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset and row.restore is None, row.sample
             b.block_tables[i] = self.scheduler.block_table(row.request)[:pages]
             b.frozen[i], b.prompt_end[i] = row.frozen, row.prompt_end
-        b.budget[...] = b.caps.sum() if budget is None else budget
+        if budget is None:
+            b.budget[...] = b.caps.sum()
+        else:  # one rank's step reads a scalar; a mesh step each rank's own (`DataParallel.place`)
+            b = b._replace(budget=np.asarray(budget[0] if len(budget) == 1 else budget, np.int32))
         sampling = SamplingBatch.from_params([r.request.params for r in rows], num_rows)
         return b._replace(sampling=sampling)
 

@@ -101,8 +101,6 @@ class EngineConfig:
         if self.mesh is not None and self.host_layout:
             raise ValueError("host_layout=True is for a single-device CPU engine: a data-parallel engine (mesh=...) "
                              "places the weights in the checkpoint layout")
-        if self.mesh is not None and (self.speculation != "none" or self.prefix_cache):
-            raise ValueError("a data-parallel engine (mesh=...) runs without speculation and prefix cache")
         if self.mesh is None and (self.redundant_experts or self.eplb_every):
             raise ValueError("EPLB (redundant_experts, eplb_every) needs a mesh with ep > 1 (mesh=...)")
         if not self.uses_prefix_cache and (self.prefix_replay is not None or self.host_pages or self.prefix_snapshots):
@@ -111,9 +109,7 @@ class EngineConfig:
     @property
     def uses_prefix_cache(self) -> bool:
         """Whether the engine keeps a prefix cache: `prefix_cache`, by default on unless batch-invariant (a hit
-        changes how a prompt is chunked); never on a mesh."""
-        if self.mesh is not None:
-            return False
+        changes how a prompt is chunked)."""
         return not self.batch_invariant if self.prefix_cache is None else self.prefix_cache
 
     def __reduce__(self):

@@ -7,27 +7,31 @@ over `ep` and rebalanced by EPLB. See docs/sharding.md.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from model import moe
 from model.api import Model
+from model.dspark import Drafter
 from model.host_layout import checkpoint_layout
 from model.layer_stack import is_stacked
 from serving.kv_cache import CacheLayout, PageAllocator, cache_axes, init_engine_cache
+from serving.prefix_admission import PrefixAdmission
+from serving.prefix_ranks import RankedPrefix, RankPages
 from serving.request import Request
 from serving.scheduler import Scheduler
 from serving.step import StepBatch, StepOutput, empty_batch
 from sharding.expert_balance import ExpertSlots, shard_balancedness
 from sharding.expert_parallel import TOKEN_AXES, local_pairs
-from sharding.mesh import MeshSpec, logical_spec, make_mesh, param_shardings, shard_model
+from sharding.mesh import MeshSpec, logical_spec, make_mesh, param_shardings, place, shard_model
 
 RANKS = logical_spec("batch")  # a leading axis split over the attention ranks
 
@@ -46,6 +50,12 @@ class ShardedPages(PageAllocator):
         self.pools = [list(range((d + 1) * self.pages_per_rank - 1, d * self.pages_per_rank - 1, -1))
                       for d in range(ranks)]
         del self.free  # one free list per rank: code reading a single pool must not run here
+        self.reclaims: list = [None] * ranks  # each rank's prefix cache frees that rank's pages
+
+    def reclaim_for(self, slot: int, pages: int) -> None:
+        evict = self.reclaims[rank_of(slot, self.slots_per_rank)]
+        if evict is not None:
+            evict(pages)
 
     def free_pages(self, slot: int) -> list[int]:
         return self.pools[rank_of(slot, self.slots_per_rank)]
@@ -55,33 +65,37 @@ class ShardedPages(PageAllocator):
 
 
 class DataParallelScheduler(Scheduler):
-    """The scheduler of a data-parallel engine: a new request goes to the rank with the fewest running
-    requests that has a free slot (ties: the most free pages, then the lower rank)."""
+    """The scheduler of a data-parallel engine: a new request goes to the rank, among those with a free slot,
+    with the least pending prefill plus uncached prompt tokens (its prompt less what that rank's prefix cache
+    holds of it); ties go to the fewest running requests, then the most free pages, then the lower rank."""
 
     def __init__(self, layout: CacheLayout, *args, ranks: int, **kwargs):
         super().__init__(layout, *args, pages=ShardedPages(layout, ranks), **kwargs)
         self.ranks = ranks
 
-    def take_slot(self) -> int:
+    def take_slot(self, request: Request) -> int:
         per_rank = self.pages.slots_per_rank
-        running = np.bincount([rank_of(r.slot, per_rank) for r in self.running], minlength=self.ranks)
+        running = np.bincount([self.rank(r) for r in self.running], minlength=self.ranks)
+        pending = np.zeros(self.ranks, np.int64)
+        for r in self.running:
+            if r.prefilling:
+                pending[self.rank(r)] += len(r.sequence) - r.computed
+        cached = self.prefix.cached_tokens(request.prompt) if self.prefix is not None else [0] * self.ranks
+        uncached = len(request.prompt) - np.asarray(cached)
         open_ranks = {rank_of(s, per_rank) for s in self.free_slots}
-        rank = min(open_ranks, key=lambda d: (running[d], -len(self.pages.pools[d]), d))
+        rank = min(open_ranks, key=lambda d: (pending[d] + uncached[d], running[d], -len(self.pages.pools[d]), d))
         slot = min(s for s in self.free_slots if rank_of(s, per_rank) == rank)
         self.free_slots.remove(slot)
         return slot
 
+    def prefix_cache(self, build: Callable[[PageAllocator, int], PrefixAdmission]) -> RankedPrefix:
+        return RankedPrefix([build(RankPages(self.pages, d), self.ranks) for d in range(self.ranks)], self.rank)
+
     def competes(self, victim: Request, request: Request) -> bool:
-        per_rank = self.pages.slots_per_rank
-        return rank_of(victim.slot, per_rank) == rank_of(request.slot, per_rank)
+        return self.rank(victim) == self.rank(request)
 
-
-@dataclasses.dataclass
-class _Placed:
-    """A step's inputs laid out for the ranks, and where each scheduled row sits in the global batch."""
-
-    batch: StepBatch
-    order: Int[np.ndarray, " rows"]
+    def rank(self, request: Request) -> int:
+        return rank_of(request.slot, self.pages.slots_per_rank)
 
 
 class DataParallel:
@@ -124,6 +138,9 @@ class DataParallel:
             self.model = self.experts.model
         else:
             self.model = shard_model(model, mesh)
+        if model.drafter is not None:  # a DSpark drafter, placed by the same rules (its experts over `ep`)
+            self.model.drafter = Drafter(nnx.merge(model.drafter.graphdef, place(
+                model.drafter.params, param_shardings(model.drafter.params, mesh))))
         # pairs per slot of each step, per rank [ranks, layers, slots]: dispatched this iteration, and before it
         self._loads: list[jax.Array] = []
         self._previous: list[jax.Array] = []
@@ -144,28 +161,26 @@ class DataParallel:
         specs = _cache_specs(jax.eval_shape(stacked))
         return jax.jit(stacked, out_shardings=jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs))()
 
-    def weights(self) -> tuple[list, list]:
-        """The step's weights: the target's parameter leaves placed by the rules (experts over `ep`)."""
-        return jax.tree.leaves(self.model.params), []
-
-    def _param_specs(self) -> list[P]:
-        return [s.spec for s in jax.tree.leaves(param_shardings(self.model.params, self.mesh))]
-
     # ---- compilation --------------------------------------------------------------------------------------
-    def compile(self, step_fn, weights: tuple, cache: dict, rows: int, width: int, verify_len: int,
-                engram_shapes=()):
-        """The step of bucket (`rows` per rank, `width`, `verify_len`) as one shard_map over the mesh, ahead of
-        time; its call takes a `_Placed` batch and returns (outputs in scheduled-row order, cache)."""
-        batch = empty_batch(self.layout, rows * self.ranks, width, engram_shapes, verify_len)
-        specs = (self._param_specs(), []), _cache_specs(cache), _batch_specs(batch)
+    def compile(self, step_fn, weights: tuple, cache: dict, bucket: tuple[int, int, int, int], engram_shapes=()):
+        """The step of `bucket` (rows per rank, width, verify length, context pages) as one shard_map over the
+        mesh, ahead of time; called as the single-device step is (`_Executable`)."""
+        rows, width, verify_len, pages = bucket
+        batch = empty_batch(self.layout, rows * self.ranks, width, engram_shapes, verify_len, pages)
+        batch = batch._replace(budget=np.zeros(self.ranks, np.int32))  # each rank's verify budget
+        specs = jax.tree.map(lambda leaf: leaf.sharding.spec, weights), _cache_specs(cache), _batch_specs(batch)
         counting = self.ep > 1
+        slots = self.model.config.n_routed_experts if self.experts is None else self.experts.slots
 
         def body(weights, cache, batch):
-            loads: list = []
-            with moe.expert_dispatch(_RankExperts(loads, self.ep)) if counting else contextlib.nullcontext():
+            batch = batch._replace(budget=batch.budget[0])
+            if not counting:
                 out, cache = step_fn(weights, cache, batch, verify_len)
-            per_slot = jnp.stack(loads)[None] if counting else jnp.zeros((1, 0, 0), jnp.int32)
-            return out, cache, per_slot
+                return out, cache, jnp.zeros((1, 0, 0), jnp.int32)
+            experts = _RankExperts(self.ep, self.model.config.num_hidden_layers, slots)
+            with moe.expert_dispatch(experts):
+                out, cache = step_fn(weights, cache, batch, verify_len)
+            return out, cache, experts.loads[...][None]
 
         out_specs = (_output_specs(), specs[1], RANKS)
         sharded = jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
@@ -176,41 +191,49 @@ class DataParallel:
         args = jax.tree.map(shaped, (weights, cache, batch), specs)
         step = jax.jit(sharded, donate_argnums=1).lower(*args).compile()
         gather = jax.jit(_in_order).lower(step.out_info[0], jax.ShapeDtypeStruct((rows * self.ranks,), jnp.int32))
-        return _Executable(self, step, gather.compile(), jax.tree.map(lambda a: a.sharding, args[2]))
+        return _Executable(self, rows, step, gather.compile(), jax.tree.map(lambda a: a.sharding, args[2]))
 
     # ---- batches ------------------------------------------------------------------------------------------
-    def place(self, built: StepBatch, rows: list, per_rank: int, width: int, verify_len: int,
-              engram_shapes=()) -> _Placed:
-        """The batch the engine built for `rows` (scheduled order, global slot and page ids) laid out rank by
-        rank, `per_rank` rows each, with rank-local slot and page ids; padding rows use each rank's scratch."""
-        sp, pp = self.layout.max_slots, self.layout.num_pages
-        ranks = [rank_of(row.request.slot, sp) for row in rows]
-        taken = [0] * self.ranks
-        order = np.zeros(len(rows), np.int32)
+    def place(self, built: StepBatch, per_rank: int) -> tuple[StepBatch, Int[np.ndarray, " rows"]]:
+        """`built` (a batch as the single-device engine builds it: global slot and page ids, padding rows on the
+        global scratch slot, its verify budget one for all ranks or one per rank) laid out rank by rank,
+        `per_rank` rows each, with rank-local slot and page ids; and the placed row of each of `built`'s real
+        rows. A rank's padding rows copy `built`'s first padding row (an all-padding batch, as profiling runs,
+        pads every rank alike) on that rank's scratch slot and page."""
+        sp, pp, scratch = self.layout.max_slots, self.layout.num_pages, self.global_layout.scratch_slot
+        slots = np.asarray(built.slots)
+        real, padding = np.flatnonzero(slots != scratch), np.flatnonzero(slots == scratch)
+        ranks = slots[real] // sp
+        taken = np.zeros(self.ranks, np.int32)
+        order = np.zeros(len(real), np.int32)
         for i, d in enumerate(ranks):
             order[i] = d * per_rank + taken[d]
             taken[d] += 1
-        out = empty_batch(self.layout, per_rank * self.ranks, width, engram_shapes, verify_len)
+        if taken.max(initial=0) > per_rank:
+            raise ValueError(f"a rank has {taken.max()} rows, more than the bucket's {per_rank}")
+        total = per_rank * self.ranks
+        engram = [leaf.shape[2:] for leaf in built.engram_rows]
+        out = empty_batch(self.layout, total, built.tokens.shape[1], engram, built.bitmask.shape[1],
+                          built.block_tables.shape[1])
 
         def put(target, source):
             if isinstance(source, jax.Array) or np.ndim(source) == 0:
                 return target  # an all-allowed bitmask kept on the device, or a per-step scalar
-            target = np.array(target)
-            target[order] = np.asarray(source)[:len(rows)]
+            source = np.asarray(source)
+            target = np.repeat(source[padding[:1]], total, axis=0) if len(padding) else np.array(target)
+            target[order] = source[real]
             return target
 
-        scalars = {"budget": built.budget, "draft": built.draft}
+        scalars = {"budget": np.zeros((), np.int32), "draft": built.draft}
         out = jax.tree.map(put, out._replace(**scalars), built._replace(**scalars))
-        rank = np.asarray(ranks, np.int32)
-        out.slots[order] = out.slots[order] - rank * sp
-        tables = out.block_tables[order]
-        out.block_tables[order] = np.where(tables == self.global_layout.scratch_page, pp, tables - rank[:, None] * pp)
-        return _Placed(out, order)
-
-    def rows_per_rank(self, rows: list) -> int:
-        """The most rows any one rank runs in a step of `rows`."""
-        sp = self.layout.max_slots
-        return int(np.bincount([rank_of(r.request.slot, sp) for r in rows], minlength=self.ranks).max())
+        out = out._replace(budget=np.broadcast_to(np.asarray(built.budget, np.int32), (self.ranks,)).copy())
+        rank = np.arange(total) // per_rank
+        held = np.zeros(total, bool)  # the placed rows of real ones; every other row pads on its rank's scratch
+        held[order] = True
+        unpaged = ~held[:, None] | (out.block_tables == self.global_layout.scratch_page)
+        out = out._replace(slots=np.where(held, out.slots - rank * sp, sp).astype(np.int32),
+                           block_tables=np.where(unpaged, pp, out.block_tables - rank[:, None] * pp).astype(np.int32))
+        return out, order
 
     # ---- EPLB ---------------------------------------------------------------------------------------------
     def _record(self, steps: list[jax.Array]) -> None:
@@ -234,7 +257,7 @@ class DataParallel:
         stats.setdefault("eplb_rebalances", 0)
         if self.eplb_every and self._steps_since >= self.eplb_every:
             self.rebalance()
-            weights = self.weights()
+            weights = (jax.tree.leaves(self.model.params), weights[1])  # a drafter's experts are not rebalanced
             stats["eplb_rebalances"] += 1
         balance = self.balancedness()
         if balance is not None:
@@ -242,7 +265,7 @@ class DataParallel:
         return weights
 
     def rebalance(self) -> None:
-        """EPLB on the load window now; the engine takes `weights()`. Every dispatched step is recorded first
+        """EPLB on the load window now (the moved weights are `model`'s). Every dispatched step is recorded first
         (its counts are per slot of the placement it ran with), which waits for the steps in flight."""
         if self.experts is None:
             raise ValueError("rebalancing needs EPLB (Engine(..., eplb_every=N or redundant_experts=R))")
@@ -261,18 +284,19 @@ class DataParallel:
 
 
 class _Executable:
-    """One compiled bucket: runs the sharded step, returns its outputs in scheduled-row order."""
+    """One compiled bucket of `rows` rows per rank: called as a single-device step is, with the batch the engine
+    built (`DataParallel.place` lays it out over the ranks); returns the outputs in the batch's row order."""
 
-    def __init__(self, owner: DataParallel, step, gather, batch_shardings):
-        self.owner, self.step, self.gather, self.batch_shardings = owner, step, gather, batch_shardings
+    def __init__(self, owner: DataParallel, rows: int, step, gather, batch_shardings):
+        self.owner, self.rows, self.step, self.gather, self.batch_shardings = owner, rows, step, gather, batch_shardings
 
-    def __call__(self, weights: tuple, cache: dict, placed: _Placed):
-        batch = jax.device_put(placed.batch, self.batch_shardings)
-        outputs, cache, loads = self.step(weights, cache, batch)
+    def __call__(self, weights: tuple, cache: dict, batch: StepBatch):
+        placed, placed_rows = self.owner.place(batch, self.rows)
+        outputs, cache, loads = self.step(weights, cache, jax.device_put(placed, self.batch_shardings))
         if self.owner.ep > 1:
             self.owner._loads.append(loads)
-        order = np.zeros(batch.slots.shape[0], np.int32)
-        order[:len(placed.order)] = placed.order
+        order = np.zeros(self.rows * self.owner.ranks, np.int32)
+        order[:len(placed_rows)] = placed_rows
         return self.gather(outputs, order), cache
 
 
@@ -281,22 +305,31 @@ def _in_order(outputs: StepOutput, order: Int[Array, " rows"]) -> StepOutput:
 
 
 class _RankExperts:
-    """`pallas_kernels.moe.routed_experts_reference` (or the registry's `op`: FP4 experts) inside the step's shard_map: this rank's pairs go to their expert shards by
-    all-to-all over `ep` (`sharding.expert_parallel`) and their count per physical slot is appended to `loads`
-    (one entry per MoE layer). Every rank runs the same number of tokens, so its first token's index in the
-    whole batch is rank x tokens: replicas share a busy expert's tokens across the ranks as in one batch."""
+    """`pallas_kernels.moe.routed_experts_reference` (or the registry's `op`: FP4 experts) inside the step's
+    shard_map: this rank's pairs go to their expert shards by all-to-all over `ep` (`sharding.expert_parallel`)
+    and the target's MoE layers add their count of pairs per physical slot to `loads` [layers, slots], the i-th
+    layer traced to row i (a drafter's MoE layers, traced after the target's, are not counted). `loads` is a
+    mutable array, so a layer traced inside control flow (V4.1's compact replay runs under `lax.cond`) counts
+    its pairs from there. Every rank runs the same number of tokens, so its first token's index in the whole
+    batch is rank x tokens: replicas share a busy expert's tokens across the ranks as in one batch."""
 
-    def __init__(self, loads: list, n_shards: int):
-        self.loads, self.n_shards = loads, n_shards
+    def __init__(self, n_shards: int, layers: int, slots: int):
+        self.n_shards, self.traced = n_shards, 0
+        self.loads = jax.new_ref(jnp.zeros((layers, slots), jnp.int32))
 
     def first_token(self, tokens: int):
         return jax.lax.axis_index(TOKEN_AXES) * tokens
 
+    def any_rank(self, pred: Bool[Array, ""]) -> Bool[Array, ""]:
+        """Whether any rank's `pred` holds (`model.moe.any_rank`)."""
+        return jax.lax.psum(pred.astype(jnp.int32), TOKEN_AXES) > 0
+
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
                  *stacks_and_limit, op: str = "routed_experts") -> Float[Array, "t d"]:
         *stacks, limit = stacks_and_limit
-        slots = stacks[0].shape[0] * self.n_shards
-        self.loads.append(jnp.zeros((slots,), jnp.int32).at[ids.reshape(-1)].add(1))
+        layer, self.traced = self.traced, self.traced + 1
+        if layer < self.loads.shape[0]:
+            self.loads[layer] = self.loads[layer] + jnp.zeros(self.loads.shape[1], jnp.int32).at[ids.reshape(-1)].add(1)
         return local_pairs(x, ids, weights.astype(jnp.float32), *stacks, limit=limit, axis="ep",
                            n_shards=self.n_shards, op=op)
 
@@ -307,7 +340,7 @@ def _cache_specs(cache: dict) -> dict:
 
 
 def _batch_specs(batch: StepBatch) -> StepBatch:
-    """Row-leading leaves split over the ranks, the per-step scalars (verify budget, draft flag) replicated."""
+    """Row-leading leaves (and the verify budget, one per rank) split over the ranks, the draft flag replicated."""
     return jax.tree.map(lambda leaf: RANKS if np.ndim(leaf) else P(), batch)
 
 

@@ -181,13 +181,18 @@ class PageAllocator:
         if tokens > self.layout.max_len:
             raise ValueError(f"{tokens} tokens exceed the cache's max_len={self.layout.max_len}")
         need, free = self.pages_needed(slot, tokens), self.free_pages(slot)
-        if need > len(free) and self.reclaim is not None:
-            self.reclaim(need - len(free))
+        if need > len(free):
+            self.reclaim_for(slot, need - len(free))
         if need > len(free):
             return None
         new = [self.allocate(free) for _ in range(need)]
         self.owned.setdefault(slot, []).extend(new)
         return new
+
+    def reclaim_for(self, slot: int, pages: int) -> None:
+        """Ask the cache holding pages `slot` may take (`reclaim`) to free up to `pages` of them."""
+        if self.reclaim is not None:
+            self.reclaim(pages)
 
     def free_pages(self, slot: int) -> list[int]:
         """The free list `slot` takes pages from: the one pool (`serving.engine_dp` keeps one per rank)."""

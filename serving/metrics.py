@@ -39,6 +39,9 @@ class ServerMetrics:
                               **label).labels(model_name)
         self.prefix_hit_rate = Gauge("jaxseek:prefix_cache_hit_rate", "Prompt tokens served from the prefix "
                                      "cache over prompt tokens admitted.", **label).labels(model_name)
+        self._rank_hit_rate = Gauge("jaxseek:prefix_cache_hit_rate_by_rank", "Prompt tokens served from the prefix "
+                                    "cache of one attention rank over prompt tokens admitted there (a mesh "
+                                    "engine).", ["model_name", "rank"], registry=self.registry)
         self.prompt_tokens = Counter("jaxseek:prompt_tokens", "Prompt tokens of finished requests.",
                                      **label).labels(model_name)
         self.generation_tokens = Counter("jaxseek:generation_tokens", "Generated tokens of finished requests.",
@@ -105,6 +108,14 @@ class ServerMetrics:
             if self.eplb_balancedness is None:
                 self.eplb_balancedness = self._balance.labels(self.model_name)
             self.eplb_balancedness.set(stats["eplb_balancedness"])
+
+    def observe_prefix(self, metrics: dict[str, float]) -> None:
+        """The prefix cache's hit rate (`Engine.prefix_cache_metrics`: empty when the cache is off) and, on a
+        mesh, each attention rank's (`rank{d}_hit_rate`)."""
+        self.prefix_hit_rate.set(metrics.get("hit_rate", 0.0))
+        for key, value in metrics.items():
+            if key.startswith("rank") and key.endswith("_hit_rate"):
+                self._rank_hit_rate.labels(self.model_name, key[len("rank"):-len("_hit_rate")]).set(value)
 
     def observe_speculation(self, stats: dict) -> None:
         """The engine's cumulative speculation counts (`Engine.stats`: decode_rows, verified, accepted,

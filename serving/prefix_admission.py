@@ -131,6 +131,14 @@ class PrefixAdmission:
             self.exact_from[request.request_id] = start + self.exact_replay
         request.computed = boundary
 
+    def cached_tokens(self, prompt: list[int]) -> int:
+        """Prompt tokens an admission now would take from this cache (the device tree and the host-tier blocks
+        continuing it), without touching its recency or counters."""
+        end = self.tree.match(prompt, record=False, use=False).tokens + self.tree.block_tokens
+        while end <= len(prompt) and tuple(prompt[:end]) in self.host.pages:
+            end += self.tree.block_tokens
+        return end - self.tree.block_tokens
+
     def restore(self, request: Request) -> list[jax.Array] | None:
         """The snapshot the request's first chunk starts from (installed in its slot before that chunk), or None
         when it prefills from the start or replays."""
@@ -293,12 +301,16 @@ class DevicePages:
             scalar = jax.ShapeDtypeStruct((), np.int32)
             paged = [spec(leaf[0]) for leaf in _paged_leaves(cache)]
             per_slot = [spec(leaf[0]) for leaf in _slot_leaves(cache)]
+            # the cache keeps its placement (a mesh engine's is split over the ranks): the steps expect it
+            placed = jax.tree.map(lambda x: x.sharding, cache)
             args = {"read": (scalar,), "write": (scalar, paged), "take": (scalar,), "restore": (scalar, per_slot),
                     "mark": (scalar, jax.ShapeDtypeStruct((self.max_len,), np.int32), scalar)}[name]
             fn = {"read": _read_page, "write": _write_page, "mark": _start_prompt, "take": _take_slot,
                   "restore": _restore_slot}[name]
-            donate = () if name in ("read", "take") else (0,)
-            self._ops[name] = jax.jit(fn, donate_argnums=donate).lower(jax.tree.map(spec, cache), *args).compile()
+            keeps = name in ("read", "take")
+            jitted = jax.jit(fn) if keeps else jax.jit(fn, donate_argnums=0, out_shardings=placed)
+            shaped = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding), cache)
+            self._ops[name] = jitted.lower(shaped, *args).compile()
         return self._ops[name]
 
 

@@ -53,9 +53,10 @@ class PrefixCache:
         self.queries = self.query_tokens = self.hit_tokens = self.evicted_blocks = 0
 
     # ---- lookup ------------------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], record: bool = True) -> PrefixMatch:
+    def match(self, tokens: Sequence[int], record: bool = True, use: bool = True) -> PrefixMatch:
         """The longest cached prefix of `tokens` in whole blocks (a trailing partial block never matches);
-        marks its path used now and, with `record`, counts the query in the hit-rate metrics."""
+        with `use` marks its path used now (False: a probe), with `record` counts the query in the hit-rate
+        metrics."""
         blocks = self._blocks(tokens)
         node, pages, now = self.root, [], next(self._clock)
         i = 0
@@ -67,7 +68,8 @@ class PrefixCache:
             pages += child.pages
             i += same
             node = child
-            node.last_use = now
+            if use:
+                node.last_use = now
         if record:
             self.record(len(tokens), i * self.block_tokens)
         return PrefixMatch(i * self.block_tokens, tuple(pages), node)

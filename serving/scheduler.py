@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
+
+import numpy as np
 
 from serving.kv_cache import CacheLayout, PageAllocator
 from serving.prefix_admission import PrefixAdmission
@@ -102,7 +105,7 @@ class Scheduler:
                 budget -= len(row.tokens)
         while self.waiting and self.free_slots and budget > 0 and len(prefill) < self.max_prefill_rows:
             request = self.waiting.popleft()
-            request.slot, request.status, request.fresh_slot = self.take_slot(), Status.RUNNING, True
+            request.slot, request.status, request.fresh_slot = self.take_slot(request), Status.RUNNING, True
             if self.prefix is not None:
                 self.prefix.admit(request)
             self.running.append(request)
@@ -120,9 +123,24 @@ class Scheduler:
         """Whether preempting `victim` can free pages for `request` (one pool: always; per-rank pools: same rank)."""
         return True
 
-    def take_slot(self) -> int:
-        """A free slot for a new request (the data-parallel engine picks the least-loaded rank's)."""
+    def take_slot(self, request: Request) -> int:
+        """A free slot for `request` (the data-parallel engine picks a rank by its cache and load)."""
         return self.free_slots.pop()
+
+    def prefix_cache(self, build: Callable[[PageAllocator, int], PrefixAdmission]) -> PrefixAdmission:
+        """The engine's prefix cache: `build(pages, shares)` makes one over `pages` holding a `shares`-th of the
+        host tier and snapshots (here the whole pool, one share; a data-parallel engine one per rank)."""
+        return build(self.pages, 1)
+
+    ranks = 1  # attention ranks the slots are split over (`serving.engine_dp`); one device is a mesh of one rank
+
+    def rank(self, request: Request) -> int:
+        """The attention rank whose slots and pages `request` holds."""
+        return 0
+
+    def rows_per_rank(self, rows: list[Row]) -> int:
+        """The most rows any one rank runs in a step of `rows`."""
+        return int(np.bincount([self.rank(row.request) for row in rows], minlength=self.ranks).max())
 
     def _requeue(self, request: Request, status: Status) -> None:
         """Take the request's slot and pages (caching nothing) and queue it first, to compute from the start."""

@@ -109,7 +109,7 @@ class Server:
         self.metrics.observe_speculation(self.decode_engine.stats)
         self.metrics.observe_grammar(self.decode_engine.stats)
         self.metrics.observe_eplb(self.decode_engine.stats)
-        self.metrics.prefix_hit_rate.set(self.decode_engine.prefix_cache_metrics().get("hit_rate", 0.0))
+        self.metrics.observe_prefix(self.decode_engine.prefix_cache_metrics())
         for output in finished:
             self.metrics.observe_finished(output)
 
@@ -522,9 +522,17 @@ def serve(args, model, engine_config: EngineConfig) -> int:
     server = Server(model, config, engine_config)
     print(f"jaxseek serve: {server.engine.startup_summary()}", file=sys.stderr)
     if not args.no_warmup:
-        progress = CompileProgress(server.decode_engine)
-        server.engine.warmup()
+        # what the first requests run compiles before the server answers, the other buckets after, while it serves
+        # (a disaggregated pair compiles everything first: its prefill process compiles on its own)
+        engine = server.decode_engine
+        progress = CompileProgress(engine)
+        if args.disaggregate:
+            server.engine.warmup()
+        else:
+            engine.warmup(engine.first_buckets())
         print(progress.summary(), file=sys.stderr)
+        if not args.disaggregate:
+            engine.compile_in_background()
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -14,7 +14,7 @@ import numpy as np
 from serving.engine_config import EngineConfig
 from serving.request import Request
 from serving.scheduler import Row
-from serving.verify_plan import CostTable, plan_verify, prefix_survival
+from serving.verify_plan import CostTable, Plan, plan_verify, prefix_survival
 
 
 class SpeculationPolicy:
@@ -40,11 +40,13 @@ class SpeculationPolicy:
         self._cost_key: tuple[int, int] | None = None  # the cost-table bucket of the last decode step
         self._steady_since: float | None = None  # end of the last iteration that ran no prefill step
 
-    def decide(self, rows: list[Row], decode_rows: tuple[int, ...], zero_overhead: bool,
-               profile: Callable[[], CostTable]) -> tuple[int, int | None, bool]:
-        """The decode step over `rows`: (width, drafts budget or None: every row verifies its cap, whether the
-        drafter drafts); width 1 is plain decoding. Sets each row's cap. `profile` builds the cost table if DSpark
-        has none yet."""
+    def decide(self, rows: list[Row], ranks: list[int], num_ranks: int, decode_rows: tuple[int, ...],
+               zero_overhead: bool, profile: Callable[[], CostTable]) -> tuple[int, list[int] | None, bool]:
+        """The decode step over `rows` (on attention ranks `ranks`, of `num_ranks`: a mesh step runs one bucket
+        on every rank, `decode_rows` rows per rank): (width, each rank's drafts budget or None: every row
+        verifies its cap, whether the drafter drafts); width 1 is plain decoding. Sets each row's cap. DSpark
+        plans each rank's rows on their own (the step costs what one rank's bucket does) and the step takes the
+        widest width any rank's plan chose. `profile` builds the cost table if DSpark has none yet."""
         if self.mode == "none" or not any(row.caps for row in rows):
             return self._plain(rows)
         caps = np.array([row.caps for row in rows])
@@ -52,19 +54,22 @@ class SpeculationPolicy:
         if self.mode == "fixed":
             width = self.verify_widths[0]
         else:
-            bucket_rows = next(r for r in decode_rows if r >= len(rows))
+            on_rank = [np.flatnonzero(np.asarray(ranks) == d) for d in range(num_ranks)]
+            bucket_rows = next(r for r in decode_rows if r >= max(map(len, on_rank)))
             if self.costs is None:
                 self.costs = profile()
-            confidence = [self._planning_confidence(row.request, zero_overhead) for row in rows]
-            plan = plan_verify(prefix_survival(np.array(confidence)), caps, bucket_rows, (1,) + self.verify_widths,
-                               self.costs)
-            if plan.width == 1:
+            survival = prefix_survival(np.array([self._planning_confidence(row.request, zero_overhead)
+                                                 for row in rows]))
+            plans = [plan_verify(survival[i], caps[i], bucket_rows, (1,) + self.verify_widths, self.costs)
+                     if len(i) else Plan(1, 0) for i in on_rank]
+            widest = max(plan.width for plan in plans)
+            if widest == 1:
                 return self._plain(rows)
             # a block drafted before a step that did not draft is stale: its row verifies nothing
             stale = np.array([not row.request.drafts_fresh for row in rows])
             if stale.all():  # verification pays by the last confidences: draft now, verify next step
                 return self._plain(rows, draft=True)
-            width, budget = plan.width, plan.budget  # the device splits the budget by the newest confidences
+            width, budget = widest, [plan.budget for plan in plans]  # each rank splits its budget on the device
             caps = np.where(stale, 0, caps)
         for row, cap in zip(rows, caps):
             row.caps = int(min(cap, width - 1))

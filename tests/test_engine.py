@@ -153,7 +153,6 @@ def test_a_config_and_keywords_give_the_same_engine(model, engine):
     (dict(speculation="always"), "speculation must be one of none, fixed, dspark"),
     (dict(verify_widths=(1, 2)), "verify_widths must be integers >= 2"),
     (dict(batch_invariant=True, host_pages=4), "need prefix_cache=True"),
-    (dict(mesh="dp=2", speculation="fixed"), "without speculation and prefix cache"),
     (dict(eplb_every=4), "needs a mesh"),
 ])
 def test_bad_settings_are_refused_by_name(settings, message):

@@ -136,14 +136,13 @@ def test_mesh_arguments_are_validated(model):
         Engine(model, redundant_experts=2, max_slots=4, max_len=48)
     with pytest.raises(ValueError, match="cp=1"):
         Engine(model, mesh="cp=2,dp=2", max_slots=4, max_len=48)
-    with pytest.raises(ValueError, match="speculation and prefix cache"):
-        Engine(model, mesh="dp=2", prefix_cache=True, max_slots=4, max_len=48)
 
 
 def test_ranks_take_requests_by_load_and_preempt_only_their_own():
-    """Host-side: 2 ranks of 2 slots and 2 pages. New requests alternate between the ranks; when the first
-    request needs a second page, its rank preempts its own latest arrival, not the later one of the other rank
-    (whose pages it could not use)."""
+    """Host-side: 2 ranks of 2 slots and 2 pages. A new request goes to the rank with the least pending prefill
+    plus uncached tokens (16 + 8 against 8, then 24 against 16, then a tie broken by the fewer running requests);
+    when the first request needs a second page, its rank preempts its own latest arrival, not the later ones of
+    the other rank (whose pages it could not use)."""
     layout = CacheLayout(max_slots=4, max_len=32, num_pages=4, page_tokens=16, ring=8, vocab_size=256)
     scheduler = DataParallelScheduler(layout, 16, 64, 4, False, ranks=2)
     requests = [Request(f"r{i}", [1] * n, SamplingParams(max_tokens=8, ignore_eos=True), arrival=float(i))
@@ -151,11 +150,11 @@ def test_ranks_take_requests_by_load_and_preempt_only_their_own():
     for request in requests:
         scheduler.add(request)
     _, prefill = scheduler.schedule(in_flight=False)
-    assert [r.slot for r in requests] == [0, 2, 1, 3]
-    assert [scheduler.pages.owned[r.slot] for r in requests] == [[0], [2], [1], [3]]
+    assert [r.slot for r in requests] == [0, 2, 3, 1]
+    assert [scheduler.pages.owned[r.slot] for r in requests] == [[0], [2], [3], [1]]
     for row in prefill:  # the prompts are in the cache and each sampled a token
         row.request.computed += len(row.tokens)
         row.request.output.append(5)
     decode, _ = scheduler.schedule(in_flight=False)  # r0 reaches position 16: a second page
-    assert [row.request.request_id for row in decode] == ["r0", "r1", "r3"]
-    assert [r.preemptions for r in requests] == [0, 0, 1, 0] and scheduler.pages.owned[0] == [0, 1]
+    assert [row.request.request_id for row in decode] == ["r0", "r1", "r2"]
+    assert [r.preemptions for r in requests] == [0, 0, 0, 1] and scheduler.pages.owned[0] == [0, 1]

@@ -1,0 +1,136 @@
+"""The mesh engine against the single-device engine, feature by feature, on emulated CPU devices
+(tests/conftest.py): V4.1 with its experts split over `ep` (a rank left idle by an odd number of requests: V4.1's
+compact replay is a `lax.cond` whose branch runs MoE layers, so the ranks must take it together), speculation
+(fixed and DSpark: drafts verified, tokens lossless), the prefix cache per rank (a hit equals a cold prefill) and
+structured outputs. Greedy tokens are compared exactly, logits within 1e-5."""
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from model.config import preset
+from serving.engine import Engine
+from serving.sampling import SamplingParams
+from tests.helpers import random_model
+from tests.test_structured_engine import tiny  # noqa: F401  (a fixture: V4.1 with a character tokenizer)
+
+# tiny-v41 cut to 6 layers (compiles faster): a sliding layer, a ratio-2 encoder group, the ratio-1 decoder KV
+V41 = dataclasses.replace(preset("tiny-v41"), num_hidden_layers=6, compress_ratios=(0, 2, 2, 1, 1, 1),
+                          kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 5), candidate_source_layer_id=3)
+RNG = np.random.default_rng(7)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+# batch-invariant buckets: one decode and one prefill step per engine
+ENGINE = dict(max_slots=4, max_len=48, page_tokens=16, prefill_chunk=16, max_prefill_rows=2, batch_invariant=True,
+              num_top_logprobs=0, return_logits=True)
+
+
+def same_outputs(mesh_outputs, single_outputs) -> None:
+    """The mesh engine's greedy tokens equal the single device's; its logits within 1e-5."""
+    for got, want in zip(mesh_outputs, single_outputs, strict=True):
+        assert got.token_ids == want.token_ids
+        np.testing.assert_allclose(np.stack(got.logits), np.stack(want.logits), atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def v41():
+    return random_model(V41, seed=3, noise=0.05)
+
+
+def test_v41_with_experts_over_ep_equals_single_device(v41):
+    """dp=2,ep=2: three requests over two ranks, so one rank runs padding rows only in some steps (its compact
+    replay would skip the MoE layers whose all-to-all the other rank waits in)."""
+    prompts = [RNG.integers(0, V41.vocab_size, n).tolist() for n in (5, 23, 9)]
+    single = Engine(v41, **ENGINE).generate(prompts, GREEDY)
+    engine = Engine(v41, mesh="dp=2,ep=2", **ENGINE)
+    same_outputs(engine.generate(prompts, GREEDY), single)
+    assert engine.stats["eplb_balancedness"] > 0  # the expert loads were counted, the replay layers' too
+
+
+V4 = preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def v4():
+    return random_model(V4, seed=5, noise=0.05)
+
+
+def test_prefix_hit_on_a_rank_equals_a_cold_prefill_and_the_rank_holding_the_prefix_takes_it(v4):
+    """dp=2 with the prefix cache: a first request leaves a 32-token prefix in its rank's cache; two later
+    requests sharing it go to that rank although the other rank is idle (the second while the first runs
+    there), hit it, and give the tokens and logits of a single-device engine without a prefix cache."""
+    shared = RNG.integers(0, V4.vocab_size, 32).tolist()
+    prompts = [shared + RNG.integers(0, V4.vocab_size, n).tolist() for n in (4, 3, 5)]
+    single = Engine(v4, **ENGINE).generate(prompts, GREEDY)
+    engine = Engine(v4, mesh="dp=2", prefix_cache=True, **ENGINE)
+    first = engine.generate(prompts[:1], GREEDY)
+    held = [d for d, rank in enumerate(engine.scheduler.prefix.ranks) if rank.tree.cached_blocks]
+    assert len(held) == 1  # its pages are cached on its own rank only
+    ids = [engine.add_request(p, GREEDY) for p in prompts[1:]]
+    outputs, ranks = {}, {}
+    while engine.has_work:
+        for out in engine.step():
+            outputs[out.request_id] = out
+        ranks |= {r.request_id: engine.scheduler.rank(r) for r in engine.scheduler.running}
+    assert [ranks[i] for i in ids] == held * 2
+    same_outputs(first + [outputs[i] for i in ids], single)
+    metrics = engine.prefix_cache_metrics()
+    assert metrics["hit_tokens"] == 64 and metrics[f"rank{held[0]}_hit_rate"] > 0
+    assert metrics[f"rank{1 - held[0]}_hit_rate"] == 0
+
+
+def test_fixed_speculation_with_the_mtp_drafter_on_dp_and_ep_is_lossless(v4):
+    """dp=2,ep=2 with V4's MTP drafter (its experts over `ep` too) verifying a draft per row: the single-device
+    engine's plain greedy tokens, with drafts verified."""
+    prompts = [RNG.integers(0, V4.vocab_size, n).tolist() for n in (5, 23, 9)]
+    single = Engine(v4, **ENGINE).generate(prompts, GREEDY)
+    engine = Engine(v4, mesh="dp=2,ep=2", speculation="fixed", num_drafts=1, **ENGINE)
+    for got, want in zip(engine.generate(prompts, GREEDY), single, strict=True):
+        assert got.token_ids == want.token_ids
+    assert engine.speculation_metrics()["verified_per_step"] > 0
+
+
+def test_dspark_on_a_mesh_plans_each_rank_and_is_lossless():
+    """dp=2 with a DSpark drafter and a cost table under which verifying pays: each rank's rows split its own
+    budget; the tokens are the single-device engine's plain greedy ones."""
+    from tests.test_dspark import CONFIG, TARGET
+    from model.dspark import init_drafter
+    from model.initialize import init_model
+    from serving.verify_plan import CostTable
+
+    model = init_model(TARGET, seed=0)
+    model.drafter = init_drafter(TARGET, CONFIG, seed=1)
+    prompts = [RNG.integers(0, TARGET.vocab_size, n).tolist() for n in (5, 19, 11)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    config = dict(max_slots=4, max_len=48, page_tokens=16, prefill_chunk=16, max_prefill_rows=2, num_top_logprobs=0)
+    single = Engine(model, **config).generate(prompts, params)
+    engine = Engine(model, mesh="dp=2", speculation="dspark", verify_widths=(2, 4), num_drafts=3, **config)
+    engine.speculation.costs = CostTable({(r, w): 1.0 if w < 2 else 1.6 for r in engine.decode_rows
+                                          for w in (0, 1) + engine.speculation.verify_widths}, window=0)
+    for got, want in zip(engine.generate(prompts, params), single, strict=True):
+        assert got.token_ids == want.token_ids
+    assert engine.speculation_metrics()["verified_per_step"] > 0
+
+
+def test_structured_outputs_on_a_mesh_equal_one_device(tiny):
+    """dp=2: greedy regex-constrained rows and an unconstrained one (the masks need the tokens in flight, which
+    the mesh step reads first) give the single-device engine's tokens, and each matches its pattern."""
+    from serving.constraints import ConstraintSpec
+    from tests.test_structured_engine import chars_text
+
+    patterns = [r"[a-c]{3,6}(,[0-9]{1,3}){2}\.", r"\((x|y|z){1,5}\)", r"[0-9]{2}:[0-9]{2}"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    requests = [(RNG.integers(0, tiny.config.vocab_size, 7).tolist(), greedy, ConstraintSpec.regex(p))
+                for p in patterns] + [([5, 6, 7], GREEDY, None)]
+    config = dict(max_slots=4, max_len=48, page_tokens=16, prefill_chunk=16, max_prefill_rows=2, batch_invariant=True)
+    results = []
+    for mesh in (None, "dp=2"):
+        engine = Engine(tiny, mesh=mesh, **config)
+        ids = [engine.add_request(p, q, constraint=c) for p, q, c in requests]
+        done = engine.run()
+        results.append([done[i] for i in ids])
+    for single, meshed in zip(*results, strict=True):
+        assert meshed.token_ids == single.token_ids and meshed.finish_reason == single.finish_reason
+    for pattern, out in zip(patterns, results[1]):
+        assert out.finish_reason == "stop" and re.fullmatch(pattern, chars_text(out.token_ids))
