@@ -85,7 +85,7 @@ def serve_startup(cache_dir: str, *flags: str) -> tuple[float, float]:
             time.sleep(0.05)
         health = time.perf_counter() - start
         begin = time.perf_counter()
-        reply = httpx.post(url + "/v1/completions", json={"prompt": "The sea", "max_tokens": 16, "ignore_eos": True},
+        reply = httpx.post(url + "/v1/completions", json={"model": "jaxseek-bundled", "prompt": "The sea", "max_tokens": 16, "ignore_eos": True},
                            timeout=600.0)
         reply.raise_for_status()
         assert reply.json()["usage"]["completion_tokens"] == 16

@@ -149,6 +149,7 @@ class Engine:
         self.compiled: dict[tuple[int, int, int, int], Callable] = {}
         self._compiling: dict[tuple[int, int, int, int], threading.Lock] = {}  # a lock per bucket compiling
         self._compiling_lock = threading.Lock()
+        self._background: threading.Thread | None = None  # compiling the buckets not compiled yet, while serving
         self._unproven: set[tuple[int, int, int, int]] = set()  # buckets loaded from disk, not yet run
         # compiled buckets kept on disk beside JAX's compile cache (not for a data-parallel engine's steps)
         stored = directory() if self.data_parallel is None else None
@@ -190,10 +191,13 @@ class Engine:
         return [(*shape, pages) for shape in shapes for pages in self.context_pages]
 
     def first_buckets(self) -> list[tuple[int, int, int, int]]:
-        """The buckets a server's first requests run: one row of decode, verify and each prefill width, at the
-        shortest context bucket."""
-        rows, pages = min(self.decode_rows[0], self.prefill_rows[0]), self.context_pages[0]
-        return [bucket for bucket in self.buckets() if bucket[0] == rows and bucket[3] == pages]
+        """What a server compiles before it answers: the widest one-row prefill bucket at the shortest context,
+        which runs any first request's prefill chunks and, until its own buckets are compiled in the background,
+        its decode steps (`_ready`); with speculation also the one-row verify buckets."""
+        rows, pages = self.prefill_rows[0], self.context_pages[0]
+        shapes = {(self.prefill_tokens[-1], 1)} | {(w, w) for w in self.speculation.verify_widths}
+        return [bucket for bucket in self.buckets() if bucket[0] == rows and bucket[3] == pages
+                and bucket[1:3] in shapes]
 
     def warmup(self, buckets: Sequence[tuple[int, int, int, int]] | None = None) -> None:
         """Compile `buckets` (default: every bucket, after which no step ever compiles) ahead of time, except that
@@ -243,9 +247,10 @@ class Engine:
         while the engine serves; a step that needs a bucket compiling there waits for it, one that needs a
         bucket not reached yet compiles it itself (`jaxseek serve` answers once `first_buckets` are compiled)."""
         order = sorted(self.buckets(), key=lambda b: (b[3], b[0], b[1], b[2]))
-        thread = threading.Thread(target=lambda: [self._executable(b) for b in order], name="compile", daemon=True)
-        thread.start()
-        return thread
+        self._background = threading.Thread(target=lambda: [self._executable(b) for b in order], name="compile",
+                                             daemon=True)
+        self._background.start()
+        return self._background
 
     def _executable(self, bucket: tuple[int, int, int, int], load: bool = True):
         if bucket in self.compiled:
@@ -451,13 +456,13 @@ class Engine:
         constrained rows launches only its forward half: `_decide` fills the masks and launches the rest."""
         per_rank = self.scheduler.rows_per_rank(rows)
         held = max(self.scheduler.pages.held(row.request.slot) for row in rows) if len(self.context_pages) > 1 else 0
-        bucket = (next(r for r in row_buckets if r >= per_rank), width, verify_len,
-                  next(p for p in self.context_pages if p >= held))
+        bucket = self._ready((next(r for r in row_buckets if r >= per_rank), width, verify_len,
+                              next(p for p in self.context_pages if p >= held)))
         executable = self._executable(bucket)
         later = decoding and isinstance(executable, CompiledHalves) and bucket not in self._unproven and any(
             row.sample and row.request.grammar is not None for row in rows)
         # a mesh step lays the batch out over its ranks (`serving.engine_dp`): the bucket's rows are per rank
-        batch = self._batch(rows, max(bucket[0], len(rows)), width, verify_len, bucket[3], budget,
+        batch = self._batch(rows, max(bucket[0], len(rows)), bucket[1], verify_len, bucket[3], budget,
                             masks=not later)._replace(draft=np.asarray(draft))
         for row in rows:
             if row.reset and row.start:  # a prefix hit starts at `start`: its snapshot, the prompt before it
@@ -490,6 +495,18 @@ class Engine:
             return _Forwarding(rows, bucket, batch, executable, forwarded)
         jax.tree.map(lambda x: x.copy_to_host_async(), outputs)
         return rows, outputs, bucket
+
+    def _ready(self, bucket: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+        """`bucket`, or while the background compilation has not reached it (`compile_in_background`) the
+        cheapest compiled bucket that holds its step: as many rows or more, as many tokens or more (a decode row
+        runs in a prefill bucket as its chunk's first token), as much context or more, the same verify length
+        (a verify bucket's width is its verify length). Without one, the step compiles its own."""
+        if bucket in self.compiled or self._background is None or not self._background.is_alive():
+            return bucket
+        rows, width, verify_len, pages = bucket
+        holding = [b for b in list(self.compiled) if b[0] >= rows and b[2] == verify_len and b[3] >= pages
+                   and (b[1] >= width if verify_len == 1 else b[1] == width)]
+        return min(holding, key=lambda b: (b[0] * b[1], b[3]), default=bucket)
 
     def _launch(self, bucket: tuple[int, int, int, int], executable, batch: StepBatch) -> tuple:
         """Run a bucket's step on the engine's cache. The first call of a bucket loaded from the executable cache

@@ -71,3 +71,15 @@ def test_generate_runs_the_bundled_model_by_default(model, capsys):
     assert record["text"] == model.tokenizer.decode(record["token_ids"])
     words = record["text"].split()
     assert words and all(w.strip(".,;:!?'-").isalpha() for w in words if w.strip(".,;:!?'-")), record["text"]
+
+
+def test_generate_runs_the_bundled_model_on_dp4_ep2(model, capsys):
+    """`jaxseek generate --mesh dp=4,ep=2` (the 8 emulated devices of tests/conftest.py): the bundled model's
+    greedy tokens of the full forward, as on one device (the flags of the test above)."""
+    status = main(["generate", "--prompt", PROMPT, "--max-tokens", "12", "--temperature", "0", "--max-slots", "4",
+                   "--max-len", "96", "--prefill-chunk", "8", "--batch-invariant", "--no-warmup", "--mesh", "dp=4,ep=2",
+                   "--output-format", "jsonl-compact"])
+    record = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert record["token_ids"] == greedy_full_forward(model, [model.tokenizer.encode(PROMPT)], 12, rows=1,
+                                                      width=96)[0][0]

@@ -2,6 +2,8 @@
 tests/test_cached.py and the HF oracle in tests/test_parity.py): greedy tokens and logits, chunked prefill,
 queueing, preemption, determinism, batch invariance, compilation count, stop conditions, bad input."""
 
+import threading
+
 import numpy as np
 import pytest
 from jax import monitoring
@@ -51,6 +53,32 @@ def test_greedy_tokens_and_logits_equal_the_full_forward(engine, reference):
         tokens, logits = reference(i, 10)
         assert out.token_ids == tokens and out.finish_reason == "length"
         np.testing.assert_allclose(np.stack(out.logits), logits, atol=1e-5, rtol=0)
+
+
+def test_the_first_buckets_run_every_step_until_the_background_compilation_reaches_theirs(model, reference):
+    """What `jaxseek serve` compiles before it answers (the widest one-row prefill bucket) runs a request's
+    prefill and decode steps while the background compilation has not reached their own buckets (here one that
+    reaches none): nothing else compiles, and the tokens and logits are the full forward's. Once it is over, a
+    step compiles its own bucket."""
+    engine = Engine(model, max_slots=4, max_len=64, page_tokens=16, prefill_chunk=16, max_prefill_rows=2,
+                    num_top_logprobs=2, return_logits=True)
+    first = engine.first_buckets()
+    assert first == [(1, 16, 1, engine.context_pages[0])]
+    engine.warmup(first)
+    hold = threading.Event()
+    engine._background = threading.Thread(target=hold.wait, daemon=True)  # compiling, and at no bucket yet
+    engine._background.start()
+    try:
+        out = engine.generate([PROMPTS[0]], GREEDY)[0]
+    finally:
+        hold.set()
+        engine._background.join()
+    assert list(engine.compiled) == first
+    tokens, logits = reference(0, 10)
+    assert out.token_ids == tokens
+    np.testing.assert_allclose(np.stack(out.logits), logits, atol=1e-5, rtol=0)
+    engine.generate([PROMPTS[5]], GREEDY)
+    assert (1, 1, 1, engine.context_pages[0]) in engine.compiled
 
 
 def test_preemption_and_resumption_keep_the_tokens(engine, reference):
