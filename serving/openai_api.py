@@ -256,9 +256,17 @@ class OpenAIRequests:
     # ---- responses ----------------------------------------------------------------------------------------
     @staticmethod
     def usage(prompt_tokens: int, outputs: Sequence[RequestOutput | None], generated: int = 0) -> dict:
-        """A usage object: the finished `outputs`' tokens (None: a choice not finished) plus `generated` more."""
-        done = generated + sum(len(o.token_ids) for o in outputs if o is not None)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+        """A usage object: the finished `outputs`' tokens (None: a choice not finished) plus `generated` more,
+        and the prompt tokens served from the prefix cache (`prompt_tokens_details.cached_tokens`, OpenAI's and
+        vLLM's field: per prompt, its choice that took the most)."""
+        finished = [o for o in outputs if o is not None]
+        done = generated + sum(len(o.token_ids) for o in finished)
+        cached: dict[tuple[int, ...], int] = {}
+        for o in finished:
+            key = tuple(o.prompt_ids)
+            cached[key] = max(cached.get(key, 0), o.cached_tokens)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     def completion_body(self, rid: str, created: int, model: str, outputs: Sequence[RequestOutput],
                         prompt_tokens: int) -> dict:

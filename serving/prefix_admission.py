@@ -156,9 +156,11 @@ class PrefixAdmission:
             self.snapshots.put(key, self.take_state(request.slot))
 
     def confirm(self, request: Request) -> None:
-        """The request's first chunk is scheduled: count its query in the hit-rate metrics."""
+        """The request's first chunk is scheduled: count its query in the hit-rate metrics, and its prompt
+        tokens taken from the cache (`cached_tokens`: those its prefill skips)."""
         match = self.held.get(request.request_id)
         hit = match.tokens if match is not None else 0
+        request.cached_tokens = request.computed
         self.tree.record(len(request.prompt), hit)
         self.replayed_tokens += hit - request.computed
 

@@ -42,6 +42,7 @@ class RequestOutput:
     time_to_first_token: float | None
     latency: float
     logits: list | None = None  # per generated token, when the engine keeps logits (tests)
+    cached_tokens: int = 0  # prompt tokens its (last) admission took from the prefix cache instead of prefilling
 
 
 @dataclasses.dataclass
@@ -75,6 +76,7 @@ class Request:
     grammar: object = None  # a constrained request's `serving.grammar_mask.RequestGrammar`, following `output`
     constraint: object = None  # and its `serving.constraints.ConstraintSpec`
     counted_outputs: int = 0  # outputs in the slot's penalty counts already (a jump-forward row replays them)
+    cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (not prefilled)
 
     @property
     def sequence(self) -> list[int]:
@@ -141,4 +143,4 @@ class Request:
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
             preemptions=self.preemptions,
             time_to_first_token=None if self.first_token_time is None else self.first_token_time - self.arrival,
-            latency=now - self.arrival, logits=self.logits)
+            latency=now - self.arrival, logits=self.logits, cached_tokens=self.cached_tokens)

@@ -381,7 +381,8 @@ def test_openai_batch_output_lines(model, tmp_path):
     assert (chat_n["object"], chat_n["model"]) == ("chat.completion", "tiny")
     assert [c["message"]["content"] for c in chat_n["choices"]] == [TOK.decode(chat)] * 2
     assert chat_n["usage"] == {"prompt_tokens": len(TOK.encode(CHAT_TEXT)), "completion_tokens": 10,
-                               "total_tokens": len(TOK.encode(CHAT_TEXT)) + 10}
+                               "total_tokens": len(TOK.encode(CHAT_TEXT)) + 10,
+                               "prompt_tokens_details": {"cached_tokens": 0}}
     errors = {x["custom_id"]: x for x in lines if x["error"] is not None}
     assert errors["tools"]["response"]["status_code"] == 400 and "no tool calls" in errors["tools"]["error"]["message"]
     assert errors["wrong"]["error"] == {"code": "invalid_request_error",

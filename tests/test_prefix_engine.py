@@ -93,13 +93,16 @@ def test_hits_equal_cold_runs_and_share_pages(tiny):
     results = engine.run()
     for rid, ref in zip(ids, tiny.cold):
         same(results[rid], ref)
+        assert results[rid].cached_tokens == 48 and ref.cached_tokens == 0  # its prefill skipped 48 tokens
     grew = delta(engine, before)
     assert grew["hit_tokens"] == 2 * 48 and grew["snapshot_hits"] == 2
     assert grew["prefilled"] == 2 * (58 - 48)  # from A's snapshot at 48: nothing replayed
     prefix.snapshots.entries.clear()  # without a snapshot, the exact replay: from 48 - 37 = 11 on
     before = counters(engine)
-    same(engine.generate([tiny.b], GREEDY)[0], tiny.cold[0])
+    replayed = engine.generate([tiny.b], GREEDY)[0]
+    same(replayed, tiny.cold[0])
     assert delta(engine, before)["prefilled"] == 58 - 48 + prefix.replay
+    assert replayed.cached_tokens == 48 - prefix.replay  # what it did not prefill: the replay recomputed the rest
     exact = prefix.replay
     prefix.replay = engine.layout.ring  # the approximate replay: its windows miss keys, so the logits move
     try:

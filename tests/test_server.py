@@ -137,7 +137,7 @@ def test_continuous_usage_stats(served):
     payloads = sse_payloads(url + "/v1/completions", body)
     assert payloads[-1] == "[DONE]" and payloads[-2]["choices"] == []
     usage = {"prompt_tokens": len(model.tokenizer.encode(prompt)), "completion_tokens": 6,
-             "total_tokens": len(model.tokenizer.encode(prompt)) + 6}
+             "total_tokens": len(model.tokenizer.encode(prompt)) + 6, "prompt_tokens_details": {"cached_tokens": 0}}
     assert payloads[-2]["usage"] == usage
     chunks, text, counts = payloads[:-2], "", []
     assert chunks and all(c["choices"] and c["usage"]["prompt_tokens"] == usage["prompt_tokens"] for c in chunks)
@@ -640,3 +640,17 @@ def test_tool_calls_round_trip_with_the_v4_format(served):
             assert server.engine.constraints[-1] == (ConstraintSpec.json_object(), trigger)
     finally:
         stop()
+
+
+def test_usage_counts_cached_prompt_tokens_once_per_prompt():
+    """`usage.prompt_tokens_details.cached_tokens`: per prompt the choice that took the most from the prefix
+    cache (n choices share a prompt), summed over prompts; unfinished choices count nothing."""
+    from serving.openai_api import OpenAIRequests
+    from serving.request import RequestOutput
+
+    def output(prompt, tokens, cached):
+        return RequestOutput("r", prompt, tokens, None, "length", None, 0, None, 0.0, cached_tokens=cached)
+
+    outputs = [output([1, 2, 3], [7, 7], 0), output([1, 2, 3], [8], 2), output([4, 5], [9], 1), None]
+    assert OpenAIRequests.usage(5, outputs) == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9,
+                                                "prompt_tokens_details": {"cached_tokens": 3}}
