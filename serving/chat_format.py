@@ -186,11 +186,78 @@ def parse_dsml_tool_calls(block: str) -> list[dict]:
     return calls
 
 
+# The JSON a forced tool call's values are generated as: as `dsml_tool_calls` writes them (Python's separators).
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
+_RAW_STRING_KEYS = {"type", "title", "description", "default", "examples", "minLength", "maxLength"}
+
+
+def _lark(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _object_schema(tool: dict) -> dict:
+    """A tool's parameters as an object schema with `properties` (a top-level `$ref` into `$defs` resolved);
+    ValueError for a schema that is not one."""
+    schema = tool.get("parameters") or {}
+    defs = schema.get("$defs", {})
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/") and ref[len("#/$defs/"):] in defs:
+        schema = {"$defs": defs, **defs[ref[len("#/$defs/"):]]}
+    if schema.get("type", "object") != "object" or not isinstance(schema.get("properties", {}), dict) or any(
+            k in schema for k in ("anyOf", "oneOf", "allOf", "$ref")):
+        raise ValueError(f"tool {tool['name']!r}: forcing a call needs its parameters as an object schema with "
+                         "properties")
+    return schema
+
+
+def _dsml_parameter(name: str, prop, defs: dict) -> str:
+    """The Lark rule body of one DSML parameter: a plain string raw (`string="true"`, as V4 writes strings), any
+    other value as JSON its schema constrains (`string="false"`)."""
+    raw, value = (_lark(f'\n<{DSML}parameter name="{name}" string="{kind}">') for kind in ("true", "false"))
+    tail = _lark(f"</{DSML}parameter>")
+    prop = prop if isinstance(prop, dict) else {}
+    if prop.get("type") == "string" and set(prop) <= _RAW_STRING_KEYS:
+        low, high = prop.get("minLength", 0), prop.get("maxLength")
+        return f'{raw} /[^<]{{{low},{"" if high is None else high}}}/ {tail}'
+    enum = prop.get("enum")
+    if prop.get("type", "string") == "string" and isinstance(enum, list) and enum and all(
+            isinstance(e, str) and "<" not in e for e in enum) and set(prop) <= _RAW_STRING_KEYS | {"enum"}:
+        return f'{raw} ({" | ".join(_lark(e) for e in enum)}) {tail}'
+    schema = {**({"$defs": defs} if defs else {}), **prop, "x-guidance": _JSON_OPTIONS}
+    return f"{value} %json {json.dumps(schema, ensure_ascii=False)} {tail}"
+
+
+def dsml_tool_call_grammar(tools: list[dict], parallel: bool = True) -> str:
+    """A Lark grammar (llguidance's, `%json` for values) of a reply that is a DSML tool_calls block and nothing
+    else: one call (`parallel` False) or more, each of one of `tools` with its required parameters, its
+    optional ones or not, in schema order, each valid against its schema. `dsml_tool_calls` writes such a block
+    and `parse_dsml_tool_calls` reads it back. Each newline starts the literal after it, so that no literal is
+    the prefix of another the lexer may take instead."""
+    rules = []
+    for i, tool in enumerate(tools):
+        schema = _object_schema(tool)
+        required, defs = set(schema.get("required", [])), schema.get("$defs", {})
+        parts = []
+        for j, (name, prop) in enumerate(schema.get("properties", {}).items()):
+            rules.append(f"param_{i}_{j}: {_dsml_parameter(name, prop, defs)}")
+            parts.append(f"param_{i}_{j}" if name in required else f"param_{i}_{j}?")
+        head = _lark(f'\n<{DSML}invoke name="{tool["name"]}">' + ("" if parts else "\n"))  # as `dsml_tool_calls`
+        rules.append(f"invoke_{i}: {head} {' '.join(parts)} {_lark(chr(10) + f'</{DSML}invoke>')}")
+    invoke = " | ".join(f"invoke_{i}" for i in range(len(tools)))
+    calls = f"({invoke})" + ("+" if parallel else "")
+    return "\n".join([f"start: {_lark(TOOL_CALLS_OPEN)} {calls} {_lark(chr(10) + TOOL_CALLS_CLOSE)}", *rules]) + "\n"
+
+
 class DeepSeekV4Format:
     """DeepSeek-V4's chat format (chat and thinking modes, tools, tool results); see the module docstring."""
 
     name = "deepseek-v4"
     reasoning_end, tool_calls_start = END_THINK, TOOL_CALLS_OPEN  # the markers a streamed reply is split at
+
+    @staticmethod
+    def tool_call_grammar(tools: list[dict], parallel: bool = True) -> str:
+        """The grammar of a reply that only calls `tools` (see `dsml_tool_call_grammar`)."""
+        return dsml_tool_call_grammar(tools, parallel)
 
     def render(self, messages: list[dict], tools: list[dict] = (), thinking: bool = False,
                reasoning_effort: str | None = None) -> str:
@@ -272,7 +339,7 @@ class PlainFormat:
     It has no tool calls and no thinking mode (the bundled model knows neither)."""
 
     name = "plain"
-    reasoning_end = tool_calls_start = None
+    reasoning_end = tool_calls_start = tool_call_grammar = None
 
     def render(self, messages: list[dict], tools: list[dict] = (), thinking: bool = False,
                reasoning_effort: str | None = None) -> str:
@@ -296,7 +363,7 @@ class JinjaFormat:
     replies are plain content (no reasoning or tool-call parsing)."""
 
     name = "jinja"
-    reasoning_end = tool_calls_start = None
+    reasoning_end = tool_calls_start = tool_call_grammar = None
 
     def __init__(self, template: str, bos_token: str = "", eos_token: str = ""):
         import jinja2.ext

@@ -8,6 +8,7 @@ value is an `ApiError` (HTTP 400)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -163,7 +164,7 @@ class OpenAIRequests:
     def chat(self, body: dict, fields: dict | None = None) -> Prepared:
         """The n choices of a `/v1/chat/completions` body: its messages rendered by the chat format."""
         prompt_ids, thinking, tools = self.chat_prompt(body)
-        constraint, trigger = self.constraint(body, thinking)
+        constraint, trigger = self.constraint(body, thinking, self.forced_tool_calls(body, tools))
         params = self.params(body, len(prompt_ids), fields)
         return Prepared([Submission(prompt_ids, p, constraint, trigger) for p in params], len(prompt_ids), thinking,
                         tools)
@@ -190,12 +191,17 @@ class OpenAIRequests:
                 raise ApiError(400, "the prompt is empty", param="prompt")
         return out
 
-    def constraint(self, body: dict, thinking: bool = False) -> tuple[ConstraintSpec | None, int | None]:
-        """The body's output constraint, and the token it starts after (a thinking-mode chat's end of
-        reasoning) or None. The engine compiles it when the request is submitted."""
+    def constraint(self, body: dict, thinking: bool = False, forced: ConstraintSpec | None = None
+                   ) -> tuple[ConstraintSpec | None, int | None]:
+        """The body's output constraint (`forced`: a forced tool call's, which excludes the body's own), and the
+        token it starts after (a thinking-mode chat's end of reasoning) or None. The engine compiles it when the
+        request is submitted."""
         param = "response_format" if body.get("response_format") is not None else "structured_outputs"
+        if forced is not None and body.get(param) is not None:
+            raise ApiError(400, f"tool_choice forces a tool call, which {param} would constrain too: give one of "
+                                f"tool_choice ('required' or a named function) and {param}", param="tool_choice")
         try:
-            spec = constraint_from_body(body)
+            spec = forced or constraint_from_body(body)
         except ValueError as e:
             raise ApiError(400, str(e), param=param) from None
         if spec is None:
@@ -243,15 +249,48 @@ class OpenAIRequests:
         effort = body.get("reasoning_effort")
         if effort not in (None, "low", "medium", "high", "max"):
             raise ApiError(400, "reasoning_effort must be low, medium, high or max", param="reasoning_effort")
-        choice = body.get("tool_choice", "auto")
-        if choice not in ("auto", "none", None):
-            raise ApiError(400, "tool_choice must be 'auto' or 'none': forcing a tool call is not supported",
-                           param="tool_choice")
         try:
             tools = normalize_tools(body.get("tools"))
         except ValueError as e:
             raise ApiError(400, str(e), param="tools") from None
+        choice = OpenAIRequests.tool_choice(body, tools)
         return thinking, effort, [] if choice == "none" else tools
+
+    @staticmethod
+    def tool_choice(body: dict, tools: list[dict]) -> str:
+        """A chat body's `tool_choice`, checked against its tools: 'auto', 'none', 'required' (some tool must
+        be called), or the name of the function that must be called."""
+        choice = body.get("tool_choice")
+        if choice in (None, "auto", "none", "required"):
+            if choice == "required" and not tools:
+                raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
+            return choice or "auto"
+        fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise ApiError(400, "tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", "
+                                f"\"function\": {{\"name\": ...}}}}, got {json.dumps(choice)[:80]}",
+                           param="tool_choice")
+        if name not in {t["name"] for t in tools}:
+            raise ApiError(400, f"tool_choice names the function {name!r}, which is not among the request's tools "
+                                f"({', '.join(t['name'] for t in tools) or 'none given'})", param="tool_choice")
+        return name
+
+    def forced_tool_calls(self, body: dict, tools: list[dict]) -> ConstraintSpec | None:
+        """The constraint that makes a reply a tool call in the chat format, as `tool_choice` forces (one of
+        `tools` for 'required', at most one call unless `parallel_tool_calls`), or None when it forces none."""
+        choice = self.tool_choice(body, tools)
+        if choice in ("auto", "none"):
+            return None
+        if self.fmt.tool_call_grammar is None:
+            raise ApiError(400, f"this model's chat format ({self.fmt.name}) has no tool-call syntax to force: "
+                                "send tool_choice 'auto'", param="tool_choice")
+        chosen = tools if choice == "required" else [t for t in tools if t["name"] == choice]
+        try:
+            grammar = self.fmt.tool_call_grammar(chosen, body.get("parallel_tool_calls") is not False)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tools") from None
+        return ConstraintSpec.grammar(grammar)
 
     # ---- responses ----------------------------------------------------------------------------------------
     @staticmethod

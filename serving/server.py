@@ -10,6 +10,8 @@ body `{"error": {"message", "type", "param", "code"}}`.
 Structured outputs: `response_format` (`json_schema`, `json_object`) or vLLM's `structured_outputs` (`json`,
 `regex`, `choice`, `grammar`, `json_object`) constrain a request's output; the engine compiles the constraint,
 and an invalid one is that request's 400. In thinking mode the constraint starts after the end of the reasoning.
+A forced `tool_choice` ('required' or a named function) is such a constraint too: the chat format's tool-call
+grammar (`OpenAIRequests.forced_tool_calls`).
 """
 
 from __future__ import annotations
