@@ -208,7 +208,8 @@ def openai_record(api: OpenAIRequests, model_name: str) -> Callable[[BatchReques
                     "error": {"code": kind, "message": r.error}}
         model = r.body.get("model") if isinstance(r.body.get("model"), str) else model_name
         created, p = int(time.time()), r.prepared
-        body = (api.chat_body(f"chatcmpl-{uuid.uuid4().hex}", created, model, outputs, p.prompt_tokens, p.thinking)
+        body = (api.chat_body(f"chatcmpl-{uuid.uuid4().hex}", created, model, outputs, p.prompt_tokens, p.thinking,
+                              p.forced)
                 if r.url == CHAT else
                 api.completion_body(f"cmpl-{uuid.uuid4().hex}", created, model, outputs, p.prompt_tokens))
         return {**line, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}

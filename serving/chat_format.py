@@ -248,6 +248,35 @@ def dsml_tool_call_grammar(tools: list[dict], parallel: bool = True) -> str:
     return "\n".join([f"start: {_lark(TOOL_CALLS_OPEN)} {calls} {_lark(chr(10) + TOOL_CALLS_CLOSE)}", *rules]) + "\n"
 
 
+def json_tool_call_grammar(tools: list[dict], parallel: bool = True) -> str:
+    """The grammar of a reply that is vLLM's JSON form of forced tool calls, for a format with no tool-call syntax
+    of its own: `[{"name": ..., "parameters": {...}}, ...]`, one call (`parallel` False) or more, each naming one
+    of `tools` with parameters valid against its schema (their `$defs` gathered at the top, where their `$ref`s
+    point); `parse_json_tool_calls` reads it back. ValueError when two tools define one `$defs` name
+    differently."""
+    defs, calls = {}, []
+    for tool in tools:
+        schema = dict(tool.get("parameters") or {})
+        for name, value in schema.pop("$defs", {}).items():
+            if defs.setdefault(name, value) != value:
+                raise ValueError(f"tools define $defs {name!r} differently; forcing a call of either needs one")
+        calls.append({"type": "object", "properties": {"name": {"const": tool["name"]}, "parameters": schema},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema = {**({"$defs": defs} if defs else {}), "type": "array", "items": {"anyOf": calls}, "minItems": 1,
+              **({} if parallel else {"maxItems": 1}), "x-guidance": _JSON_OPTIONS}
+    return f"start: %json {json.dumps(schema, ensure_ascii=False)}\n"
+
+
+def parse_json_tool_calls(text: str) -> Reply:
+    """The reply of a forced call in vLLM's JSON form (see `json_tool_call_grammar`); the text stays content when
+    it is not one (an output the length limit cut)."""
+    try:
+        calls = json.loads(text)
+        return Reply(content="", tool_calls=[openai_tool_call(c["name"], c["parameters"]) for c in calls])
+    except (json.JSONDecodeError, TypeError, KeyError):
+        return Reply(content=text)
+
+
 class DeepSeekV4Format:
     """DeepSeek-V4's chat format (chat and thinking modes, tools, tool results); see the module docstring."""
 
@@ -317,8 +346,9 @@ class DeepSeekV4Format:
                 t["content"] = "\n\n".join(text if key is None else next(results)[1] for key, text in blocks)
         return turns
 
-    def parse(self, text: str, thinking: bool = False) -> Reply:
-        """The reply fields of generated text (special tokens kept, eos dropped)."""
+    def parse(self, text: str, thinking: bool = False, forced: bool = False) -> Reply:
+        """The reply fields of generated text (special tokens kept, eos dropped); a forced call is a DSML block
+        like any other."""
         reasoning = None
         if thinking:
             reasoning, found, text = text.partition(END_THINK)
@@ -352,7 +382,7 @@ class PlainFormat:
             raise ValueError("this model's chat format has no tool calls or tool results")
         return "".join(f"{m['role'].upper()}:\n{m['content']}\n\n" for m in messages) + "ASSISTANT:\n"
 
-    def parse(self, text: str, thinking: bool = False) -> Reply:
+    def parse(self, text: str, thinking: bool = False, forced: bool = False) -> Reply:
         return Reply(content=text)
 
 
@@ -360,10 +390,12 @@ class JinjaFormat:
     """A checkpoint's own Jinja chat template (`chat_template` in its tokenizer_config.json), rendered in
     Jinja's immutable sandbox: the template sees `messages` (OpenAI shape; tool-call arguments as objects),
     `tools`, `add_generation_prompt`, `bos_token`, `eos_token`, the `tojson` filter and `raise_exception`. Its
-    replies are plain content (no reasoning or tool-call parsing)."""
+    replies are plain content (no reasoning or tool-call parsing), but for forced tool calls, which take vLLM's
+    JSON form (`json_tool_call_grammar`)."""
 
     name = "jinja"
-    reasoning_end = tool_calls_start = tool_call_grammar = None
+    reasoning_end = tool_calls_start = None
+    tool_call_grammar = staticmethod(json_tool_call_grammar)
 
     def __init__(self, template: str, bos_token: str = "", eos_token: str = ""):
         import jinja2.ext
@@ -406,8 +438,8 @@ class JinjaFormat:
         except self._errors as e:  # raise_exception, a sandbox violation, an undefined call
             raise ValueError(f"the chat template refused the messages: {e}") from None
 
-    def parse(self, text: str, thinking: bool = False) -> Reply:
-        return Reply(content=text)
+    def parse(self, text: str, thinking: bool = False, forced: bool = False) -> Reply:
+        return parse_json_tool_calls(text) if forced else Reply(content=text)
 
 
 def _token_text(value) -> str:

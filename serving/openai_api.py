@@ -67,12 +67,14 @@ class ApiError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A checked request: the choices to run, its prompt tokens, and (a chat) its thinking mode and tools."""
+    """A checked request: the choices to run, its prompt tokens, and (a chat) its thinking mode, tools and whether
+    `tool_choice` forces a call."""
 
     submissions: list[Submission]
     prompt_tokens: int
     thinking: bool = False
     tools: list[dict] = dataclasses.field(default_factory=list)
+    forced: bool = False
 
 
 def check_fields(body: dict, allowed: frozenset[str], model_name: str | None = None) -> None:
@@ -164,10 +166,11 @@ class OpenAIRequests:
     def chat(self, body: dict, fields: dict | None = None) -> Prepared:
         """The n choices of a `/v1/chat/completions` body: its messages rendered by the chat format."""
         prompt_ids, thinking, tools = self.chat_prompt(body)
-        constraint, trigger = self.constraint(body, thinking, self.forced_tool_calls(body, tools))
+        forced = self.forced_tool_calls(body, tools)
+        constraint, trigger = self.constraint(body, thinking, forced)
         params = self.params(body, len(prompt_ids), fields)
         return Prepared([Submission(prompt_ids, p, constraint, trigger) for p in params], len(prompt_ids), thinking,
-                        tools)
+                        tools, forced is not None)
 
     def prompts(self, prompt) -> list[list[int]]:
         """A completions `prompt`'s token ids: a string, token ids, or a list of up to MAX_CHOICES of those."""
@@ -317,12 +320,12 @@ class OpenAIRequests:
                 "usage": self.usage(prompt_tokens, outputs)}
 
     def chat_body(self, rid: str, created: int, model: str, outputs: Sequence[RequestOutput], prompt_tokens: int,
-                  thinking: bool) -> dict:
+                  thinking: bool, forced: bool = False) -> dict:
         """A `chat.completion` body of finished choices: each reply parsed into content, reasoning and tool
-        calls by the chat format."""
+        calls by the chat format (`forced`: a call `tool_choice` forced)."""
         choices = []
         for i, o in enumerate(outputs):
-            reply = self.fmt.parse(o.text, thinking)
+            reply = self.fmt.parse(o.text, thinking, forced)
             message = {"role": "assistant", "content": reply.content}
             if reply.reasoning is not None:
                 message["reasoning_content"] = reply.reasoning

@@ -418,18 +418,21 @@ class Server:
     # ---- chat ---------------------------------------------------------------------------------------------
     async def _chat(self, request: Request, body: dict):
         prepared = self.api.chat(body)
-        thinking, tools = prepared.thinking, prepared.tools
+        thinking, tools, forced = prepared.thinking, prepared.tools, prepared.forced
         params, n = [s.params for s in prepared.submissions], len(prepared.submissions)
         sink, ids = await self._submit(prepared.submissions)
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.model_name
 
         if not body.get("stream"):
             outputs = await self._collect(request, sink, ids)
-            return self.api.chat_body(rid, created, model, outputs, prepared.prompt_tokens, thinking)
+            return self.api.chat_body(rid, created, model, outputs, prepared.prompt_tokens, thinking, forced)
 
         markers = {"reasoning": self.fmt.reasoning_end, "content": self.fmt.tool_calls_start if tools else None}
         streams = [ChoiceStream(self.decode, p.stop, {k: v for k, v in markers.items() if v}, thinking)
                    for p in params]
+        if forced and self.fmt.tool_calls_start is None:  # the whole reply is the call (vLLM's JSON form)
+            for stream in streams:
+                stream.phase = "tools"
         header = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
         def chunk(index, delta, finish=None, logprobs=None):
@@ -456,7 +459,7 @@ class Server:
             o = event.output
             stream = streams[event.index]
             out = deltas(event.index, stream.finish(o.text))
-            reply = self.fmt.parse(o.text, thinking)
+            reply = self.fmt.parse(o.text, thinking, forced)
             if stream.phase == "tools":
                 if reply.tool_calls:
                     calls = [{"index": j, **c} for j, c in enumerate(reply.tool_calls)]

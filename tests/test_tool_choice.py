@@ -2,8 +2,8 @@
 send, through the server over a tiny random model with DeepSeek-V4's tokenizer (so the chat format is V4's
 and tool calls are DSML blocks): the constraint alone makes the random model's reply a tool call, which must
 come back as OpenAI `tool_calls` whose arguments `jsonschema` validates against the tool's parameters,
-streamed or not; the grammar itself accepts what `dsml_tool_calls` writes; the refusals are 400s naming the
-fields."""
+streamed or not, and as vLLM's JSON form under a Jinja template; the grammar itself accepts what
+`dsml_tool_calls` writes; the refusals are 400s naming the fields."""
 
 import dataclasses
 import importlib.resources
@@ -75,6 +75,21 @@ def check_calls(calls, tools, names=None):
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+def forced_calls(client, stream: bool, **kwargs) -> list:
+    """The tool calls of a greedy chat reply to ASK, streamed or not, checked to have no content and to finish
+    with tool_calls."""
+    kwargs = dict(model=MODEL, messages=ASK, temperature=0, **kwargs)
+    if not stream:
+        r = client.chat.completions.create(**kwargs)
+        assert not r.choices[0].message.content and r.choices[0].finish_reason == "tool_calls"
+        return r.choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not "".join(d.content or "" for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    return [t for d in deltas for t in d.tool_calls or []]
+
+
 def test_the_grammar_accepts_what_the_format_writes():
     """`dsml_tool_call_grammar` admits the blocks `dsml_tool_calls` renders (optional parameters left out or
     not, a `$ref` value, several calls) and `parse_dsml_tool_calls` reads them back; one call only without
@@ -110,20 +125,10 @@ def test_required_and_named_tool_choice_force_a_valid_call(client, stream):
     tools = [WEATHER, ALARM]
     for choice, names in (("required", None), ({"type": "function", "function": {"name": "set_alarm"}},
                                                 ["set_alarm"])):
-        kwargs = dict(model=MODEL, messages=ASK, tools=tools, tool_choice=choice, max_tokens=120, temperature=0,
-                      parallel_tool_calls=False)
-        if not stream:
-            r = client.chat.completions.create(**kwargs)
-            check_calls(r.choices[0].message.tool_calls, tools, names)
-            assert len(r.choices[0].message.tool_calls) == 1 and not r.choices[0].message.content
-            assert r.choices[0].finish_reason == "tool_calls"
-            continue
-        chunks = list(client.chat.completions.create(**kwargs, stream=True))
-        deltas = [c.choices[0].delta for c in chunks if c.choices]
-        calls = [t for d in deltas for t in d.tool_calls or []]
+        calls = forced_calls(client, stream, tools=tools, tool_choice=choice, max_tokens=120,
+                             parallel_tool_calls=False)
         check_calls(calls, tools, names)
-        assert not "".join(d.content or "" for d in deltas)
-        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        assert len(calls) == 1
 
 
 def test_sdk_parse_with_a_forced_pydantic_tool(client):
@@ -186,3 +191,35 @@ def test_a_forced_call_in_thinking_mode_starts_after_the_reasoning(v4_server):
                           "thinking": {"type": thinking}}).submissions
         assert sub.constraint == ConstraintSpec.grammar(dsml_tool_call_grammar([WEATHER["function"]]))
         assert sub.trigger == trigger
+
+
+TEMPLATE = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n"
+            "{% endfor %}assistant:")
+
+
+@pytest.fixture
+def jinja_server(v4_server):
+    """The tiny model's server with a Jinja chat template, which has no tool-call syntax of its own."""
+    from serving.chat_format import JinjaFormat
+
+    server = v4_server[0]
+    v4 = server.fmt
+    server.fmt = server.api.fmt = JinjaFormat(TEMPLATE)
+    yield v4_server
+    server.fmt = server.api.fmt = v4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_jinja_format_forces_calls_in_vllms_json_form(jinja_server, client, stream):
+    """With a Jinja template a forced call is vLLM's JSON list of {name, parameters}, returned as tool_calls:
+    'required' (several calls allowed), a named tool, and the SDK's `parse`."""
+    tools = [WEATHER, ALARM]
+    for choice, names, parallel in (("required", None, True),
+                                    ({"type": "function", "function": {"name": "get_weather"}}, ["get_weather"], False)):
+        calls = forced_calls(client, stream, tools=tools, tool_choice=choice, max_tokens=160,
+                             parallel_tool_calls=parallel)
+        check_calls(calls, tools, names)
+    if not stream:
+        r = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(Alarm)],
+                                          tool_choice="required", max_tokens=80, temperature=0)
+        assert isinstance(r.choices[0].message.tool_calls[0].function.parsed_arguments, Alarm)
