@@ -9,8 +9,7 @@ constraint). Sampling is keyed by (seed, position), so the decode engine continu
 would have: outputs equal a single engine's. A constrained request's grammar state is rebuilt on the decode side
 from its constraint (compiled there once per distinct spec) by taking the tokens already emitted.
 
-The engine offers no export / import hook, so `export_slot` / `import_slot` work on `engine.cache`,
-`engine.scheduler`, `engine.requests` and `engine.structured` from outside.
+The hand-off is the engine's own: `Engine.export_slot` and `Engine.import_slot` (`serving.slot_state`).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import dataclasses
 import itertools
 import multiprocessing
 import queue
-import time
 from collections.abc import Sequence
 
 import jax
@@ -27,105 +25,10 @@ import numpy as np
 
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
-from serving.kv_cache import PAGED_LEAVES
 from serving.constraints import ConstraintSpec
-from serving.request import Request, RequestOutput, Status, TokenLogprob
+from serving.request import RequestOutput
 from serving.sampling import SamplingParams
-
-
-NOT_PER_SLOT = ("layers",)  # cache entries a hand-off does not copy slot by slot
-
-
-def _paged(path) -> bool:
-    return getattr(path[-1], "key", None) in PAGED_LEAVES
-
-
-@dataclasses.dataclass
-class SlotState:
-    """One request's engine state, on the host (numpy), ready to cross a process boundary."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    output: list[int]
-    logprobs: list[TokenLogprob]
-    computed: int
-    page_tokens: int
-    layers: list[dict]  # one dict per layer: paged leaves [pages, entries per page, d], slot leaves [...]
-    slot: dict  # every other per-slot cache entry at this slot: last token, penalty statistics, ...
-    engram_history: np.ndarray | None
-    drafts: list[int]  # speculative decoding: the drafted block the host last read, and its confidences
-    confidence: list[float]
-    elapsed: float  # seconds since the request arrived at the prefill engine
-    constraint: ConstraintSpec | None = None  # the output constraint, and the token it starts after
-    constraint_trigger: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(leaf.nbytes for leaf in jax.tree.leaves((self.layers, self.slot)))
-
-
-def export_slot(engine, request_id: str) -> SlotState:
-    """The state of a running request whose prompt is in the cache (read between engine steps)."""
-    request = engine.requests[request_id]
-    if request.status is not Status.RUNNING or request.prefilling or request.in_flight:
-        raise ValueError(f"request {request_id} is not between steps with its prompt prefilled")
-    slot, pages = request.slot, np.asarray(engine.scheduler.pages.owned.get(request.slot, []), np.int32)
-    layers = jax.tree.map_with_path(
-        lambda path, leaf: np.asarray(leaf[pages] if _paged(path) else leaf[slot]), engine.cache["layers"])
-    per_slot = {k: jax.tree.map(lambda leaf: np.asarray(leaf[slot]), v) for k, v in engine.cache.items()
-                if k not in NOT_PER_SLOT}
-    return SlotState(
-        request_id=request_id, prompt=list(request.prompt), params=request.params, output=list(request.output),
-        logprobs=list(request.logprobs), computed=request.computed, page_tokens=engine.layout.page_tokens,
-        layers=layers, slot=per_slot,
-        engram_history=None if request.engram_history is None else np.array(request.engram_history),
-        drafts=list(request.drafts), confidence=list(request.confidence), elapsed=time.perf_counter() - request.arrival,
-        constraint=request.constraint, constraint_trigger=None if request.grammar is None else request.grammar.trigger)
-
-
-def import_slot(engine, state: SlotState) -> bool:
-    """Install a handed-off request as running in `engine` (its next step decodes it); False when no slot or not
-    enough pages are free now (try again after a step). Raises ValueError for a state of another layout."""
-    if state.page_tokens != engine.layout.page_tokens:
-        raise ValueError(f"the prefill engine's pages hold {state.page_tokens} tokens, this engine's "
-                         f"{engine.layout.page_tokens}: run both with the same page size")
-    if state.request_id in engine.requests:
-        raise ValueError(f"request id {state.request_id!r} is already in use")
-    if set(state.slot) != set(engine.cache) - set(NOT_PER_SLOT):
-        raise ValueError(f"the hand-off's per-slot state ({', '.join(sorted(state.slot))}) is not this engine's "
-                         f"({', '.join(sorted(set(engine.cache) - set(NOT_PER_SLOT)))}): run both engines alike")
-    grammar = engine.structured.grammar(state.constraint, state.constraint_trigger, state.params.max_tokens)
-    if grammar is not None and not grammar.accept(state.output):
-        raise ValueError(f"the hand-off's output breaks its constraint: {grammar.error}")
-    scheduler = engine.scheduler
-    new = scheduler.pages.grow(scheduler.free_slots[-1], state.computed) if scheduler.free_slots else None
-    if new is None:
-        return False
-    slot, pages = scheduler.free_slots.pop(), np.asarray(new, np.int32)
-
-    def install(path, leaf, value):
-        if _paged(path):
-            if value.shape[0] != len(pages):
-                raise ValueError(f"the hand-off holds {value.shape[0]} pages for {state.computed} tokens, "
-                                 f"this engine needs {len(pages)}")
-            return leaf.at[pages].set(value)
-        return leaf.at[slot].set(value)
-
-    cache = engine.cache
-    engine.cache = {**cache, "layers": jax.tree.map_with_path(install, cache["layers"], state.layers),
-                    **{k: jax.tree.map(lambda leaf, value: leaf.at[slot].set(value), cache[k], v)
-                       for k, v in state.slot.items()}}
-    now = time.perf_counter()
-    request = Request(state.request_id, list(state.prompt), state.params, arrival=now - state.elapsed,
-                      status=Status.RUNNING, output=list(state.output), logprobs=list(state.logprobs), slot=slot,
-                      computed=state.computed, first_token_time=now, engram_history=state.engram_history,
-                      drafts=list(state.drafts), confidence=list(state.confidence), grammar=grammar,
-                      constraint=state.constraint)
-    engine.requests[request.request_id] = request
-    scheduler.running.append(request)
-    return True
-
+from serving.slot_state import SlotState
 
 # ---- the prefill process --------------------------------------------------------------------------------------
 def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cache: str | None) -> None:
@@ -177,7 +80,7 @@ def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cac
                 outbox.put(("finished", output))
         ready = [r for r in pending if engine.requests[r].output]
         for request_id in ready:
-            outbox.put(("handoff", export_slot(engine, request_id)))
+            outbox.put(("handoff", engine.export_slot(request_id)))
         for request_id in ready:  # its slot and pages are free again; the next step collects the cancellation
             engine.cancel(request_id)
             pending.discard(request_id)
@@ -303,7 +206,7 @@ class DisaggregatedEngine:
     def step(self) -> list[RequestOutput]:
         """Install arrived hand-offs, run one decode step; returns requests finished."""
         self._receive(block=bool(self.in_prefill) and not (self.waiting or self.engine.has_work))
-        while self.waiting and import_slot(self.engine, self.waiting[0]):
+        while self.waiting and self.engine.import_slot(self.waiting[0]):
             self.waiting.pop(0)
         finished, self.finished = self.finished, []
         return finished + (self.engine.step() if self.engine.has_work else [])

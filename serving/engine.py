@@ -29,18 +29,19 @@ from model.mtp_drafter import mtp_drafter
 from model.replay import for_engine
 from serving.constraints import ConstraintSpec
 from serving.engine_config import EngineConfig
-from serving.engine_dp import DataParallel
 from serving.executable_cache import ExecutableCache, describe, directory
 from serving.jump_forward import jump_forward
-from serving.kv_cache import CacheLayout, drafter_ring, init_engine_cache, page_bytes
-from serving.layer_programs import LayeredHalves, LayerPlan, compile_layered
+from serving.kv_cache import CacheLayout, drafter_ring, page_bytes
+from serving.layer_programs import LayerPlan
+from serving.placement import placement_for
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
 from serving.prefix_ranks import RankedPrefix
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
-from serving.scheduler import NeedsFlush, Row, Scheduler
-from serving.step import (CompiledHalves, DrafterSpec, Forwarded, StepBatch, build_step_halves, compile_halves,
-                          compile_step, empty_batch)
+from serving import slot_state
+from serving.scheduler import NeedsFlush, Row
+from serving.slot_state import SlotState
+from serving.step import CompiledHalves, DrafterSpec, Forwarded, StepBatch, build_step_halves, empty_batch
 from serving.speculation_policy import SpeculationPolicy
 from serving.structured_outputs import StructuredOutputs
 from serving.verify_plan import CostTable, interpolated, monotone_in_width
@@ -103,25 +104,19 @@ class Engine:
             num_pages = config.kv_cache_memory // page_bytes(model.module(), page_tokens)
         self.layout = CacheLayout.for_model(model.config, config.max_slots, config.max_len, num_pages, page_tokens,
                                             backtrack)
-        self.data_parallel = None
-        if config.mesh is not None:
-            self.data_parallel = DataParallel(config.mesh, model, self.layout,
-                                              redundant_experts=config.redundant_experts,
-                                              eplb_every=config.eplb_every, eplb_window=config.eplb_window)
-            model = self.data_parallel.model  # placed on the mesh (with EPLB: its maps and slot-stacked experts)
-            drafter = None if drafter is None else model.drafter or mtp_drafter(model.module())  # placed too
+        self.placement = placement_for(config, model, self.layout)
+        model = self.placement.model  # as placed (on a mesh: its experts over ep, with EPLB's maps)
+        drafter = None if drafter is None else model.drafter or mtp_drafter(model.module())  # placed too
         # Engram hashes a decode row's input token on the host, so the host must have read the previous
         # step: zero-overhead scheduling is off for Engram models (device-side hashing would lift this).
         self.engram = model.engram
         self.zero_overhead = config.zero_overhead and self.engram is None
         chunk, invariant = config.prefill_chunk, config.batch_invariant
         budget = config.token_budget or config.max_slots + config.max_prefill_rows * chunk
-        scheduler = Scheduler if self.data_parallel is None else self.data_parallel.scheduler
-        self.scheduler = scheduler(self.layout, chunk, budget, config.max_prefill_rows, invariant, num_drafts)
-        rows, prefill_rows = config.max_slots, config.max_prefill_rows  # a data-parallel step's buckets: rows per rank
-        if self.data_parallel is not None:
-            rows = self.data_parallel.layout.max_slots
-            prefill_rows = min(rows, prefill_rows)
+        self.scheduler = self.placement.scheduler(self.layout, chunk, budget, config.max_prefill_rows, invariant,
+                                                  num_drafts)
+        rows = self.placement.layout.max_slots  # a bucket's rows are per rank (`placement.layout`: one rank's)
+        prefill_rows = min(rows, config.max_prefill_rows)
         self.decode_rows = (rows,) if invariant else powers_of_two(rows)
         self.prefill_rows = (prefill_rows,) if invariant else powers_of_two(prefill_rows)
         self.prefill_tokens = (chunk,) if invariant else tuple(t for t in (8, 32, 128, 512) if t < chunk) + (chunk,)
@@ -131,8 +126,7 @@ class Engine:
                               else context_buckets(self.layout, config.context_tokens))
         module = model.module()
         draft_module = drafter.module() if drafter is not None else None
-        self.cache = (init_engine_cache(module, self.layout, draft_module) if self.data_parallel is None
-                      else self.data_parallel.init_cache(module, draft_module))
+        self.cache = self.placement.init_cache(module, draft_module)
         self.replay = for_engine(model.config, config.replay, self.layout.ring, drafter_ring(self.cache),
                                  drafter.config.target_layer_ids if drafter is not None else ())
         self.scheduler.prefix = self._prefix_cache()
@@ -151,8 +145,8 @@ class Engine:
         self._compiling_lock = threading.Lock()
         self._background: threading.Thread | None = None  # compiling the buckets not compiled yet, while serving
         self._unproven: set[tuple[int, int, int, int]] = set()  # buckets loaded from disk, not yet run
-        # compiled buckets kept on disk beside JAX's compile cache (not for a data-parallel engine's steps)
-        stored = directory() if self.data_parallel is None else None
+        # compiled buckets kept on disk beside JAX's compile cache (where the placement's steps can be stored)
+        stored = directory() if self.placement.stores_executables else None
         self.executables = None if stored is None else ExecutableCache(
             stored, model.config, drafter.config if drafter else None, self.layout, self.replay,
             self.layer_plan is None, config.num_top_logprobs, config.return_logits, self._engram_shapes(),
@@ -252,6 +246,10 @@ class Engine:
         self._background.start()
         return self._background
 
+    @property
+    def _compiling_in_background(self) -> bool:
+        return self._background is not None and self._background.is_alive()
+
     def _executable(self, bucket: tuple[int, int, int, int], load: bool = True):
         if bucket in self.compiled:
             return self.compiled[bucket]
@@ -269,36 +267,21 @@ class Engine:
 
     def _compile(self, bucket: tuple[int, int, int, int], load: bool = True) -> None:
         """Compile a bucket's step (`load`: or load it from the executable cache)."""
-        rows, width, verify_len, pages = bucket
-        if self.data_parallel is not None:
-            self.compiled[bucket] = self.data_parallel.compile(self._halves.step, self.weights, self.cache, bucket,
-                                                               self._engram_shapes())
-            return
-        halves = width == verify_len  # a decode / verify bucket: in halves, for masks filled during the forward
         plan = self.layer_plan
 
         def compile_bucket() -> list:
-            batch = empty_batch(self.layout, rows, width, self._engram_shapes(), verify_len, pages)
-            if plan is not None:
-                return compile_layered(self._halves, plan, self.weights, self.cache, batch, verify_len).executables
-            if halves:
-                return compile_halves(self._halves, self.weights, self.cache, batch, verify_len).executables
-            return [compile_step(self._halves.step, self.weights, self.cache, batch, verify_len)]
+            return self.placement.compile(self._halves, plan, self.weights, self.cache, bucket, self._engram_shapes())
 
         stored = self.executables
         loaded = None if stored is None else stored.loaded
         executables = compile_bucket() if stored is None else stored.load_or_compile(bucket, compile_bucket, load)
         if stored is not None and stored.loaded != loaded:  # from disk: its first call proves it runs
             self._unproven.add(bucket)
-        if plan is not None:
-            self.compiled[bucket] = LayeredHalves(executables, plan, self._halves.head_leaves,
-                                                  plan.viewed(rows, width))
-        else:
-            self.compiled[bucket] = CompiledHalves(executables, self._halves.head_leaves) if halves else executables[0]
+        self.compiled[bucket] = self.placement.wrap(executables, self._halves, plan, bucket)
 
     def _layer_plan(self, model: Model, config: EngineConfig, empty_layers: list, spec) -> LayerPlan | None:
         """How the step's forward splits into layer programs (`serving.layer_programs`), or None: one program."""
-        if config.layer_programs is False or self.data_parallel is not None:
+        if config.layer_programs is False or not self.placement.layer_programs:
             return None
         why = LayerPlan.supports(model)
         if why is not None and config.layer_programs:
@@ -367,6 +350,49 @@ class Engine:
         self.scheduler.add(request)
         return request_id
 
+    def export_slot(self, request_id: str) -> SlotState:
+        """The state of a running request whose prompt is in the cache, to continue it in another engine
+        (`import_slot`; read between engine steps)."""
+        request = self.requests[request_id]
+        if request.status is not Status.RUNNING or request.prefilling or request.in_flight:
+            raise ValueError(f"request {request_id} is not between steps with its prompt prefilled")
+        pages = np.asarray(self.scheduler.pages.owned.get(request.slot, []), np.int32)
+        layers, per_slot = slot_state.take(self.cache, request.slot, pages)
+        return SlotState(
+            request_id=request_id, prompt=list(request.prompt), params=request.params, output=list(request.output),
+            logprobs=list(request.logprobs), computed=request.computed, page_tokens=self.layout.page_tokens,
+            layers=layers, slot=per_slot,
+            engram_history=None if request.engram_history is None else np.array(request.engram_history),
+            drafts=list(request.drafts), confidence=list(request.confidence),
+            elapsed=time.perf_counter() - request.arrival, constraint=request.constraint,
+            constraint_trigger=None if request.grammar is None else request.grammar.trigger)
+
+    def import_slot(self, state: SlotState) -> bool:
+        """Install a request `export_slot` gave (another engine's) as running here: its next step decodes it;
+        False when no slot or not enough pages are free now (try again after a step). Raises ValueError for a
+        state of another layout or a request id in use."""
+        slot_state.check(self.cache, state, self.layout.page_tokens)
+        if state.request_id in self.requests:
+            raise ValueError(f"request id {state.request_id!r} is already in use")
+        grammar = self.structured.grammar(state.constraint, state.constraint_trigger, state.params.max_tokens)
+        if grammar is not None and not grammar.accept(state.output):
+            raise ValueError(f"the hand-off's output breaks its constraint: {grammar.error}")
+        scheduler = self.scheduler
+        new = scheduler.pages.grow(scheduler.free_slots[-1], state.computed) if scheduler.free_slots else None
+        if new is None:
+            return False
+        slot = scheduler.free_slots.pop()
+        self.cache = slot_state.put(self.cache, state, slot, np.asarray(new, np.int32))
+        now = time.perf_counter()
+        request = Request(state.request_id, list(state.prompt), state.params, arrival=now - state.elapsed,
+                          status=Status.RUNNING, output=list(state.output), logprobs=list(state.logprobs), slot=slot,
+                          computed=state.computed, first_token_time=now, engram_history=state.engram_history,
+                          drafts=list(state.drafts), confidence=list(state.confidence), grammar=grammar,
+                          constraint=state.constraint)
+        self.requests[request.request_id] = request
+        scheduler.running.append(request)
+        return True
+
     def cancel(self, request_id: str) -> None:
         """Stop a request; its result has finish_reason 'cancelled'."""
         request = self.requests[request_id]
@@ -394,9 +420,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: dispatch the next steps, then read the previous ones; returns requests finished."""
         finished = []
-        if (self.structured.jump_forward or self.data_parallel is not None) and any(
+        # forced tokens, and masks not filled during a forward (a placement's steps not in halves, or a decode
+        # step run in a compiled prefill bucket until the background compilation reaches its own), need the
+        # tokens in flight
+        masks_later = self.placement.masks_during_forward and not self._compiling_in_background
+        if (self.structured.jump_forward or not masks_later) and any(
                 r.grammar is not None and r.in_flight for r in self.scheduler.running):
-            finished, self.pending = self._read(self.pending), []  # forced tokens / masks need the tokens in flight
+            finished, self.pending = self._read(self.pending), []
         try:
             decode, prefill = self.scheduler.schedule(in_flight=bool(self.pending))
         except NeedsFlush:
@@ -409,8 +439,7 @@ class Engine:
         if prefill:
             width = next(t for t in self.prefill_tokens if t >= max(len(r.tokens) for r in prefill))
             dispatched.append(self._dispatch(prefill, self.prefill_rows, width, 1))
-        if self.data_parallel is not None:  # expert loads and EPLB between iterations
-            self.weights = self.data_parallel.after_step(self.weights, self.stats)
+        self.weights = self.placement.after_step(self.weights, self.stats)  # a mesh's expert loads and EPLB
         if self.zero_overhead:
             with self.structured.overlapping(isinstance(decoding, _Forwarding)):
                 finished += self._read(self.pending)  # the constrained rows' previous tokens, for their masks
@@ -501,7 +530,7 @@ class Engine:
         cheapest compiled bucket that holds its step: as many rows or more, as many tokens or more (a decode row
         runs in a prefill bucket as its chunk's first token), as much context or more, the same verify length
         (a verify bucket's width is its verify length). Without one, the step compiles its own."""
-        if bucket in self.compiled or self._background is None or not self._background.is_alive():
+        if bucket in self.compiled or not self._compiling_in_background:
             return bucket
         rows, width, verify_len, pages = bucket
         holding = [b for b in list(self.compiled) if b[0] >= rows and b[2] == verify_len and b[3] >= pages

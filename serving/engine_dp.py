@@ -28,7 +28,7 @@ from serving.prefix_admission import PrefixAdmission
 from serving.prefix_ranks import RankedPrefix, RankPages
 from serving.request import Request
 from serving.scheduler import Scheduler
-from serving.step import StepBatch, StepOutput, empty_batch
+from serving.step import StepBatch, StepHalves, StepOutput, empty_batch
 from sharding.expert_balance import ExpertSlots, shard_balancedness
 from sharding.expert_parallel import TOKEN_AXES, local_pairs
 from sharding.mesh import MeshSpec, logical_spec, make_mesh, param_shardings, place, shard_model
@@ -99,7 +99,12 @@ class DataParallelScheduler(Scheduler):
 
 
 class DataParallel:
-    """The engine's data-parallel layout on a mesh (see the module docstring). Built by `Engine(mesh=...)`."""
+    """The engine's data-parallel layout on a mesh (see the module docstring): a placement
+    (`serving.placement`), built by `Engine(mesh=...)`."""
+
+    layer_programs = False  # a mesh step is one shard_map program
+    stores_executables = False  # its steps compile (JAX's persistent cache still serves them)
+    masks_during_forward = False  # one program: constrained rows' masks are filled before the step
 
     def __init__(self, mesh: Mesh | MeshSpec | str, model: Model, layout: CacheLayout, *,
                  redundant_experts: int = 0, eplb_every: int = 0, eplb_window: int = 100):
@@ -162,10 +167,13 @@ class DataParallel:
         return jax.jit(stacked, out_shardings=jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs))()
 
     # ---- compilation --------------------------------------------------------------------------------------
-    def compile(self, step_fn, weights: tuple, cache: dict, bucket: tuple[int, int, int, int], engram_shapes=()):
+    def compile(self, halves: StepHalves, plan: None, weights: tuple, cache: dict, bucket: tuple[int, int, int, int],
+                engram_shapes=()) -> list:
         """The step of `bucket` (rows per rank, width, verify length, context pages) as one shard_map over the
-        mesh, ahead of time; called as the single-device step is (`_Executable`)."""
+        mesh, ahead of time (`plan`: None, a mesh step is one program), called as the single-device step is
+        (`_Executable`, the one entry of the list)."""
         rows, width, verify_len, pages = bucket
+        step_fn = halves.step
         batch = empty_batch(self.layout, rows * self.ranks, width, engram_shapes, verify_len, pages)
         batch = batch._replace(budget=np.zeros(self.ranks, np.int32))  # each rank's verify budget
         specs = jax.tree.map(lambda leaf: leaf.sharding.spec, weights), _cache_specs(cache), _batch_specs(batch)
@@ -191,7 +199,11 @@ class DataParallel:
         args = jax.tree.map(shaped, (weights, cache, batch), specs)
         step = jax.jit(sharded, donate_argnums=1).lower(*args).compile()
         gather = jax.jit(_in_order).lower(step.out_info[0], jax.ShapeDtypeStruct((rows * self.ranks,), jnp.int32))
-        return _Executable(self, rows, step, gather.compile(), jax.tree.map(lambda a: a.sharding, args[2]))
+        return [_Executable(self, rows, step, gather.compile(), jax.tree.map(lambda a: a.sharding, args[2]))]
+
+    def wrap(self, executables: list, halves: StepHalves, plan: None, bucket: tuple[int, int, int, int]):
+        """The step of `bucket` from what `compile` returned."""
+        return executables[0]
 
     # ---- batches ------------------------------------------------------------------------------------------
     def place(self, built: StepBatch, per_rank: int) -> tuple[StepBatch, Int[np.ndarray, " rows"]]:

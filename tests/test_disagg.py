@@ -11,7 +11,6 @@ import pytest
 
 from model import load_model
 from serving.constraints import ConstraintSpec
-from serving.disagg import export_slot, import_slot
 from serving.engine import Engine
 from serving.sampling import SamplingParams
 
@@ -59,12 +58,12 @@ def test_handoff_within_a_process_continues_exactly(setup):
     rid = engine.add_request(prompts[2], PARAMS[2])
     while not engine.requests[rid].output:
         engine.step()
-    state = export_slot(engine, rid)
+    state = engine.export_slot(rid)
     engine.cancel(rid)
     engine.run()
     clobber(engine)
     state.request_id = "moved"
-    assert import_slot(engine, state)
+    assert engine.import_slot(state)
     [out] = engine.run().values()
     same(out, reference[2])
     free = engine.scheduler.pages

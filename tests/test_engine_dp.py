@@ -47,7 +47,7 @@ def reference(model):
 def _run(engine):
     """Greedy outputs of PROMPTS, checking after every iteration that each running request's pages lie in its
     rank's range; also the rank each request ran on."""
-    dp = engine.data_parallel
+    dp = engine.placement
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     ranks, results = {}, {}
     while engine.has_work:
@@ -88,20 +88,20 @@ def test_dp4_ep2_engine_with_eplb_rebalancing_mid_run_equals_single_device(model
                     **ENGINE | dict(prefill_chunk=1, max_prefill_rows=4))
     _check(_run(engine)[0], reference)
     before = engine.stats["eplb_balancedness"]
-    engine.data_parallel.eplb_every = 2
+    engine.placement.eplb_every = 2
     outputs, ranks = _run(engine)
     _check(outputs, reference)
     assert sorted(ranks) == [0, 1, 2, 3]
     assert engine.stats["eplb_rebalances"] >= 2
     after = engine.stats["eplb_balancedness"]
-    hot = engine.data_parallel.experts.logcnt[1:, 0]
+    hot = engine.placement.experts.logcnt[1:, 0]
     print(f"\nexpert-shard balancedness {before:.3f} before, {after:.3f} after rebalancing; expert 0 replicas "
           f"{hot.tolist()} of 6 slots")
     assert 0 < before < after <= 1 and (hot > 1).all()
     # the weights moved with the maps: every slot holds its logical expert's weights, split over ep
     w1 = model.params["layers"][1]["ffn"]["experts"]["w1"][...]
-    moved = engine.data_parallel.model.params["layers"][1]["ffn"]["experts"]["w1"][...]
-    np.testing.assert_array_equal(np.asarray(moved), np.asarray(w1)[engine.data_parallel.experts.phy2log[1]])
+    moved = engine.placement.model.params["layers"][1]["ffn"]["experts"]["w1"][...]
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(w1)[engine.placement.experts.phy2log[1]])
     assert moved.sharding.spec[0] == "ep"
     assert list(engine.compiled) == [(1, 1, 1, engine.layout.pages_per_slot)] and _collectives(engine) == {"all-to-all"}  # the expert dispatch only; the caches stay on their ranks
     metrics = ServerMetrics("tiny")
@@ -123,7 +123,7 @@ def test_dp4_ep2_engine_with_eplb_serves_stored_fp4_experts(model, tmp_path):
                     **ENGINE | dict(prefill_chunk=1, max_prefill_rows=4))
     _check(_run(engine)[0], greedy_full_forward(stored, PROMPTS, STEPS))
     assert engine.stats["eplb_rebalances"] >= 2
-    scales = engine.data_parallel.model.params["layers"][1]["ffn"]["experts"]["w1_scale"][...]
+    scales = engine.placement.model.params["layers"][1]["ffn"]["experts"]["w1_scale"][...]
     assert scales.shape[0] == CONFIG.n_routed_experts + 2 and scales.sharding.spec[0] == "ep"
 
 

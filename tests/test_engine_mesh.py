@@ -1,8 +1,9 @@
 """The mesh engine against the single-device engine, feature by feature, on emulated CPU devices
 (tests/conftest.py): V4.1 with its experts split over `ep` (a rank left idle by an odd number of requests: V4.1's
-compact replay is a `lax.cond` whose branch runs MoE layers, so the ranks must take it together), speculation
-(fixed and DSpark: drafts verified, tokens lossless), the prefix cache per rank (a hit equals a cold prefill) and
-structured outputs. Greedy tokens are compared exactly, logits within 1e-5."""
+compact replay is a `lax.cond` whose branch runs MoE layers, so the ranks must take it together), the prefix
+cache per rank (a hit equals a cold prefill; the rank holding a prefix takes the requests sharing it), fixed
+speculation with V4's MTP drafter over dp and ep and DSpark (drafts verified, tokens lossless), and structured
+outputs. Greedy tokens are compared exactly, logits within 1e-5 where the engine keeps them."""
 
 import dataclasses
 import re
