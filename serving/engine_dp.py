@@ -67,7 +67,8 @@ class ShardedPages(PageAllocator):
 class DataParallelScheduler(Scheduler):
     """The scheduler of a data-parallel engine: a new request goes to the rank, among those with a free slot,
     with the least pending prefill plus uncached prompt tokens (its prompt less what that rank's prefix cache
-    holds of it); ties go to the fewest running requests, then the most free pages, then the lower rank."""
+    would spare it, `PrefixAdmission.cached_tokens`); ties go to the fewest running requests, then the most free
+    pages, then the lower rank."""
 
     def __init__(self, layout: CacheLayout, *args, ranks: int, **kwargs):
         super().__init__(layout, *args, pages=ShardedPages(layout, ranks), **kwargs)

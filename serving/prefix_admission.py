@@ -18,7 +18,7 @@ import numpy as np
 from serving.kv_cache import PAGED_LEAVES, PageAllocator, drafter_ring
 from serving.prefix_cache import PrefixCache, PrefixMatch
 from serving.request import Request
-from serving.window_snapshots import SnapshotStore, prefix_key, put_newest
+from serving.window_snapshots import SnapshotStore, boundary_keys, prefix_key, put_newest
 
 RINGS = ("ring_kv", "recent_kv")  # per-slot leaves [b, slots, d] whose slots follow the newest positions
 
@@ -121,8 +121,7 @@ class PrefixAdmission:
             return
         self.held[request.request_id] = match
         self.pages.adopt(request.slot, list(match.pages))
-        last = len(prompt) - self.bounded_keep if self.bounded_keep else len(prompt) - 1
-        start = max(0, min(match.tokens - self.replay, last))  # bounded: replay layers see the last keep tokens
+        last, start = self._bounds(prompt, match.tokens)
         boundary, snapshot = self.snapshots.deepest(prompt, self.tree.block_tokens, min(match.tokens, last), start)
         if snapshot is not None:
             self.restores[request.request_id] = snapshot
@@ -132,12 +131,23 @@ class PrefixAdmission:
         request.computed = boundary
 
     def cached_tokens(self, prompt: list[int]) -> int:
-        """Prompt tokens an admission now would take from this cache (the device tree and the host-tier blocks
-        continuing it), without touching its recency or counters."""
-        end = self.tree.match(prompt, record=False, use=False).tokens + self.tree.block_tokens
+        """Prompt tokens an admission now would not prefill: of the prefix this cache holds (the device tree and
+        the host-tier blocks continuing it), up to its deepest usable snapshot, or less the replay (as `admit`
+        does). Touches neither recency nor counters."""
+        block = self.tree.block_tokens
+        end = self.tree.match(prompt, record=False, use=False).tokens + block
         while end <= len(prompt) and tuple(prompt[:end]) in self.host.pages:
-            end += self.tree.block_tokens
-        return end - self.tree.block_tokens
+            end += block
+        hit = end - block
+        last, start = self._bounds(prompt, hit)
+        return max((b for b, key in boundary_keys(prompt, block, min(hit, last))
+                    if b > start and key in self.snapshots.entries), default=start)
+
+    def _bounds(self, prompt: list[int], hit: int) -> tuple[int, int]:
+        """(the last position a prefill may start at, where it starts without a snapshot) for a hit of `hit`
+        tokens: bounded replay's layers must see the prompt's last keep tokens."""
+        last = len(prompt) - self.bounded_keep if self.bounded_keep else len(prompt) - 1
+        return last, max(0, min(hit - self.replay, last))
 
     def restore(self, request: Request) -> list[jax.Array] | None:
         """The snapshot the request's first chunk starts from (installed in its slot before that chunk), or None

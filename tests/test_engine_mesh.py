@@ -58,26 +58,30 @@ def v4():
 
 
 def test_prefix_hit_on_a_rank_equals_a_cold_prefill_and_the_rank_holding_the_prefix_takes_it(v4):
-    """dp=2 with the prefix cache: a first request leaves a 32-token prefix in its rank's cache; two later
-    requests sharing it go to that rank although the other rank is idle (the second while the first runs
-    there), hit it, and give the tokens and logits of a single-device engine without a prefix cache."""
+    """dp=2 with the prefix cache and a host tier: a first request leaves a 32-token prefix in its rank's cache,
+    evicted to that rank's host tier; two later requests sharing it go to that rank although the other rank is
+    idle (the second while the first decodes there), the first restoring the pages from the host, and give the
+    tokens and logits of a single-device engine without a prefix cache."""
     shared = RNG.integers(0, V4.vocab_size, 32).tolist()
     prompts = [shared + RNG.integers(0, V4.vocab_size, n).tolist() for n in (4, 3, 5)]
     single = Engine(v4, **ENGINE).generate(prompts, GREEDY)
-    engine = Engine(v4, mesh="dp=2", prefix_cache=True, **ENGINE)
+    engine = Engine(v4, mesh="dp=2", prefix_cache=True, host_pages=4, **ENGINE)
     first = engine.generate(prompts[:1], GREEDY)
     held = [d for d, rank in enumerate(engine.scheduler.prefix.ranks) if rank.tree.cached_blocks]
     assert len(held) == 1  # its pages are cached on its own rank only
-    ids = [engine.add_request(p, GREEDY) for p in prompts[1:]]
+    assert engine.scheduler.prefix.ranks[held[0]].evict(2) == 2  # to the rank's host tier (2 of the 4 pages)
+    ids = [engine.add_request(prompts[1], GREEDY)]
     outputs, ranks = {}, {}
-    while engine.has_work:
+    while engine.has_work or len(ids) < 2:
+        if len(ids) < 2 and engine.requests[ids[0]].output:  # its prefill is done: it decodes
+            ids.append(engine.add_request(prompts[2], GREEDY))
         for out in engine.step():
             outputs[out.request_id] = out
         ranks |= {r.request_id: engine.scheduler.rank(r) for r in engine.scheduler.running}
     assert [ranks[i] for i in ids] == held * 2
     same_outputs(first + [outputs[i] for i in ids], single)
     metrics = engine.prefix_cache_metrics()
-    assert metrics["hit_tokens"] == 64 and metrics[f"rank{held[0]}_hit_rate"] > 0
+    assert metrics["hit_tokens"] == 64 and metrics["host_restored"] == 2 and metrics[f"rank{held[0]}_hit_rate"] > 0
     assert metrics[f"rank{1 - held[0]}_hit_rate"] == 0
 
 
@@ -104,7 +108,8 @@ def test_dspark_on_a_mesh_plans_each_rank_and_is_lossless():
     model.drafter = init_drafter(TARGET, CONFIG, seed=1)
     prompts = [RNG.integers(0, TARGET.vocab_size, n).tolist() for n in (5, 19, 11)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    config = dict(max_slots=4, max_len=48, page_tokens=16, prefill_chunk=16, max_prefill_rows=2, num_top_logprobs=0)
+    config = dict(max_slots=4, max_len=48, page_tokens=16, prefill_chunk=16, max_prefill_rows=2, batch_invariant=True,
+                  num_top_logprobs=0)
     single = Engine(model, **config).generate(prompts, params)
     engine = Engine(model, mesh="dp=2", speculation="dspark", verify_widths=(2, 4), num_drafts=3, **config)
     engine.speculation.costs = CostTable({(r, w): 1.0 if w < 2 else 1.6 for r in engine.decode_rows
