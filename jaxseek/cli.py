@@ -295,7 +295,7 @@ def _add_cache_and_grammar_flags(e) -> None:
                    help="a constrained request takes the tokens its grammar forces without sampling them")
     e.add_argument("--mesh", metavar="SPEC",
                    help="serve on a device mesh, e.g. dp=4,ep=2: requests and paged caches split over the dp "
-                        "attention ranks, routed experts over ep (no speculation or prefix cache)")
+                        "attention ranks (a prefix cache per rank), routed experts over ep")
     e.add_argument("--redundant-experts", type=int_at_least(0), default=0,
                    help="with --mesh and ep > 1: EPLB replica slots per MoE layer")
     e.add_argument("--eplb-every", type=int_at_least(0), default=0,
