@@ -200,9 +200,9 @@ def main(argv=None) -> int:
     t.add_argument("--tool-bin", help=f"the {load_tool.NAME} executable (default: ${load_tool.ENV}, "
                                       f".venv-bench/bin/{load_tool.NAME}, the PATH)")
     t.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    t.add_argument("--requests-per-stream", type=int, default=4, help="requests per stage: this times its "
+    t.add_argument("--requests-per-stream", type=int, default=8, help="requests per stage: this times its "
                                                                       "concurrency (at least --min-requests)")
-    t.add_argument("--min-requests", type=int, default=8)
+    t.add_argument("--min-requests", type=int, default=16)
     t.add_argument("--prompt-tokens", type=int, default=64)
     t.add_argument("--output-tokens", type=int, default=32)
     t.add_argument("--tool-timeout", type=float, default=1800.0, help="seconds for one run of the tool")
