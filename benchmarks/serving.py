@@ -116,15 +116,20 @@ def wait_idle(pid: int, cores: float = 0.1, window: float = 3.0, timeout: float 
     return time.monotonic() - start
 
 
-def run_tool(args, base_url: str, pid: int | None, work_dir: Path) -> tuple[dict, int]:
-    """The tool's warm-up run, then one run with a stage per concurrency; returns (the JSON line's dict, status)."""
-    from model.checkpoint import BUNDLED
-
+def tool_executable(args) -> Path:
+    """The load tool's executable; raises FileNotFoundError, saying how to install it, when there is none."""
     executable = load_tool.find_executable(args.tool_bin)
     if executable is None:
         raise FileNotFoundError(f"{load_tool.NAME} not found: give --tool-bin or ${load_tool.ENV}, or install it "
                                 f"(python3.12 -m venv .venv-bench && .venv-bench/bin/pip install "
                                 f"inference-perf==0.7.0); --loadgen runs the own load generator instead")
+    return executable
+
+
+def run_tool(args, executable: Path, base_url: str, pid: int | None, work_dir: Path) -> tuple[dict, int]:
+    """The tool's warm-up run, then one run with a stage per concurrency; returns (the JSON line's dict, status)."""
+    from model.checkpoint import BUNDLED
+
     tokenizer = load_tool.tokenizer_dir(BUNDLED / "tokenizer.json", work_dir / "tokenizer")
     stages = [(c, max(args.requests_per_stream * c, args.min_requests)) for c in args.concurrency]
 
@@ -233,11 +238,13 @@ def main(argv=None) -> int:
     work_dir.mkdir(parents=True, exist_ok=True)
     proc = None
     try:
+        executable = None if args.loadgen else tool_executable(args)
         base_url = args.base_url
         if base_url is None:
             base_url, proc = start_server(args, work_dir, args.startup_timeout)
         pid = proc.pid if proc is not None else None
-        result, status = run_loadgen(args, base_url, pid) if args.loadgen else run_tool(args, base_url, pid, work_dir)
+        result, status = (run_loadgen(args, base_url, pid) if args.loadgen
+                          else run_tool(args, executable, base_url, pid, work_dir))
     except (ValueError, RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         print(f"bench serving: error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ the tokenizer directory it loads. None of these needs the tool installed."""
 import json
 import pathlib
 import stat
+import sys
 
 import pytest
 
@@ -70,3 +71,38 @@ def test_tokenizer_directory_names_the_bundled_special_tokens(tmp_path):
     assert config["eos_token"] == "<｜end▁of▁sentence｜>" and config["bos_token"] == "<｜begin▁of▁sentence｜>"
     assert config["pad_token"] == "<｜▁pad▁｜>"
     assert (out / "tokenizer.json").read_bytes() == (REPO / "model" / "bundled" / "tokenizer.json").read_bytes()
+
+
+def test_bench_serving_without_the_tool_says_how_to_install_it(monkeypatch, capsys):
+    from benchmarks import serving
+
+    monkeypatch.setenv(load_tool.ENV, "/nonexistent/inference-perf")
+    assert serving.main(["--base-url", "http://127.0.0.1:9"]) == 2  # before any server is started or reached
+    assert "no inference-perf executable" in capsys.readouterr().err
+
+
+def test_bench_serving_line_from_the_tools_files(tmp_path, capsys):
+    """A stand-in tool that writes the hand-written stage reports where its config says: the JSON line has a
+    figure set per concurrency, and the failed request in stage 1 makes the exit status 1."""
+    from benchmarks import serving
+
+    tool = tmp_path / "bin" / "inference-perf"
+    tool.parent.mkdir()
+    tool.write_text(f"""#!{sys.executable}
+import json, pathlib, shutil, sys
+cfg = json.loads(pathlib.Path(sys.argv[2]).read_text())
+out = pathlib.Path(cfg["storage"]["local_storage"]["path"])
+out.mkdir(parents=True)
+for i, _ in enumerate(cfg["load"]["stages"]):
+    shutil.copy({str(DATA)!r} + f"/stage_{{i}}_lifecycle_metrics.json", out)
+""")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    status = serving.main(["--base-url", "http://127.0.0.1:9", "--tool-bin", str(tool), "--concurrency", "1", "4",
+                           "--requests-per-stream", "4", "--min-requests", "4", "--warmup-requests", "0",
+                           "--work-dir", str(tmp_path / "work")])
+    line = json.loads(capsys.readouterr().out)
+    assert status == 1
+    assert line["tool"] == "inference-perf" and line["tool_version"] is None  # no Python beside the stand-in
+    assert [(s["concurrency"], s["requests"], s["completed"], s["failed"]) for s in line["by_concurrency"]] == [
+        (1, 4, 4, 0), (4, 16, 15, 1)]
+    assert line["by_concurrency"][0]["ttft_p99_ms"] == pytest.approx(197.0)
