@@ -33,12 +33,18 @@ def is_paged(node) -> bool:
     return isinstance(node, Paged)
 
 
+def paged_path(path) -> bool:
+    """Whether the leaf at a layer-state tree path grows with the sequence (kept in pages, `PAGED_LEAVES`)
+    rather than per slot."""
+    return getattr(path[-1], "key", None) in PAGED_LEAVES
+
+
 def as_paged(states):
     """Layer states whose dense paged leaves [b, n, d] become pools of one n-entry page per row (leaves that
     are `Paged` already, the engine's, stay)."""
 
     def wrap(path, leaf):
-        if is_paged(leaf) or getattr(path[-1], "key", None) not in PAGED_LEAVES:
+        if is_paged(leaf) or not paged_path(path):
             return leaf
         b = leaf.shape[0]
         return Paged(leaf, jnp.arange(b, dtype=jnp.int32)[:, None], jnp.zeros((b,), jnp.int32))

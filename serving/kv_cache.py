@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
 from model.axes import batch_axes
-from model.paged import PAGED_LEAVES, Paged
+from model.paged import Paged, paged_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,7 @@ def page_bytes(module, page_tokens: int) -> int:
     """Bytes one page holds over every layer's paged leaves (compressed entries and index keys) of a model module."""
     shapes = jax.eval_shape(lambda: module.init_cache(1, page_tokens)["layers"])
     return sum(math.prod(leaf.shape) * leaf.dtype.itemsize
-               for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0] if _paged(path))
+               for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0] if paged_path(path))
 
 
 def init_engine_cache(module, layout: CacheLayout, drafter=None) -> dict:
@@ -100,7 +100,7 @@ def cache_axes(cache: dict) -> dict:
     """Logical axes of every leaf of an engine cache (arrays or shapes): the page pools of `layers` lead with
     `pages`, every other leaf with its slot (`batch`), so the rules split both over the attention ranks."""
     def layer_leaf(path, leaf) -> tuple[str | None, ...]:
-        return ("pages",) + (None,) * (len(leaf.shape) - 1) if _paged(path) else batch_axes(leaf)
+        return ("pages",) + (None,) * (len(leaf.shape) - 1) if paged_path(path) else batch_axes(leaf)
 
     return {**jax.tree.map(batch_axes, cache), "layers": jax.tree.map_with_path(layer_leaf, cache["layers"])}
 
@@ -121,15 +121,10 @@ def gather_slots(tree: PyTree, slots: Int[Array, " r"], empty: PyTree, reset) ->
     return jax.tree.map(one, tree, empty)
 
 
-def _paged(path) -> bool:
-    """Whether a state leaf grows with the sequence (kept in pages) rather than per slot."""
-    return getattr(path[-1], "key", None) in PAGED_LEAVES
-
-
 def _pool(path, leaf: jax.Array, layout: CacheLayout, span: int) -> jax.Array:
     """Paged leaves [slots, (stacked layers,) entries, d] become page pools [pages + 1, (stacked layers,) entries
     per page, d]; the others keep their slot axis."""
-    if _paged(path):
+    if paged_path(path):
         per_page = leaf.shape[-2] * layout.page_tokens // span
         return jnp.zeros((layout.num_pages + 1, *leaf.shape[1:-2], per_page, leaf.shape[-1]), leaf.dtype)
     return leaf
@@ -144,9 +139,9 @@ def layer_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], 
     with `frozen` tokens per row held in shared, read-only pages. Stale entries of reused pages are never
     visible: pools need no reset."""
     rows = jax.lax.optimization_barrier(jax.tree.map_with_path(
-        lambda path, leaf, empty_leaf: None if _paged(path) else gather_slots(leaf, slots, empty_leaf, reset),
+        lambda path, leaf, empty_leaf: None if paged_path(path) else gather_slots(leaf, slots, empty_leaf, reset),
         cache["layers"], empty))
-    return jax.tree.map_with_path(lambda path, leaf, row: Paged(leaf, tables, frozen) if _paged(path) else row,
+    return jax.tree.map_with_path(lambda path, leaf, row: Paged(leaf, tables, frozen) if paged_path(path) else row,
                                   cache["layers"], rows)
 
 
@@ -154,7 +149,7 @@ def put_rows(cache: dict, slots: Int[Array, " r"], layers: list) -> dict:
     """The cache with the model's new layer states of `layer_rows(cache, slots, ...)`: per-slot leaves by
     slot, the page pools (written in place) as they are."""
     return {**cache, "layers": jax.tree.map_with_path(
-        lambda path, leaf, new: new if _paged(path) else leaf.at[slots].set(new), cache["layers"], layers)}
+        lambda path, leaf, new: new if paged_path(path) else leaf.at[slots].set(new), cache["layers"], layers)}
 
 
 class PageAllocator:

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.kv_cache import PAGED_LEAVES, PageAllocator, drafter_ring
+from model.paged import paged_path
+from serving.kv_cache import PageAllocator, drafter_ring
 from serving.prefix_cache import PrefixCache, PrefixMatch
 from serving.request import Request
 from serving.window_snapshots import SnapshotStore, boundary_keys, prefix_key, put_newest
@@ -329,14 +330,14 @@ class DevicePages:
 def _paged_leaves(cache: dict) -> list[jax.Array]:
     """The page pools of the cache's layers, in tree order."""
     named = jax.tree_util.tree_flatten_with_path(cache["layers"])[0]
-    return [leaf for path, leaf in named if getattr(path[-1], "key", None) in PAGED_LEAVES]
+    return [leaf for path, leaf in named if paged_path(path)]
 
 
 def _slot_leaves(cache: dict) -> list[jax.Array]:
     """What a window-state snapshot holds, in tree order: every non-paged layer leaf (window rings, compressor
     open windows) and the DSpark drafter's context rings, each with its slot axis."""
     named = jax.tree_util.tree_flatten_with_path(cache["layers"])[0]
-    return [leaf for path, leaf in named if getattr(path[-1], "key", None) not in PAGED_LEAVES] + \
+    return [leaf for path, leaf in named if not paged_path(path)] + \
         jax.tree.leaves(cache.get("drafter", []))
 
 
@@ -348,7 +349,7 @@ def _restore_slot(cache: dict, slot, state):
     rows = iter(state)
     put = lambda leaf: leaf.at[slot].set(next(rows))  # noqa: E731
     layers = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf if getattr(path[-1], "key", None) in PAGED_LEAVES else put(leaf), cache["layers"])
+        lambda path, leaf: leaf if paged_path(path) else put(leaf), cache["layers"])
     return {**cache, "layers": layers, **({"drafter": jax.tree.map(put, cache["drafter"])} if "drafter" in cache
                                           else {})}
 
@@ -360,7 +361,7 @@ def _read_page(cache: dict, page):
 def _write_page(cache: dict, page, contents):
     rows = iter(contents)
     layers = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf.at[page].set(next(rows)) if getattr(path[-1], "key", None) in PAGED_LEAVES else leaf,
+        lambda path, leaf: leaf.at[page].set(next(rows)) if paged_path(path) else leaf,
         cache["layers"])
     return {**cache, "layers": layers}
 

@@ -16,15 +16,11 @@ import numpy as np
 from jaxtyping import Int
 
 from serving.constraints import ConstraintSpec
-from serving.kv_cache import PAGED_LEAVES
+from model.paged import paged_path
 from serving.request import TokenLogprob
 from serving.sampling import SamplingParams
 
 NOT_PER_SLOT = ("layers",)  # cache entries a hand-off does not copy slot by slot
-
-
-def _paged(path) -> bool:
-    return getattr(path[-1], "key", None) in PAGED_LEAVES
 
 
 @dataclasses.dataclass
@@ -55,7 +51,7 @@ class SlotState:
 def take(cache: dict, slot: int, pages: Int[np.ndarray, " p"]) -> tuple[list[dict], dict]:
     """(the layers' state, every other per-slot entry) of `slot` holding `pages`, on the host."""
     layers = jax.tree.map_with_path(
-        lambda path, leaf: np.asarray(leaf[pages] if _paged(path) else leaf[slot]), cache["layers"])
+        lambda path, leaf: np.asarray(leaf[pages] if paged_path(path) else leaf[slot]), cache["layers"])
     per_slot = {k: jax.tree.map(lambda leaf: np.asarray(leaf[slot]), v) for k, v in cache.items()
                 if k not in NOT_PER_SLOT}
     return layers, per_slot
@@ -74,7 +70,7 @@ def check(cache: dict, state: SlotState, page_tokens: int) -> None:
 def put(cache: dict, state: SlotState, slot: int, pages: Int[np.ndarray, " p"]) -> dict:
     """`cache` with `state`'s cache part installed at `slot` and `pages` (as many as the state holds)."""
     def install(path, leaf, value):
-        if _paged(path):
+        if paged_path(path):
             if value.shape[0] != len(pages):
                 raise ValueError(f"the hand-off holds {value.shape[0]} pages for {state.computed} tokens, "
                                  f"this engine needs {len(pages)}")

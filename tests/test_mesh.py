@@ -20,7 +20,8 @@ from model.config import preset
 from model.dspark import DSparkConfig, DSparkDrafter
 from model.engram import HostEngramTable
 from pallas_kernels.moe import routed_experts_reference as routed_experts
-from serving.kv_cache import PAGED_LEAVES, CacheLayout, cache_axes, init_engine_cache
+from model.paged import PAGED_LEAVES
+from serving.kv_cache import CacheLayout, cache_axes, init_engine_cache
 from sharding.context_parallel import BATCH
 from sharding.engram_shards import ShardedEngramTable, shard_engram
 from sharding.eplb import ExpertLoadWindow, rebalance_experts
