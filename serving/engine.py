@@ -488,7 +488,7 @@ class Engine:
         bucket = self._ready((next(r for r in row_buckets if r >= per_rank), width, verify_len,
                               next(p for p in self.context_pages if p >= held)))
         executable = self._executable(bucket)
-        later = decoding and isinstance(executable, CompiledHalves) and bucket not in self._unproven and any(
+        later = decoding and isinstance(executable, CompiledHalves) and any(
             row.sample and row.request.grammar is not None for row in rows)
         # a mesh step lays the batch out over its ranks (`serving.engine_dp`): the bucket's rows are per rank
         batch = self._batch(rows, max(bucket[0], len(rows)), bucket[1], verify_len, bucket[3], budget,
@@ -499,7 +499,8 @@ class Engine:
                     self.device_pages.restore(row.request.slot, row.restore)
                 self.device_pages.start_prompt(row.request.slot, row.request.prompt[:row.start])
         if later:
-            forwarded, self.cache = executable.forward(self.weights, self.cache, batch)
+            forwarded, self.cache = self._launch(bucket, executable, batch, half="forward")
+            executable = self.compiled[bucket]  # compiled again if the loaded one failed
         else:
             outputs, self.cache = self._launch(bucket, executable, batch)
         if width == verify_len:
@@ -537,23 +538,28 @@ class Engine:
                    and (b[1] >= width if verify_len == 1 else b[1] == width)]
         return min(holding, key=lambda b: (b[0] * b[1], b[3]), default=bucket)
 
-    def _launch(self, bucket: tuple[int, int, int, int], executable, batch: StepBatch) -> tuple:
-        """Run a bucket's step on the engine's cache. The first call of a bucket loaded from the executable cache
-        keeps a copy of the cache (the step donates it) and is waited for: if the executable fails (an entry that
-        loads but cannot run), its entry is dropped, the bucket compiled again and the step run on the copy."""
+    def _launch(self, bucket: tuple[int, int, int, int], executable, batch: StepBatch, half: str | None = None
+                ) -> tuple:
+        """Run a bucket's step (`half` "forward": only its forward half, `_decide` launches the rest) on the
+        engine's cache. The first call of a bucket loaded from the executable cache keeps a copy of the cache
+        (the step donates it) and is waited for: if the executable fails (an entry that loads but cannot run),
+        its entry is dropped, the bucket compiled again and the step run on the copy."""
+        def run(step):
+            return (step if half is None else getattr(step, half))(self.weights, self.cache, batch)
+
         if bucket not in self._unproven:
-            return executable(self.weights, self.cache, batch)
+            return run(executable)
         self._unproven.discard(bucket)
         kept = jax.tree.map(jnp.copy, self.cache)
         try:
-            return jax.block_until_ready(executable(self.weights, self.cache, batch))
+            return jax.block_until_ready(run(executable))
         except jax.errors.JaxRuntimeError as e:
             LOG.warning("compiled step %s from the executable cache failed when run (%s); compiling it again",
                         bucket, e)
         self.cache = kept
         self.executables.drop(bucket)
         del self.compiled[bucket]
-        return self._executable(bucket, load=False)(self.weights, self.cache, batch)
+        return run(self._executable(bucket, load=False))
 
     def _decide(self, step: _Forwarding):
         """Fill the token masks of a step whose forward half runs (its rows' previous tokens are read by now)

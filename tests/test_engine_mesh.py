@@ -96,33 +96,13 @@ def test_fixed_speculation_with_the_mtp_drafter_on_dp_and_ep_is_lossless(v4):
     assert engine.speculation_metrics()["verified_per_step"] > 0
 
 
-def test_dspark_on_a_mesh_plans_each_rank_and_is_lossless():
-    """dp=2 with a DSpark drafter and a cost table under which verifying pays: each rank's rows split its own
-    budget; the tokens are the single-device engine's plain greedy ones."""
-    from tests.test_dspark import CONFIG, TARGET
-    from model.dspark import init_drafter
-    from model.initialize import init_model
-    from serving.verify_plan import CostTable
-
-    model = init_model(TARGET, seed=0)
-    model.drafter = init_drafter(TARGET, CONFIG, seed=1)
-    prompts = [RNG.integers(0, TARGET.vocab_size, n).tolist() for n in (5, 19, 11)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    config = dict(max_slots=4, max_len=48, page_tokens=16, prefill_chunk=16, max_prefill_rows=2, batch_invariant=True,
-                  num_top_logprobs=0)
-    single = Engine(model, **config).generate(prompts, params)
-    engine = Engine(model, mesh="dp=2", speculation="dspark", verify_widths=(2, 4), num_drafts=3, **config)
-    engine.speculation.costs = CostTable({(r, w): 1.0 if w < 2 else 1.6 for r in engine.decode_rows
-                                          for w in (0, 1) + engine.speculation.verify_widths}, window=0)
-    for got, want in zip(engine.generate(prompts, params), single, strict=True):
-        assert got.token_ids == want.token_ids
-    assert engine.speculation_metrics()["verified_per_step"] > 0
-
-
-def test_structured_outputs_on_a_mesh_equal_one_device(tiny):
-    """dp=2: greedy regex-constrained rows and an unconstrained one (the masks need the tokens in flight, which
-    the mesh step reads first) give the single-device engine's tokens, and each matches its pattern."""
+def test_structured_outputs_under_dspark_on_a_mesh_equal_one_device(tiny):
+    """dp=2 with DSpark (a cost table under which verifying pays; each rank plans its own rows) and greedy
+    regex-constrained rows beside an unconstrained one (the masks need the tokens in flight, which the mesh step
+    reads first): drafts are verified, the tokens are the single-device DSpark engine's (itself lossless against
+    plain decoding, tests/test_spec_engine.py), and each constrained output matches its pattern."""
     from serving.constraints import ConstraintSpec
+    from serving.verify_plan import CostTable
     from tests.test_structured_engine import chars_text
 
     patterns = [r"[a-c]{3,6}(,[0-9]{1,3}){2}\.", r"\((x|y|z){1,5}\)", r"[0-9]{2}:[0-9]{2}"]
@@ -132,7 +112,9 @@ def test_structured_outputs_on_a_mesh_equal_one_device(tiny):
     config = dict(max_slots=4, max_len=48, page_tokens=16, prefill_chunk=16, max_prefill_rows=2, batch_invariant=True)
     results = []
     for mesh in (None, "dp=2"):
-        engine = Engine(tiny, mesh=mesh, **config)
+        engine = Engine(tiny, mesh=mesh, speculation="dspark", verify_widths=(2, 4), num_drafts=3, **config)
+        engine.speculation.costs = CostTable({(r, w): 1.0 if w < 2 else 1.6 for r in engine.decode_rows
+                                              for w in (0, 1) + engine.speculation.verify_widths}, window=0)
         ids = [engine.add_request(p, q, constraint=c) for p, q, c in requests]
         done = engine.run()
         results.append([done[i] for i in ids])
@@ -140,3 +122,4 @@ def test_structured_outputs_on_a_mesh_equal_one_device(tiny):
         assert meshed.token_ids == single.token_ids and meshed.finish_reason == single.finish_reason
     for pattern, out in zip(patterns, results[1]):
         assert out.finish_reason == "stop" and re.fullmatch(pattern, chars_text(out.token_ids))
+    assert engine.speculation_metrics()["verified_per_step"] > 0
