@@ -1,9 +1,9 @@
 """The mesh engine against the single-device engine, feature by feature, on emulated CPU devices
 (tests/conftest.py): V4.1 with its experts split over `ep` (a rank left idle by an odd number of requests: V4.1's
 compact replay is a `lax.cond` whose branch runs MoE layers, so the ranks must take it together), the prefix
-cache per rank (a hit equals a cold prefill; the rank holding a prefix takes the requests sharing it), fixed
-speculation with V4's MTP drafter over dp and ep and DSpark (drafts verified, tokens lossless), and structured
-outputs. Greedy tokens are compared exactly, logits within 1e-5 where the engine keeps them."""
+cache per rank with its host tier and fixed speculation by V4's MTP drafter over dp and ep (a hit equals a cold
+prefill; the rank holding a prefix takes the requests sharing it; drafts verified, tokens lossless), and
+structured outputs under DSpark. Greedy tokens are compared exactly, logits within 1e-5 where the engine keeps them."""
 
 import dataclasses
 import re
@@ -57,15 +57,17 @@ def v4():
     return random_model(V4, seed=5, noise=0.05)
 
 
-def test_prefix_hit_on_a_rank_equals_a_cold_prefill_and_the_rank_holding_the_prefix_takes_it(v4):
-    """dp=2 with the prefix cache and a host tier: a first request leaves a 32-token prefix in its rank's cache,
-    evicted to that rank's host tier; two later requests sharing it go to that rank although the other rank is
-    idle (the second while the first decodes there), the first restoring the pages from the host, and give the
-    tokens and logits of a single-device engine without a prefix cache."""
+def test_prefix_cache_and_mtp_speculation_on_dp_and_ep_equal_one_plain_device(v4):
+    """dp=2,ep=2 with the prefix cache, a host tier and fixed speculation by V4's MTP drafter (its experts over
+    `ep` too): a first request leaves a 32-token prefix in its rank's cache, evicted to that rank's host tier;
+    two later requests sharing it go to that rank although the other rank is idle (the second while the first
+    decodes there), the first restoring the pages from the host. Drafts are verified, and the tokens and logits
+    are a plain single-device engine's (no prefix cache, no speculation)."""
     shared = RNG.integers(0, V4.vocab_size, 32).tolist()
     prompts = [shared + RNG.integers(0, V4.vocab_size, n).tolist() for n in (4, 3, 5)]
     single = Engine(v4, **ENGINE).generate(prompts, GREEDY)
-    engine = Engine(v4, mesh="dp=2", prefix_cache=True, host_pages=4, **ENGINE)
+    engine = Engine(v4, mesh="dp=2,ep=2", prefix_cache=True, host_pages=4, speculation="fixed", num_drafts=1,
+                    **ENGINE)
     first = engine.generate(prompts[:1], GREEDY)
     held = [d for d, rank in enumerate(engine.scheduler.prefix.ranks) if rank.tree.cached_blocks]
     assert len(held) == 1  # its pages are cached on its own rank only
@@ -83,16 +85,6 @@ def test_prefix_hit_on_a_rank_equals_a_cold_prefill_and_the_rank_holding_the_pre
     metrics = engine.prefix_cache_metrics()
     assert metrics["hit_tokens"] == 64 and metrics["host_restored"] == 2 and metrics[f"rank{held[0]}_hit_rate"] > 0
     assert metrics[f"rank{1 - held[0]}_hit_rate"] == 0
-
-
-def test_fixed_speculation_with_the_mtp_drafter_on_dp_and_ep_is_lossless(v4):
-    """dp=2,ep=2 with V4's MTP drafter (its experts over `ep` too) verifying a draft per row: the single-device
-    engine's plain greedy tokens, with drafts verified."""
-    prompts = [RNG.integers(0, V4.vocab_size, n).tolist() for n in (5, 23, 9)]
-    single = Engine(v4, **ENGINE).generate(prompts, GREEDY)
-    engine = Engine(v4, mesh="dp=2,ep=2", speculation="fixed", num_drafts=1, **ENGINE)
-    for got, want in zip(engine.generate(prompts, GREEDY), single, strict=True):
-        assert got.token_ids == want.token_ids
     assert engine.speculation_metrics()["verified_per_step"] > 0
 
 
