@@ -84,9 +84,10 @@ def serve_startup(cache_dir: str, *flags: str) -> tuple[float, float]:
                 pass
             time.sleep(0.05)
         health = time.perf_counter() - start
+        model = httpx.get(url + "/v1/models", timeout=10.0).json()["data"][0]["id"]
         begin = time.perf_counter()
-        reply = httpx.post(url + "/v1/completions", json={"model": "jaxseek-bundled", "prompt": "The sea", "max_tokens": 16, "ignore_eos": True},
-                           timeout=600.0)
+        reply = httpx.post(url + "/v1/completions", timeout=600.0,
+                           json={"model": model, "prompt": "The sea", "max_tokens": 16, "ignore_eos": True})
         reply.raise_for_status()
         assert reply.json()["usage"]["completion_tokens"] == 16
         return health, time.perf_counter() - begin

@@ -480,8 +480,8 @@ class Engine:
     def _dispatch(self, rows: list[Row], row_buckets: tuple[int, ...], width: int, verify_len: int,
                   budget: list[int] | None = None, draft: bool = True, decoding: bool = False):
         """Build the batch of a bucket, launch its compiled step (async) and do the host bookkeeping; a verify
-        bucket's rows on each rank split its `budget` drafts (default: every row verifies its cap); `draft` False: a decode
-        step whose drafter does not draft (the no-draft fallback). A decode / verify step (`decoding`) with
+        bucket's rows on each rank split its `budget` drafts (default: every row verifies its cap); `draft` False:
+        a decode step whose drafter does not draft (the no-draft fallback). A decode / verify step (`decoding`) with
         constrained rows launches only its forward half: `_decide` fills the masks and launches the rest."""
         per_rank = self.scheduler.rows_per_rank(rows)
         held = max(self.scheduler.pages.held(row.request.slot) for row in rows) if len(self.context_pages) > 1 else 0
