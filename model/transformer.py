@@ -157,12 +157,17 @@ class DeepseekV4(nnx.Module):
         """fp32 logits from the streams (the main collapse and norm unless an MTP block's are given)."""
         return project_logits(hc_head or self.hc_head, norm or self.norm, self.head, streams)
 
-    def __call__(self, tokens: Int[Array, "b c"], cache: dict, count=None, collect=(), at=None):
+    def __call__(self, tokens: Int[Array, "b c"], cache: dict, count=None, collect=(), at=None, final=False):
         """(fp32 logits [b, c, vocab], new cache), plus the taps of `streams` when `collect` names layers.
         `at` [b, v] (chunk offsets) gives the logits of those positions only, [b, v, vocab]: the vocabulary
-        projection runs on them alone."""
+        projection runs on them alone. `final` also returns, last, every position's final streams: what
+        `final_logits` projects (a server's prompt logprobs)."""
         streams, cache, *taps = self.streams(tokens, cache, count, collect)
-        return (self.head_logits(take_positions(streams, at)), cache, *taps)
+        return (self.head_logits(take_positions(streams, at)), cache, *taps) + ((streams,) if final else ())
+
+    def final_logits(self, streams: Float[Array, "b c n d"]) -> Float[Array, "b c v"]:
+        """fp32 logits of every position from the final streams `__call__(..., final=True)` returns."""
+        return self.head_logits(streams)
 
     def mtp_logits(
         self, streams: Float[Array, "b c n d"], next_tokens: Int[Array, "b c"], cache: dict, depth: int = 0

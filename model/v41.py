@@ -331,10 +331,16 @@ class DeepseekV41(nnx.Module):
         return jax.lax.cond(any_rank(jnp.any(length > 0)), replayed, skipped)
 
     def __call__(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None, collect=(),
-                 replay: Replay | None = None, prompt_end=None, at=None):
+                 replay: Replay | None = None, prompt_end=None, at=None, final=False):
         """(fp32 logits [b, c, vocab], new cache), plus the taps of `streams` when `collect` names layers.
         With an active `replay`, positions below each row's floor hold no next-token logits (`model.replay`).
-        `at` [b, v] (chunk offsets) gives the logits of those positions only, [b, v, vocab]."""
+        `at` [b, v] (chunk offsets) gives the logits of those positions only, [b, v, vocab]. `final` also
+        returns, last, every position's (streams, pre-mix weights): what `final_logits` projects."""
         streams, pre_mix, cache, *taps = self.streams(tokens, cache, engram_rows, count, collect, replay, prompt_end)
-        hidden = collapse(take_positions(streams, at), take_positions(pre_mix, at))
-        return self.head(self.norm(hidden).astype(jnp.float32)), cache, *taps
+        picked = self.final_logits((take_positions(streams, at), take_positions(pre_mix, at)))
+        return (picked, cache, *taps) + (((streams, pre_mix),) if final else ())
+
+    def final_logits(self, final: tuple) -> Float[Array, "b c v"]:
+        """fp32 logits of every position from the (streams, pre-mix weights) `__call__(..., final=True)` returns."""
+        streams, pre_mix = final
+        return self.head(self.norm(collapse(streams, pre_mix)).astype(jnp.float32))

@@ -211,7 +211,7 @@ def openai_record(api: OpenAIRequests, model_name: str) -> Callable[[BatchReques
         body = (api.chat_body(f"chatcmpl-{uuid.uuid4().hex}", created, model, outputs, p.prompt_tokens, p.thinking,
                               p.forced)
                 if r.url == CHAT else
-                api.completion_body(f"cmpl-{uuid.uuid4().hex}", created, model, outputs, p.prompt_tokens))
+                api.completion_body(f"cmpl-{uuid.uuid4().hex}", created, model, outputs, p))
         return {**line, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
     return record

@@ -36,12 +36,15 @@ from serving.layer_programs import LayerPlan
 from serving.placement import placement_for
 from serving.prefix_admission import DevicePages, PrefixAdmission, exact_replay_tokens
 from serving.prefix_ranks import RankedPrefix
+from serving.prompt_logprobs import PromptLogprobStore, record, scores
 from serving.request import Request, RequestOutput, Status, TokenLogprob
 from serving.sampling import SamplingBatch, SamplingParams
 from serving import slot_state
 from serving.scheduler import NeedsFlush, Row
 from serving.slot_state import SlotState
 from serving.step import CompiledHalves, DrafterSpec, Forwarded, StepBatch, build_step_halves, empty_batch
+
+PROMPT_FIELDS = ("prompt_logprob", "prompt_top_ids", "prompt_top_logprobs")  # `StepOutput`'s prompt logprobs
 from serving.speculation_policy import SpeculationPolicy
 from serving.structured_outputs import StructuredOutputs
 from serving.verify_plan import CostTable, interpolated, monotone_in_width
@@ -130,6 +133,7 @@ class Engine:
         self.replay = for_engine(model.config, config.replay, self.layout.ring, drafter_ring(self.cache),
                                  drafter.config.target_layer_ids if drafter is not None else ())
         self.scheduler.prefix = self._prefix_cache()
+        self.scheduler.scored_chunk = self.replay.keep if self.replay is not None else None
         # what the compiled steps take (flattened once)
         self.weights = (jax.tree.leaves(model.params), jax.tree.leaves(drafter.params) if drafter else [])
         # a reset row's per-slot leaves (their shapes do not depend on the length; its paged ones go unused)
@@ -301,9 +305,10 @@ class Engine:
         self.device_pages = DevicePages(self, self.layout.max_len)
         snapshots = 8 * self.layout.max_slots if config.prefix_snapshots is None else config.prefix_snapshots
         keep = self.replay.keep if self.replay is not None else 0
+        self.prompt_store = PromptLogprobStore(self.layout.page_tokens, self.layout.num_pages)  # shared by ranks
         return self.scheduler.prefix_cache(lambda pages, shares: PrefixAdmission(
             pages, replay, -(-config.host_pages // shares), self.device_pages.read, self.device_pages.write, keep,
-            -(-snapshots // shares), self.device_pages.take, exact))
+            -(-snapshots // shares), self.device_pages.take, exact, self.prompt_store))
 
     def prefix_cache_metrics(self) -> dict[str, float]:
         """Prefix-cache counters (`PrefixAdmission.metrics`: `hit_rate` = prompt tokens served from the cache
@@ -337,6 +342,9 @@ class Engine:
         num_top = self.config.num_top_logprobs
         if params.logprobs is not None and params.logprobs > num_top:
             raise ValueError(f"logprobs={params.logprobs} exceeds the engine's num_top_logprobs={num_top}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > num_top:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the engine's "
+                             f"num_top_logprobs={num_top}")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -344,6 +352,8 @@ class Engine:
         if params.seed is None:
             params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
         request = Request(request_id, prompt, params, grammar=grammar, constraint=constraint)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(prompt)
         if self.engram is not None:
             request.engram_history = self.engram.empty_history(1)
         self.requests[request_id] = request
@@ -365,7 +375,8 @@ class Engine:
             engram_history=None if request.engram_history is None else np.array(request.engram_history),
             drafts=list(request.drafts), confidence=list(request.confidence),
             elapsed=time.perf_counter() - request.arrival, constraint=request.constraint,
-            constraint_trigger=None if request.grammar is None else request.grammar.trigger)
+            constraint_trigger=None if request.grammar is None else request.grammar.trigger,
+            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs))
 
     def import_slot(self, state: SlotState) -> bool:
         """Install a request `export_slot` gave (another engine's) as running here: its next step decodes it;
@@ -388,7 +399,7 @@ class Engine:
                           status=Status.RUNNING, output=list(state.output), logprobs=list(state.logprobs), slot=slot,
                           computed=state.computed, first_token_time=now, engram_history=state.engram_history,
                           drafts=list(state.drafts), confidence=list(state.confidence), grammar=grammar,
-                          constraint=state.constraint)
+                          constraint=state.constraint, prompt_logprobs=state.prompt_logprobs)
         self.requests[request.request_id] = request
         scheduler.running.append(request)
         return True
@@ -587,6 +598,9 @@ class Engine:
             b.from_prev[i], b.reset[i], b.sample[i] = row.from_prev, row.reset and row.restore is None, row.sample
             b.block_tables[i] = self.scheduler.block_table(row.request)[:pages]
             b.frozen[i], b.prompt_end[i] = row.frozen, row.prompt_end
+            if not row.from_prev and scores(row.request, row.start, n):  # runs every position: no replay bound
+                following = row.request.sequence[row.start + 1:row.start + n + 1]
+                b.targets[i, :len(following)], b.scored[i], b.prompt_end[i] = following, True, 0
         if budget is None:
             b.budget[...] = b.caps.sum()
         else:  # one rank's step reads a scalar; a mesh step each rank's own (`DataParallel.place`)
@@ -630,9 +644,16 @@ class Engine:
         """Apply the results of dispatched steps to their requests; returns those that finished."""
         finished = []
         for rows, outputs, bucket in dispatched:
-            out = jax.tree.map(np.asarray, outputs)
+            out = jax.tree.map(np.asarray, outputs._replace(**dict.fromkeys(PROMPT_FIELDS)))
+            prompt = None  # the prompt-logprob fields, read only in a step with a scored row
             for i, row in enumerate(rows):
                 request = row.request
+                if not row.from_prev and request.status is not Status.FINISHED and scores(request, row.start,
+                                                                                          len(row.tokens)):
+                    prompt = prompt or [np.asarray(getattr(outputs, name)) for name in PROMPT_FIELDS]
+                    done = record(request, row.start, *(x[i, :len(row.tokens)] for x in prompt))
+                    if done and self.scheduler.prefix is not None:
+                        self.prompt_store.put(request)
                 if not row.sample or request.status is Status.FINISHED:
                     continue  # a prefill chunk, or a row dispatched before its request stopped
                 request.in_flight.popleft()

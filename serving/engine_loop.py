@@ -32,11 +32,13 @@ class Submission:
 
 @dataclasses.dataclass
 class Delta:
-    """New tokens of choice `index` (with their logprobs when asked)."""
+    """New tokens of choice `index` (with their logprobs when asked; the first delta also the prompt's, when
+    asked: `SamplingParams.prompt_logprobs`)."""
 
     index: int
     token_ids: list[int]
     logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -188,7 +190,8 @@ class EngineLoop:
             request = self.engine.requests.get(request_id)  # None: not in this engine yet (P/D: prefilling)
             if request is not None and len(request.output) > t.sent:
                 lps = request.logprobs[t.sent:len(request.output)] if request.params.logprobs is not None else []
-                events.setdefault(t.sink, []).append(Delta(t.index, request.output[t.sent:], lps))
+                prompt = request.asked_prompt_logprobs() if t.sent == 0 else None
+                events.setdefault(t.sink, []).append(Delta(t.index, request.output[t.sent:], lps, prompt))
                 t.sent = len(request.output)
         for output in finished:
             t = self.tracked.pop(output.request_id, None)

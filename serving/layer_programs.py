@@ -42,7 +42,7 @@ from pallas_kernels.moe import VIEWED_BRANCHES, few_pairs
 from pallas_kernels.transposed_weights import HELD_KEY
 from serving.kv_cache import layer_rows, put_rows
 from serving.step import (CompiledHalves, Forwarded, RowInputs, StepBatch, StepHalves, abstract_shapes, compile_decide,
-                          forwarded, row_inputs, split_cache)
+                          forwarded, prompt_logprobs, row_inputs, split_cache)
 
 
 class LayerBatch(NamedTuple):
@@ -168,13 +168,15 @@ class LayerPlan:
 
         return run
 
-    def head_program(self, leaves: list[list], streams, taps: list, rows: RowInputs) -> Forwarded:
-        """The verify positions' logits and the drafter's features (the tapped streams, flattened, in order);
-        `leaves`: the head pieces' leaves (`head_leaves`)."""
+    def head_program(self, leaves: list[list], streams, taps: list, rows: RowInputs, num_top: int) -> Forwarded:
+        """The verify positions' logits, the drafter's features (the tapped streams, flattened, in order) and the
+        scored rows' prompt logprobs with `num_top` alternatives; `leaves`: the head pieces' leaves
+        (`head_leaves`)."""
         parts = [piece.module(piece_leaves) for piece, piece_leaves in zip(self.head, leaves)]
         picked = project_logits(*parts, take_positions(streams, rows.at))
         features = jnp.concatenate([t.reshape(*t.shape[:2], -1) for t in taps], axis=-1) if taps else None
-        return forwarded(picked, features, rows)
+        return forwarded(picked, features, rows, prompt_logprobs(lambda: project_logits(*parts, streams), rows,
+                                                                 num_top))
 
     def head_leaves(self, leaves: list) -> list[list]:
         """The leaves of `hc_head`, `norm` and `head`, one list each."""
@@ -246,8 +248,9 @@ def compile_layered(halves: StepHalves, plan: LayerPlan, weights: tuple, cache: 
         programs.append(jax.jit(plan.layer_program(kind), donate_argnums=1).lower(
             abstract_shapes(plan.layers[kind].take(layer_leaves)), abstract_shapes(cache["layers"][kind]), streams, rows,
             layer_batch).compile())
-    head = jax.jit(plan.head_program).lower(
-        abstract_shapes(plan.head_leaves(leaves)), streams, [streams] * len(plan.collect), rows).compile()
+    head = jax.jit(plan.head_program, static_argnums=4).lower(
+        abstract_shapes(plan.head_leaves(leaves)), streams, [streams] * len(plan.collect), rows,
+        halves.num_top).compile()
     decide = compile_decide(halves, weights, cache, batch, head.out_info, verify_len)
     return LayeredHalves([embed, *programs, head, decide], plan, halves.head_leaves, viewed)
 

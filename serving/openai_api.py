@@ -67,14 +67,17 @@ class ApiError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A checked request: the choices to run, its prompt tokens, and (a chat) its thinking mode, tools and whether
-    `tool_choice` forces a call."""
+    """A checked request: the choices to run, its prompt tokens, (a chat) its thinking mode, tools and whether
+    `tool_choice` forces a call, and (a completion with `echo`) each choice's prompt text to echo, and whether it
+    asked for the prompt alone (`max_tokens: 0`: the engine still samples one token, which is left out)."""
 
     submissions: list[Submission]
     prompt_tokens: int
     thinking: bool = False
     tools: list[dict] = dataclasses.field(default_factory=list)
     forced: bool = False
+    echo: list[str] | None = None
+    prompt_only: bool = False
 
 
 def check_fields(body: dict, allowed: frozenset[str], model_name: str | None = None) -> None:
@@ -146,13 +149,28 @@ class OpenAIRequests:
     def completion(self, body: dict, fields: dict | None = None) -> Prepared:
         """The choices of a `/v1/completions` body (each prompt n times); `fields` are its sampling fields
         (default: the body's own)."""
-        if body.get("echo"):
-            raise ApiError(400, "echo is not supported", param="echo")
+        echo = body.get("echo")
+        if echo is not None and not isinstance(echo, bool):
+            raise ApiError(400, f"echo must be a boolean, got {echo!r}", param="echo")
+        fields = dict(body if fields is None else fields)
+        if fields.get("prompt_logprobs") is not None:
+            raise ApiError(400, "prompt_logprobs is not supported: ask for echo with logprobs", param="prompt_logprobs")
+        length = "max_tokens" if fields.get("max_tokens") is not None else "max_completion_tokens"
+        prompt_only = bool(echo) and fields.get(length) == 0
+        if prompt_only and body.get("stream"):
+            raise ApiError(400, "echo with max_tokens 0 (the prompt alone) is not streamed: send stream false",
+                           param="stream")
+        if prompt_only:  # the prompt's logprobs alone: one token is sampled at the prefill's end, then dropped
+            fields[length] = 1
+        if echo and fields.get("logprobs") is not None:
+            fields["prompt_logprobs"] = fields["logprobs"]
+        texts = self.prompt_texts(body.get("prompt"))
         prompts = self.prompts(body.get("prompt"))
         constraint, _ = self.constraint(body)
-        subs = [Submission(ids, p, constraint) for ids in prompts
-                for p in self.params(body, len(ids), fields)]
-        return Prepared(subs, sum(len(p) for p in prompts))
+        pairs = [(ids, text, p) for ids, text in zip(prompts, texts) for p in self.params(body, len(ids), fields)]
+        return Prepared([Submission(ids, p, constraint) for ids, _, p in pairs], sum(len(p) for p in prompts),
+                        echo=[self.decode(ids) if text is None else text for ids, text, _ in pairs] if echo else None,
+                        prompt_only=prompt_only)
 
     def chat_prompt(self, body: dict) -> tuple[list[int], bool, list[dict]]:
         """A chat body's prompt tokens (its messages rendered by the chat format), thinking mode and tools."""
@@ -171,6 +189,15 @@ class OpenAIRequests:
         params = self.params(body, len(prompt_ids), fields)
         return Prepared([Submission(prompt_ids, p, constraint, trigger) for p in params], len(prompt_ids), thinking,
                         tools, forced is not None)
+
+    @staticmethod
+    def prompt_texts(prompt) -> list[str | None]:
+        """Each prompt of a completions `prompt` as its text (None: given as token ids), for `echo`."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+            return [p if isinstance(p, str) else None for p in prompt]
+        return [None]
 
     def prompts(self, prompt) -> list[list[int]]:
         """A completions `prompt`'s token ids: a string, token ids, or a list of up to MAX_CHOICES of those."""
@@ -311,13 +338,22 @@ class OpenAIRequests:
                 "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     def completion_body(self, rid: str, created: int, model: str, outputs: Sequence[RequestOutput],
-                        prompt_tokens: int) -> dict:
-        """A `text_completion` body of finished choices."""
-        choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
-                    "logprobs": self.completion_logprobs(o.logprobs) if o.logprobs is not None else None}
-                   for i, o in enumerate(outputs)]
+                        prepared: Prepared) -> dict:
+        """A `text_completion` body of finished choices (with `echo`: each text and its logprobs start with the
+        prompt's)."""
+        if prepared.prompt_only:
+            outputs = [dataclasses.replace(o, token_ids=[], text="", logprobs=None if o.logprobs is None else [])
+                       for o in outputs]
+        choices = []
+        for i, o in enumerate(outputs):
+            echoed = prepared.echo[i] if prepared.echo is not None else ""
+            logprobs = None
+            if o.logprobs is not None:
+                logprobs = self.completion_logprobs((o.prompt_logprobs or []) + o.logprobs, o.prompt_ids)
+            choices.append({"index": i, "text": echoed + o.text, "finish_reason": o.finish_reason,
+                            "logprobs": logprobs})
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                "usage": self.usage(prompt_tokens, outputs)}
+                "usage": self.usage(prepared.prompt_tokens, outputs)}
 
     def chat_body(self, rid: str, created: int, model: str, outputs: Sequence[RequestOutput], prompt_tokens: int,
                   thinking: bool, forced: bool = False) -> dict:
@@ -348,12 +384,15 @@ class OpenAIRequests:
 
         return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
 
-    def completion_logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict:
-        tokens = [self.decode([lp.token]) for lp in logprobs]
-        offsets, at = [], 0
+    def completion_logprobs(self, logprobs: Sequence[TokenLogprob | None], prompt: Sequence[int] = (),
+                            start: int = 0) -> dict:
+        """The legacy completions `logprobs` object of `logprobs` (an echoed prompt's first entry is None: its
+        token is `prompt[0]`), the text offsets counted from `start`."""
+        tokens = [self.decode([prompt[0] if lp is None else lp.token]) for lp in logprobs]
+        offsets, at = [], start
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{self.decode([t]): v for t, v in lp.top} for lp in logprobs],
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+                "top_logprobs": [None if lp is None else {self.decode([t]): v for t, v in lp.top} for lp in logprobs],
                 "text_offset": offsets}

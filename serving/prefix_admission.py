@@ -19,6 +19,7 @@ from model.paged import paged_path
 from serving.kv_cache import PageAllocator, drafter_ring
 from serving.prefix_cache import PrefixCache, PrefixMatch
 from serving.request import Request
+from serving.prompt_logprobs import PromptLogprobStore
 from serving.window_snapshots import SnapshotStore, boundary_keys, prefix_key, put_newest
 
 RINGS = ("ring_kv", "recent_kv")  # per-slot leaves [b, slots, d] whose slots follow the newest positions
@@ -70,7 +71,7 @@ class PrefixAdmission:
                  read_page: Callable[[int], list[np.ndarray]] | None = None,
                  write_page: Callable[[int, list[np.ndarray]], None] | None = None, bounded_keep: int = 0,
                  snapshots: int = 0, take_state: Callable[[int], list[jax.Array]] | None = None,
-                 exact_replay: int | None = None):
+                 exact_replay: int | None = None, prompt_logprobs: PromptLogprobStore | None = None):
         if isinstance(replay, bool) or not isinstance(replay, int) or replay < 0:
             raise ValueError(f"prefix replay must be a non-negative number of tokens, got {replay!r}")
         if isinstance(bounded_keep, bool) or not isinstance(bounded_keep, int) or bounded_keep < 0:
@@ -85,6 +86,7 @@ class PrefixAdmission:
         if snapshots and take_state is None:
             raise ValueError("window-state snapshots need take_state")
         self.take_state, self.exact_replay = take_state, replay if exact_replay is None else exact_replay
+        self.prompt_logprobs = prompt_logprobs  # a request asking for prompt logprobs takes them from here
         self.exact_from: dict[str, int] = {}  # request id -> first position at which its slot state is exact
         self.restores: dict[str, list[jax.Array]] = {}  # request id -> the snapshot its first chunk starts from
         self.snapshot_tokens = 0  # prompt tokens snapshots spared from prefill beyond what replay would have
@@ -104,7 +106,10 @@ class PrefixAdmission:
         not computed for this prompt (the request that left it ran its replay layers only on its own last keep
         tokens), but a cold bounded prefill of this prompt hides every replay-layer key below P - keep anyway,
         and its P - b >= keep prefilled tokens overwrite those rings and the drafter's context ring. So a
-        snapshot hit is as exact as the exact replay: the numbers of a cold run, up to float reassociation."""
+        snapshot hit is as exact as the exact replay: the numbers of a cold run, up to float reassociation.
+
+        A request asking for prompt logprobs copies those of its prefix's pages from the prompt-logprob store
+        (`serving.prompt_logprobs`) and starts its prefill no later than they reach, so that it computes the rest."""
         prompt = request.prompt
         match = self.tree.match(prompt, record=False)
         self.tree.lock(match)  # restoring may evict: never this path
@@ -122,7 +127,10 @@ class PrefixAdmission:
             return
         self.held[request.request_id] = match
         self.pages.adopt(request.slot, list(match.pages))
-        last, start = self._bounds(prompt, match.tokens)
+        covered = None  # a prompt-logprob request: its entries the store holds (the prefill computes the rest)
+        if request.prompt_logprobs is not None:
+            covered = self.prompt_logprobs.fill(request) if self.prompt_logprobs is not None else 0
+        last, start = self._bounds(prompt, match.tokens, covered)
         boundary, snapshot = self.snapshots.deepest(prompt, self.tree.block_tokens, min(match.tokens, last), start)
         if snapshot is not None:
             self.restores[request.request_id] = snapshot
@@ -144,11 +152,16 @@ class PrefixAdmission:
         return max((b for b, key in boundary_keys(prompt, block, min(hit, last))
                     if b > start and key in self.snapshots.entries), default=start)
 
-    def _bounds(self, prompt: list[int], hit: int) -> tuple[int, int]:
+    def _bounds(self, prompt: list[int], hit: int, covered: int | None = None) -> tuple[int, int]:
         """(the last position a prefill may start at, where it starts without a snapshot) for a hit of `hit`
-        tokens: bounded replay's layers must see the prompt's last keep tokens."""
+        tokens: bounded replay's layers must see the prompt's last keep tokens. A prompt-logprob request whose
+        first `covered` entries are known starts no later than that, and replays from exact state by then (its
+        logits from there on are a cold prefill's)."""
         last = len(prompt) - self.bounded_keep if self.bounded_keep else len(prompt) - 1
-        return last, max(0, min(hit - self.replay, last))
+        start = min(hit - self.replay, last)
+        if covered is not None:
+            last, start = min(last, covered), min(start, covered - self.exact_replay)
+        return last, max(0, start)
 
     def restore(self, request: Request) -> list[jax.Array] | None:
         """The snapshot the request's first chunk starts from (installed in its slot before that chunk), or None

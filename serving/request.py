@@ -43,6 +43,7 @@ class RequestOutput:
     latency: float
     logits: list | None = None  # per generated token, when the engine keeps logits (tests)
     cached_tokens: int = 0  # prompt tokens its (last) admission took from the prefix cache instead of prefilling
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first None), when asked
 
 
 @dataclasses.dataclass
@@ -77,6 +78,7 @@ class Request:
     constraint: object = None  # and its `serving.constraints.ConstraintSpec`
     counted_outputs: int = 0  # outputs in the slot's penalty counts already (a jump-forward row replays them)
     cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (not prefilled)
+    prompt_logprobs: list | None = None  # params.prompt_logprobs set: per prompt token `serving.prompt_logprobs`
 
     @property
     def sequence(self) -> list[int]:
@@ -143,4 +145,12 @@ class Request:
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
             preemptions=self.preemptions,
             time_to_first_token=None if self.first_token_time is None else self.first_token_time - self.arrival,
-            latency=now - self.arrival, logits=self.logits, cached_tokens=self.cached_tokens)
+            latency=now - self.arrival, logits=self.logits, cached_tokens=self.cached_tokens,
+            prompt_logprobs=self.asked_prompt_logprobs())
+
+    def asked_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt's logprobs with the alternatives the request asked for (the engine computes all it keeps)."""
+        n = self.params.prompt_logprobs
+        if n is None or self.prompt_logprobs is None:
+            return None
+        return [None if e is None else TokenLogprob(e.token, e.logprob, e.top[:n]) for e in self.prompt_logprobs]

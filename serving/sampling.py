@@ -52,7 +52,8 @@ class SamplingParams:
     `repetition_penalty` 1 are off. `min_tokens` (vLLM's) tokens come before EOS, a stop token id or a stop
     string may end the output. `seed` None means the engine assigns one before the request is batched.
     `logprobs` None returns no logprobs; n returns the chosen token's logprob and the n most likely
-    alternatives. `stop` and `stop_token_ids` are stored as tuples.
+    alternatives; `prompt_logprobs` n does the same for every prompt token (vLLM's field; a completion's
+    `echo`). `stop` and `stop_token_ids` are stored as tuples.
     """
 
     max_tokens: int = 16
@@ -69,6 +70,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         def fix(name, value):  # the dataclass is frozen
@@ -99,6 +101,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             fix("logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        if self.prompt_logprobs is not None:
+            fix("prompt_logprobs", _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS))
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> SamplingParams:

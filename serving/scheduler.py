@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.free_slots = list(range(layout.max_slots - 1, -1, -1))
+        self.scored_chunk: int | None = None  # a prompt-logprob request's chunk cap (bounded replay's keep)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -75,9 +76,22 @@ class Scheduler:
 
     def schedule(self, in_flight: bool) -> tuple[list[Row], list[Row]]:
         """(decode rows, prefill rows) of the next iteration. Raises NeedsFlush if a preemption is needed
-        while results are in flight."""
+        while results are in flight.
+
+        When every running request is a prompt partly prefilled that the pool has no pages left to continue
+        (several of them took the pool between them), none of them would ever give a page back: the latest
+        arrival is preempted, as a decode row short of a page preempts one, until one of them can go on."""
         if self.prefix is not None:
             self.prefix.flush()
+        decode, prefill = self._rows(in_flight)
+        while not decode and not prefill and len(self.running) > 1:
+            if in_flight:
+                raise NeedsFlush
+            self._preempt(max(self.running, key=lambda r: r.arrival))
+            decode, prefill = self._rows(in_flight)
+        return decode, prefill
+
+    def _rows(self, in_flight: bool) -> tuple[list[Row], list[Row]]:
         decode: list[Row] = []
         for request in list(self.running):
             if request.status is not Status.RUNNING or request.prefilling:
@@ -156,6 +170,8 @@ class Scheduler:
         """The next prefill chunk of `request` within `budget` tokens (None: no pages for it)."""
         sequence = request.sequence
         size = min(self.prefill_chunk, len(sequence) - request.computed)
+        if request.prompt_logprobs is not None and self.scored_chunk:  # every position through the replay layers
+            size = min(size, self.scored_chunk)
         if not self.fixed_chunks:
             size = min(size, budget)
         elif size > budget:

@@ -395,23 +395,34 @@ class Server:
 
         if not body.get("stream"):
             outputs = await self._collect(request, sink, ids)
-            return self.api.completion_body(rid, created, model, outputs, prepared.prompt_tokens)
+            return self.api.completion_body(rid, created, model, outputs, prepared)
 
         streams = [ChoiceStream(self.decode, s.params.stop) for s in subs]
+        echoed = [prepared.echo is None] * len(subs)  # the choice's prompt was streamed (or is not echoed)
         header = {"id": rid, "object": "text_completion", "created": created, "model": model}
 
         def chunk(index, text, finish=None, logprobs=None):
             return {**header, "choices": [{"index": index, "text": text, "finish_reason": finish,
                                            "logprobs": logprobs}]}
 
+        def echo(index: int, prompt_logprobs) -> list[dict]:
+            """The choice's first chunk under `echo`: its prompt text, with the prompt's logprobs when asked."""
+            echoed[index] = True
+            sub = subs[index]
+            lps = (self.api.completion_logprobs(prompt_logprobs, sub.prompt) if sub.params.logprobs is not None
+                   else None)
+            return [chunk(index, prepared.echo[index], logprobs=lps)]
+
         def chunks(event) -> list[dict]:
+            prompt = event.prompt_logprobs if isinstance(event, Delta) else event.output.prompt_logprobs
+            first = [] if echoed[event.index] else echo(event.index, prompt or [])
             if isinstance(event, Delta):
                 text = "".join(t for _, t in streams[event.index].push(event.token_ids))
                 wants = subs[event.index].params.logprobs is not None
                 lps = self.api.completion_logprobs(event.logprobs) if wants else None
-                return [chunk(event.index, text, logprobs=lps)] if text or lps else []
+                return first + ([chunk(event.index, text, logprobs=lps)] if text or lps else [])
             text = "".join(t for _, t in streams[event.index].finish(event.output.text))
-            return [chunk(event.index, text, event.output.finish_reason)]
+            return first + [chunk(event.index, text, event.output.finish_reason)]
 
         return self._stream(sink, ids, chunks, header, prepared.prompt_tokens, body.get("stream_options"))
 

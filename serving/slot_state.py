@@ -42,6 +42,7 @@ class SlotState:
     elapsed: float  # seconds since the request arrived at the prefill engine
     constraint: ConstraintSpec | None = None  # the output constraint, and the token it starts after
     constraint_trigger: int | None = None
+    prompt_logprobs: list | None = None  # `Request.prompt_logprobs` (asked for: one entry per prompt token)
 
     @property
     def nbytes(self) -> int:

@@ -21,7 +21,7 @@ from model.replay import Replay
 from serving.grammar_mask import ALL_ALLOWED, apply_token_bitmask, bitmask_width
 from serving.kv_cache import CacheLayout, gather_slots, layer_rows, put_rows
 from model.sampling_keys import GREEDY_BELOW
-from serving.sampling import SamplingBatch, draw_tokens, processed_logits, token_logprobs
+from serving.sampling import SampleOutput, SamplingBatch, draw_tokens, processed_logits, token_logprobs
 from serving.speculative import admit, verify
 
 
@@ -45,6 +45,8 @@ class StepBatch(NamedTuple):
     draft: Bool[Array, ""]  # a drafter step drafts the next blocks (False: its drafter only absorbs features)
     frozen: Int[Array, " r"]  # tokens at the row's sequence start held in shared pages: never written (prefix cache)
     prompt_end: Int[Array, " r"]  # bounded replay: where a prefill row's prompt ends (0: none, `model.replay`)
+    targets: Int[Array, "r t"]  # prompt logprobs: the token after each position (the next prompt token)
+    scored: Bool[Array, " r"]  # the row asks for the logprobs of `targets` (a prefill row of an echo request)
 
 
 # What a token of a row is, for the penalty statistics: prompt tokens join the prompt mask, replayed
@@ -71,7 +73,10 @@ class StepOutput(NamedTuple):
     confidence: Float[Array, "r g"]
     next_drafts: Int[Array, "r k"]
     next_confidence: Float[Array, "r k"]
-    drafted: Bool[Array, ""]
+    prompt_logprob: Float[Array, "r t"]  # scored rows: each position's logprob of its target (zeros otherwise)
+    prompt_top_ids: Int[Array, "r t n"]
+    prompt_top_logprobs: Float[Array, "r t n"]
+    drafted: Bool[Array, ""]  # last: a per-step scalar (`serving.engine_dp` shards every field before it)
 
 
 def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=(), verify_len: int = 1,
@@ -90,7 +95,7 @@ def empty_batch(layout: CacheLayout, rows: int, tokens: int, engram_shapes=(), v
         engram_rows=tuple(np.zeros((rows, tokens, *shape), np.float32) for shape in engram_shapes),
         caps=z(rows), budget=np.zeros((), np.int32), draft=np.ones((), bool),
         bitmask=np.full((rows, verify_len, bitmask_width(layout.vocab_size)), ALL_ALLOWED, np.int32),
-        frozen=z(rows), prompt_end=z(rows))
+        frozen=z(rows), prompt_end=z(rows), targets=z(rows, tokens), scored=z(rows, dtype=bool))
 
 
 class DrafterSpec(NamedTuple):
@@ -105,7 +110,8 @@ class DrafterSpec(NamedTuple):
 
 class RowInputs(NamedTuple):
     """What each row runs in a step, resolved on the device: its tokens (a decode / verify row's from its slot),
-    their kinds, its start position and real-token count, the drafts it verifies, its verify positions."""
+    their kinds, its start position and real-token count, the drafts it verifies, its verify positions, and the
+    batch's prompt-logprob targets and scored rows."""
 
     tokens: Int[Array, "r t"]
     kinds: Int[Array, "r t"]
@@ -113,15 +119,18 @@ class RowInputs(NamedTuple):
     counts: Int[Array, " r"]
     drafted: Int[Array, " r"]
     at: Int[Array, "r v"]
+    targets: Int[Array, "r t"]
+    scored: Bool[Array, " r"]
 
 
 class Forwarded(NamedTuple):
     """What the forward half of a step hands the decide half (device arrays): the verify positions' logits, the
-    drafter's target features and what the rows ran (`RowInputs`)."""
+    drafter's target features, what the rows ran (`RowInputs`) and the scored rows' prompt logprobs."""
 
     picked: Float[Array, "r v vocab"]
     features: Float[Array, "r t f"]  # the drafter's target-layer features ([r, t, 0] without a drafter)
     rows: RowInputs
+    prompt: SampleOutput  # [r, t]: each position's target, its logprob and the top alternatives
 
 
 class DecideBatch(NamedTuple):
@@ -168,15 +177,33 @@ def row_inputs(cache: dict, batch: StepBatch, verify_len: int) -> RowInputs:
     # the verify positions: the last drafted + 1 real ones (a prefill or decode row: its last); the model
     # projects only them onto the vocabulary
     at = jnp.clip(counts[:, None] - 1 - drafted[:, None] + jnp.arange(verify_len), 0, width - 1)  # [r, v]
-    return RowInputs(tokens, kinds, starts, counts, drafted, at)
+    return RowInputs(tokens, kinds, starts, counts, drafted, at, batch.targets, batch.scored)
 
 
-def forwarded(picked: Float[Array, "r v vocab"], features: Float[Array, "r t f"] | None, rows: RowInputs
-              ) -> Forwarded:
-    """The forward half's hand-over: the verify positions' logits, the drafter's features (None: no drafter)."""
+def prompt_logprobs(logits: Callable[[], Float[Array, "r t vocab"]], rows: RowInputs, num_top: int) -> SampleOutput:
+    """Each position's logprob of its target and the `num_top` most likely alternatives (raw model logits, as
+    for sampled tokens), for a server's prompt logprobs (`echo`). `logits()` gives every position's logits: it
+    runs only in a step with a scored row, so other steps never project their whole chunk onto the vocabulary."""
+    r, t = rows.targets.shape
+
+    def score():
+        out = token_logprobs(logits().reshape(r * t, -1), rows.targets.reshape(-1), num_top, jnp.asarray(True))
+        return jax.tree.map(lambda x: x.reshape(r, t, *x.shape[1:]), out)
+
+    def skip():
+        return SampleOutput(rows.targets, jnp.zeros((r, t)), jnp.zeros((r, t, num_top), jnp.int32),
+                            jnp.zeros((r, t, num_top)))
+
+    return jax.lax.cond(jnp.any(rows.scored), score, skip)
+
+
+def forwarded(picked: Float[Array, "r v vocab"], features: Float[Array, "r t f"] | None, rows: RowInputs,
+              prompt: SampleOutput) -> Forwarded:
+    """The forward half's hand-over: the verify positions' logits, the drafter's features (None: no drafter),
+    the rows' inputs and their prompt logprobs (`prompt_logprobs`)."""
     if features is None:
         features = jnp.zeros((*rows.tokens.shape, 0), picked.dtype)
-    return Forwarded(picked, features, rows)
+    return Forwarded(picked, features, rows, prompt)
 
 
 LAYER_STATE = ("layers",)  # the cache entries the forward half updates; the decide half the rest
@@ -193,6 +220,7 @@ class StepHalves(NamedTuple):
     decide: Callable
     head_leaves: tuple[int, ...]  # the target's embedding and head leaves, which a drafter reads ((): none)
     step: Callable
+    num_top: int  # top alternatives per logprob (sampled tokens and prompt logprobs)
 
 
 def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
@@ -220,10 +248,11 @@ def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
             unbounded = (batch.prompt_end == 0) & (rows.counts <= replay.keep)
             extra |= {"replay": replay, "prompt_end": jnp.where(unbounded, 0, jnp.maximum(
                 batch.prompt_end, rows.starts + rows.counts))}
-        picked, new, *taps = module(rows.tokens, {"pos": rows.starts, "layers": states}, count=rows.counts,
-                                    at=rows.at, **extra)
+        picked, new, *taps, final = module(rows.tokens, {"pos": rows.starts, "layers": states}, count=rows.counts,
+                                           at=rows.at, final=True, **extra)
         cache = put_rows(cache, batch.slots, new["layers"])
-        return forwarded(picked, taps[0] if drafter is not None else None, rows), cache
+        prompt = prompt_logprobs(lambda: module.final_logits(final), rows, num_top)
+        return forwarded(picked, taps[0] if drafter is not None else None, rows, prompt), cache
 
     def decide(weights: tuple, cache: dict, batch: DecideBatch, fwd: Forwarded, verify_len: int
                ) -> tuple[StepOutput, dict]:
@@ -269,7 +298,8 @@ def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
         lp = jax.tree.map(lambda x: x.reshape(rows, verify_len, *x.shape[1:]), lp)
         kept_logits = picked if return_logits else jnp.zeros((rows, verify_len, 0), picked.dtype)
         return StepOutput(emitted, lp.logprob, lp.top_ids, lp.top_logprobs, kept_logits, accepted, drafted,
-                          accept_prob, confidence, next_drafts, next_confidence,
+                          accept_prob, confidence, next_drafts, next_confidence, fwd.prompt.logprob,
+                          fwd.prompt.top_ids, fwd.prompt.top_logprobs,
                           jnp.asarray(batch.draft) & (drafter is not None)), cache
 
     def step(weights: tuple, cache: dict, batch: StepBatch, verify_len: int) -> tuple[StepOutput, dict]:
@@ -278,7 +308,7 @@ def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
         out, decided = decide(decide_weights(weights, head_leaves), decided, decide_batch(batch), fwd, verify_len)
         return out, {**layer_state, **decided}
 
-    return StepHalves(forward, decide, head_leaves, step)
+    return StepHalves(forward, decide, head_leaves, step, num_top)
 
 
 def _processed(cache, batch, slots, tokens, kinds, counts, at, picked):

@@ -66,6 +66,19 @@ def greedy_full_forward(model: Model, prompts: list[list[int]], steps: int, rows
     return [(seq[len(p):], np.stack(rows_)) for p, seq, rows_ in zip(prompts, ids, logits)]
 
 
+def prompt_logprobs_by_forward(model: Model, prompt: list[int], width: int | None = None
+                               ) -> tuple[np.ndarray, np.ndarray]:
+    """(each prompt token's logprob given the ones before it, float64 [len - 1]; the most likely token at each of
+    those positions) by the model's full forward, replay off (zero-padded to `width` tokens: the model is causal,
+    so one compilation serves prompts of any length)."""
+    padded = np.zeros((1, width or len(prompt)), np.int32)
+    padded[0, :len(prompt)] = prompt
+    logits = np.asarray(model.logits(padded), np.float64)[0, :len(prompt) - 1]
+    top = logits.max(-1, keepdims=True)
+    logprobs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    return logprobs[np.arange(len(prompt) - 1), prompt[1:]], logprobs.argmax(-1)
+
+
 def widened_to_f32(src: Path, dst: Path) -> Path:
     """`src`, a one-file checkpoint, with its BF16 tensors stored as F32 (exactly): loaded as `checkpoint` it keeps
     its FP8 / FP4 tensors as stored and computes everything else in fp32, so that it can be compared tightly with

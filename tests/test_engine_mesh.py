@@ -1,6 +1,7 @@
 """The mesh engine against the single-device engine, feature by feature, on emulated CPU devices
 (tests/conftest.py): V4.1 with its experts split over `ep` (a rank left idle by an odd number of requests: V4.1's
-compact replay is a `lax.cond` whose branch runs MoE layers, so the ranks must take it together), the prefix
+compact replay is a `lax.cond` whose branch runs MoE layers, so the ranks must take it together) with prompt
+logprobs, the prefix
 cache per rank with its host tier and fixed speculation by V4's MTP drafter over dp and ep (a hit equals a cold
 prefill; the rank holding a prefix takes the requests sharing it; drafts verified, tokens lossless), and
 structured outputs under DSpark. Greedy tokens are compared exactly, logits within 1e-5 where the engine keeps them."""
@@ -43,9 +44,13 @@ def test_v41_with_experts_over_ep_equals_single_device(v41):
     """dp=2,ep=2: three requests over two ranks, so one rank runs padding rows only in some steps (its compact
     replay would skip the MoE layers whose all-to-all the other rank waits in)."""
     prompts = [RNG.integers(0, V41.vocab_size, n).tolist() for n in (5, 23, 9)]
-    single = Engine(v41, **ENGINE).generate(prompts, GREEDY)
+    scored = dataclasses.replace(GREEDY, prompt_logprobs=0)  # the second request's prompt logprobs (echo)
+    single = Engine(v41, **ENGINE).generate(prompts, [GREEDY, scored, GREEDY])
     engine = Engine(v41, mesh="dp=2,ep=2", **ENGINE)
-    same_outputs(engine.generate(prompts, GREEDY), single)
+    outputs = engine.generate(prompts, [GREEDY, scored, GREEDY])
+    same_outputs(outputs, single)
+    got, want = ([e.logprob for e in o.prompt_logprobs[1:]] for o in (outputs[1], single[1]))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     assert engine.stats["eplb_balancedness"] > 0  # the expert loads were counted, the replay layers' too
 
 

@@ -24,7 +24,7 @@ from model.replay import ENGINE_DEFAULT, Replay, exact_keep, for_engine
 from serving.engine import Engine
 from serving.sampling import SamplingParams
 from serving.window_snapshots import prefix_key
-from tests.helpers import random_model
+from tests.helpers import prompt_logprobs_by_forward, random_model
 from tests.test_dspark import CONFIG as DRAFTER, TARGET as SPEC_TARGET
 from tests.typecheck import unchecked
 
@@ -181,6 +181,13 @@ def test_v41_engine_bounded_replay_gives_the_models_numbers(v41):
     same(masked.generate([prompt], GREEDY)[0], out, atol=1e-5)
 
 
+def test_v41_prompt_logprobs_run_every_position_through_the_replay_layers(v41):
+    """Compact replay keeps 12 of a chunk's 32 tokens: a prompt-logprob request's chunks are cut to 12, which
+    the replay layers run whole, so its entries are the full forward's (replay off), not the bounded ones."""
+    out = v41.engine.generate([v41.b], dataclasses.replace(GREEDY, prompt_logprobs=1))[0]
+    same_prompt_logprobs(out, v41.model, v41.b)
+
+
 def test_v41_snapshot_hit_equals_cold_run(v41):
     """Bounded replay: a snapshot at b is usable only for b <= P - keep = 126, so B starts from A's snapshot at 96
     (the one at 128 lacks B's replay-layer keys 126, 127), not replaying."""
@@ -200,6 +207,42 @@ def test_v41_snapshot_hit_equals_cold_run(v41):
         prefix.bounded_keep = KEEP
     assert delta(engine, before)["prefilled"] == 138 - 128
     assert np.abs(np.stack(out.logits) - np.stack(v41.cold.logits)).max() > 1e-3
+
+
+def same_prompt_logprobs(out, model, prompt: list[int]) -> None:
+    """`out`'s prompt logprobs (asked with one alternative) are the full forward's, the alternative its argmax."""
+    want, argmax = prompt_logprobs_by_forward(model, prompt)
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    assert [e.token for e in entries[1:]] == prompt[1:] and [e.top[0][0] for e in entries[1:]] == argmax.tolist()
+    np.testing.assert_allclose([e.logprob for e in entries[1:]], want, atol=1e-4, rtol=0)
+
+
+def test_prompt_logprobs_cold_and_from_a_hit_are_the_full_forwards(tiny):
+    """Prompt logprobs (a completion's echo) come from the engine's prefill: cold, from a hit that prefills its
+    prompt's tail only (the entries of the cached pages come from the prompt-logprob store, and the prefill starts
+    where the state is exact by the first entry it computes: a snapshot or the exact replay), and for a prompt
+    wholly cached."""
+    engine, model, prefix = tiny.engine, tiny.model, tiny.engine.scheduler.prefix
+    params = dataclasses.replace(GREEDY, prompt_logprobs=1)
+    fresh(engine)
+    engine.prompt_store.pages.clear()
+    a = engine.generate([tiny.a], params)[0]
+    same_prompt_logprobs(a, model, tiny.a)
+    assert a.token_ids == engine.generate([tiny.a], GREEDY)[0].token_ids  # scoring changes no token
+    before = counters(engine)
+    b = engine.generate([tiny.b], params)[0]
+    same_prompt_logprobs(b, model, tiny.b)
+    same(b, tiny.cold[0])
+    assert b.cached_tokens == 48  # the store covers 48 entries, A's snapshot at 48 gives the state there
+    prefix.snapshots.entries.clear()  # without it, the replay reaches exact state by the first entry it computes
+    replayed = engine.generate([tiny.b], params)[0]
+    same_prompt_logprobs(replayed, model, tiny.b)
+    assert replayed.cached_tokens == 48 - prefix.exact_replay
+    assert delta(engine, before)["prefilled"] == 2 * 58 - b.cached_tokens - replayed.cached_tokens
+    again = engine.generate([tiny.a], params)[0]
+    same_prompt_logprobs(again, model, tiny.a)
+    assert again.cached_tokens > 0
 
 
 def test_prefix_hit_under_speculation_equals_plain_greedy():

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 
 from model import load_model  # noqa: E402
 from serving.server import Server, ServerConfig, serve_in_thread  # noqa: E402
-from tests.helpers import greedy_full_forward  # noqa: E402
+from tests.helpers import greedy_full_forward, prompt_logprobs_by_forward  # noqa: E402
 
 KEY = "test-key"
 MODEL = "bundled"
@@ -231,6 +231,38 @@ def test_n_seed_stop_and_logprobs(served, client):
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) and entry.logprob <= 0
+
+
+def test_echo_returns_every_prompt_logprob_then_the_generated_ones(served, client):
+    """lm-eval's log-likelihood request (prompts as token-id lists, `echo`, `logprobs: 1`, `max_tokens: 1`): a
+    logprob for every prompt token (the first null) equal to the model's full forward, then the generated
+    token's; `max_tokens: 0` gives the prompt's alone; a string prompt is echoed as given, streamed too."""
+    model, server, url = served
+    tokenizer = server.api.tokenizer
+    prompts = [tokenizer.encode("ROMEO:\nBut soft, what light"), tokenizer.encode("KING:\nNow is the winter")]
+    r = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    for prompt, choice in zip(prompts, sorted(r.choices, key=lambda c: c.index), strict=True):
+        want, argmax = prompt_logprobs_by_forward(model, prompt, MAX_LEN)
+        lps = choice.logprobs
+        assert len(lps.token_logprobs) == len(prompt) + 1 and lps.token_logprobs[0] is None
+        assert lps.top_logprobs[0] is None
+        np.testing.assert_allclose(lps.token_logprobs[1:-1], want, atol=1e-4, rtol=0)
+        assert [max(top, key=top.get) for top in lps.top_logprobs[1:-1]] == [server.decode([int(t)]) for t in argmax]
+        assert choice.text == server.decode(prompt) + server.decode(greedy_reference(model, prompt, 1))
+    assert r.usage.completion_tokens == 2
+    alone = client.completions.create(model=MODEL, prompt=prompts[0], echo=True, logprobs=0, max_tokens=0)
+    choice = alone.choices[0]
+    assert len(choice.logprobs.token_logprobs) == len(prompts[0]) and choice.text == server.decode(prompts[0])
+    np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], prompt_logprobs_by_forward(
+        model, prompts[0], MAX_LEN)[0], atol=1e-4, rtol=0)
+    assert alone.usage.completion_tokens == 0
+    args = dict(model=MODEL, prompt="ROMEO:\n", echo=True, max_tokens=6, temperature=0)
+    whole = client.completions.create(**args).choices[0].text
+    assert whole.startswith("ROMEO:\n") and len(whole) > len("ROMEO:\n")
+    chunks = [c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices]
+    assert chunks[0] == "ROMEO:\n" and "".join(chunks) == whole
+    with pytest.raises(openai.BadRequestError, match="not streamed"):
+        client.completions.create(**{**args, "max_tokens": 0}, stream=True)
 
 
 def test_models_retrieve_and_unknown_fields_ignored_with_a_warning(served, client, caplog):
