@@ -152,9 +152,7 @@ class OpenAIRequests:
         echo = body.get("echo")
         if echo is not None and not isinstance(echo, bool):
             raise ApiError(400, f"echo must be a boolean, got {echo!r}", param="echo")
-        fields = dict(body if fields is None else fields)
-        if fields.get("prompt_logprobs") is not None:
-            raise ApiError(400, "prompt_logprobs is not supported: ask for echo with logprobs", param="prompt_logprobs")
+        fields = self.without_prompt_logprobs(body if fields is None else fields)
         length = "max_tokens" if fields.get("max_tokens") is not None else "max_completion_tokens"
         prompt_only = bool(echo) and fields.get(length) == 0
         if prompt_only and body.get("stream"):
@@ -186,9 +184,17 @@ class OpenAIRequests:
         prompt_ids, thinking, tools = self.chat_prompt(body)
         forced = self.forced_tool_calls(body, tools)
         constraint, trigger = self.constraint(body, thinking, forced)
-        params = self.params(body, len(prompt_ids), fields)
+        params = self.params(body, len(prompt_ids), self.without_prompt_logprobs(body if fields is None else fields))
         return Prepared([Submission(prompt_ids, p, constraint, trigger) for p in params], len(prompt_ids), thinking,
                         tools, forced is not None)
+
+    @staticmethod
+    def without_prompt_logprobs(fields: dict) -> dict:
+        """A copy of a body's sampling `fields`, refusing vLLM's `prompt_logprobs` (a completion asks with echo)."""
+        if fields.get("prompt_logprobs") is not None:
+            raise ApiError(400, "prompt_logprobs is not supported: ask /v1/completions for echo with logprobs",
+                           param="prompt_logprobs")
+        return dict(fields)
 
     @staticmethod
     def prompt_texts(prompt) -> list[str | None]:

@@ -391,6 +391,10 @@ def test_the_example_client_runs(served, capsys):
     ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": [True]}, 400, "stream_options must be"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only allowed with stream"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role one of"),
+    ({"model": MODEL, "prompt": "x", "echo": "yes"}, 400, "echo must be a boolean"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1}, 400,
+     "ask /v1/completions for echo"),
+    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 6}, 400, "exceeds the engine's num_top_logprobs"),
     ({"model": MODEL, "prompt": "x" * 70_000}, 413, "exceeds the server's limit"),
 ])
 def test_bad_requests_get_clear_4xx(served, body, status, message):
