@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Int
 
-from model.layer_stack import layer_key
 from model.paged import pools
 from model.replay import take_positions
 from model.transformer import Block, input_streams, project_logits
@@ -43,6 +42,13 @@ from pallas_kernels.transposed_weights import HELD_KEY
 from serving.kv_cache import layer_rows, put_rows
 from serving.step import (CompiledHalves, Forwarded, RowInputs, StepBatch, StepHalves, abstract_shapes, compile_decide,
                           forwarded, prompt_logprobs, row_inputs, split_cache)
+
+
+def layer_key(block) -> tuple:
+    """What makes two blocks interchangeable in one compiled program: the same graph and parameter shapes and
+    dtypes."""
+    graphdef, state = nnx.split(block)
+    return graphdef, jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
 
 
 class LayerBatch(NamedTuple):
