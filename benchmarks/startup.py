@@ -14,8 +14,6 @@ Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite
   16-token prefill), no persistent cache, halved.
   The engine runs its layers as one program per kind of layer (`serving.layer_programs`).
 - `compile_s_by_layers_one_program`: the same with the whole step as one program (`--no-layer-programs`).
-- `compile_s_by_layers_stacked`: the same with the model's repeated layers stacked (`model.layer_stack`,
-  `--scan-layers`), run as scans.
 - `serve_health_cold_s` / `serve_first_completion_s`: `jaxseek serve` (the bundled model) started with an empty
   compile cache: seconds from starting the process to `/health` answering 200, then the seconds of a first
   16-token `/v1/completions` request (while the server compiles its other buckets in the background);
@@ -103,15 +101,14 @@ def flash_pattern(config, layers: int):
     return dataclasses.replace(config, num_hidden_layers=len(ratios) - 1, compress_ratios=ratios)
 
 
-def compile_seconds(layers: int, transform=None, **settings) -> float:
-    """Seconds per bucket to compile a one-slot engine's decode and prefill buckets, `small` widths; `transform`
-    (e.g. `model.layer_stack.stack_layers`) is applied to the model first, `settings` go to the engine."""
+def compile_seconds(layers: int, **settings) -> float:
+    """Seconds per bucket to compile a one-slot engine's decode and prefill buckets, `small` widths; `settings` go
+    to the engine."""
     from model.config import preset
     from model.initialize import init_model
     from serving.engine import Engine
 
     model = init_model(flash_pattern(preset("small"), layers), seed=0)
-    model = model if transform is None else transform(model)
     engine = Engine(model, max_slots=1, max_len=256, prefill_chunk=16, batch_invariant=True, **settings)
     start = time.perf_counter()
     engine.warmup()
@@ -155,16 +152,13 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
 
     jax.config.update("jax_compilation_cache_dir", None)  # compile for real below
-    from model.layer_stack import stack_layers
-
-    for suffix, transform, settings in (("", None, {}), ("_one_program", None, {"layer_programs": False}),
-                                        ("_stacked", stack_layers, {})):
+    for suffix, settings in (("", {}), ("_one_program", {"layer_programs": False})):
         key = f"compile_s_by_layers{suffix}"
         result[key] = {}
         for layers in LAYERS:
             log(f"compiling a {layers}-layer small-width engine {suffix[1:]}")
-            result[key][str(layers)] = round(compile_seconds(layers, transform, **settings), 2)
-    for suffix in ("", "_one_program", "_stacked"):
+            result[key][str(layers)] = round(compile_seconds(layers, **settings), 2)
+    for suffix in ("", "_one_program"):
         by = result[f"compile_s_by_layers{suffix}"]
         result[f"compile_ratio_16_over_4{suffix}"] = round(by["16"] / by["4"], 2)
     if not args.skip_dspark:

@@ -29,10 +29,6 @@ def _load(args):
         model = init_model(preset(args.config), seed=args.seed, weights=weights or "float32")
     else:
         model = load_model(weights=weights)  # the bundled default model
-    if args.scan_layers:
-        from model.layer_stack import stack_layers
-
-        return stack_layers(model)
     return model
 
 
@@ -164,7 +160,7 @@ BENCHMARKS = {  # `jaxseek bench NAME`: the module whose main(argv) runs it
     "engine": "benchmarks.engine", "dspark": "benchmarks.dspark", "prefill": "benchmarks.prefill",
     "grammar": "benchmarks.grammar", "kernels": "benchmarks.kernels", "serving": "benchmarks.serving",
     "startup": "benchmarks.startup", "context": "benchmarks.context", "quant": "benchmarks.quant",
-    "layer-scan": "benchmarks.layer_scan"}
+    "layer-programs": "benchmarks.layer_forms"}
 
 
 def cmd_bench(args) -> int:
@@ -192,10 +188,6 @@ def _add_weights_arg(p: argparse.ArgumentParser) -> None:
                         "packed FP4 experts, "
                         "decoded inside the matmuls), or decoded to bfloat16 / float32 at load (auto: checkpoint "
                         "on GPUs and bfloat16 elsewhere for a quantized checkpoint, float32 for a float one)")
-    p.add_argument("--scan-layers", action="store_true",
-                   help="store each run of repeated layers stacked and run it as one scan (V4 models): a step's "
-                        "compile time stops growing with depth; XLA:CPU copies the stacked weights each step, so "
-                        "decode is slower there (docs/benchmarks.md)")
 
 
 def _add_platform_args(p: argparse.ArgumentParser) -> None:

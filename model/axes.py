@@ -7,7 +7,6 @@ mesh axes, so the same module places itself on any mesh. Names and what they ind
 - `expert`: the routed-expert bank (or its physical EPLB slots), split over `ep`;
 - `batch`: request rows of a cache or batch; `seq`: tokens of a sequence; `pages`: an engine's page pool;
 - `table_rows`: rows of an Engram table, split over every device;
-- `layers`: the repeats of a stacked run of layers (`model.layer_stack`), replicated;
 - `vocab`, `embed` (hidden size), `mlp` (an expert's intermediate size), `out` / `in` (a linear map's
   output and input features), `router` (the router's per-expert scores, needed whole by every token),
   `topk` (a token's routed slots), `replica` (an expert's replica slots), `heads` (attention heads),

@@ -30,7 +30,6 @@ from model.config_v41 import V41Config
 from model.dspark import DSparkConfig, DSparkDrafter, Drafter, checkpoint_name
 from model.engram import EngramMemory, canonical_vocab, table_names
 from model.host_layout import checkpoint_layout
-from model.layer_stack import is_stacked, stack_layers, unstack_layers
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks
 from model.safetensors_io import INDEX_NAME, read_tensors, write_sharded, write_tensors
 from model.stored import E4M3, E8M0, as_stored, quantization_config, quantize_tensors, rule_names, stored_names
@@ -68,13 +67,10 @@ def _expected(params, rename=lambda name: name) -> dict[str, tuple[tuple, tuple[
 
 
 def to_native(model: Model | Drafter) -> dict[str, np.ndarray]:
-    """The parameters as a dict of checkpoint tensor names to host arrays (experts split per expert; stacked
-    layers, `model.layer_stack`, one per layer)."""
+    """The parameters as a dict of checkpoint tensor names to host arrays (experts split per expert)."""
     rename = lambda name: name  # noqa: E731
     if isinstance(model, Model):
         model = checkpoint_layout(model)  # weights an engine holds transposed (`model.host_layout`)
-    if isinstance(model, Model) and is_stacked(model):
-        model = unstack_layers(model)
     if isinstance(model, Drafter):
         rename = _drafter_name(model.config, model.module().single_pass)
     out = {}
@@ -438,11 +434,9 @@ def _show(name: str, expected: dict) -> str:
 
 def to_stored(model: Model, block: tuple[int, int] = (128, 128)) -> Model:
     """The model with its linears and experts in DeepSeek's stored form (`model.stored`: FP8 blocks of
-    `block`, packed FP4 experts, UE8M0 scales), the rest as it is; stacked layers stay stacked."""
+    `block`, packed FP4 experts, UE8M0 scales), the rest as it is."""
     if model.drafter is not None or model.engram is not None:
         raise ValueError("only V4 models without a drafter convert to the stored form in memory")
-    if is_stacked(model):
-        return stack_layers(to_stored(unstack_layers(model), block))
     tensors = _stack_experts(quantize_tensors(to_native(model), block))
     layout = Layout(str(model.module().embed.weight.dtype), *map(frozenset, rule_names(model.module())), block)
     stored = layout.model(model.config)

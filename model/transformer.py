@@ -8,7 +8,6 @@ from model.attention import Attention, attend_rows
 from model.axes import param
 from model.config import ModelConfig
 from model.hyper import HyperConnection, HyperHead, expand
-from model.layer_stack import LayerStack, layer_spans
 from model.linear import Linear, normal_init
 from model.moe import MoE
 from model.paged import as_paged, pools
@@ -21,8 +20,7 @@ def empty_cache(config, layers, batch: int, max_len: int, ring: int | None = Non
     if max_len > config.max_position_embeddings:
         raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={config.max_position_embeddings}")
     return {"pos": jnp.zeros((), jnp.int32),
-            "layers": [entry.init_state(batch, max_len, ring) if isinstance(entry, LayerStack)
-                       else entry.attn.init_state(batch, max_len, ring) for entry in layers]}
+            "layers": [block.attn.init_state(batch, max_len, ring) for block in layers]}
 
 
 def input_streams(embed, tokens: Int[Array, "b c"], n: int) -> Float[Array, "b c n d"]:
@@ -127,8 +125,7 @@ class DeepseekV4(nnx.Module):
         taps [b, c, len(collect) * n * d] when `collect` names layers: each one's output streams, flattened and
         concatenated in `collect` order (the MTP drafter reads the last layer's).
 
-        Only the first `count` tokens (default all) are real: the rest pad a static bucket. Runs of repeated
-        layers stored stacked (`model.layer_stack`) run as one scan each.
+        Only the first `count` tokens (default all) are real: the rest pad a static bucket.
         """
         n_layers = self.config.num_hidden_layers
         if any(not 0 <= i < n_layers for i in collect):
@@ -137,15 +134,10 @@ class DeepseekV4(nnx.Module):
         start = cache["pos"]
         streams = input_streams(self.embed, tokens, self.config.hc_mult)
         states, taps = [], {}
-        for (first, depth), entry, state in zip(layer_spans(self.layers), self.layers, as_paged(cache["layers"])):
-            if isinstance(entry, LayerStack):
-                local = tuple(i - first for i in collect if first <= i < first + depth)
-                streams, state, outs = entry(streams, tokens, start, state, count, local)
-                taps |= {first + i: out for i, out in zip(local, outs)}
-            else:
-                streams, state = entry(streams, tokens, start, state, count)
-                if first in collect:
-                    taps[first] = streams
+        for i, (block, state) in enumerate(zip(self.layers, as_paged(cache["layers"]))):
+            streams, state = block(streams, tokens, start, state, count)
+            if i in collect:
+                taps[i] = streams
             states.append(state)
         taps = {i: tap.reshape(*tap.shape[:2], -1) for i, tap in taps.items()}
         cache = {**cache, "pos": start + count, "layers": pools(states)}

@@ -22,7 +22,6 @@ from model import moe
 from model.api import Model
 from model.dspark import Drafter
 from model.host_layout import checkpoint_layout
-from model.layer_stack import is_stacked
 from serving.kv_cache import CacheLayout, PageAllocator, cache_axes, init_engine_cache
 from serving.prefix_admission import PrefixAdmission
 from serving.prefix_ranks import RankedPrefix, RankPages
@@ -116,9 +115,6 @@ class DataParallel:
         if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {"cp", "dp", "ep"}:
             raise ValueError(f"mesh must be a MeshSpec string like 'dp=4,ep=2', a MeshSpec or a "
                              f"sharding.mesh.make_mesh mesh, got {mesh!r}")
-        if is_stacked(model):
-            raise ValueError("a model with stacked layers (model.layer_stack, --scan-layers) runs on one device; "
-                             "give the mesh engine the model as loaded")
         model = checkpoint_layout(model)  # weights a CPU engine held transposed are placed as the checkpoint has them
         if mesh.shape["cp"] != 1:
             raise ValueError("the engine splits requests, not sequences: its mesh must have cp=1")

@@ -122,8 +122,8 @@ def gather_slots(tree: PyTree, slots: Int[Array, " r"], empty: PyTree, reset) ->
 
 
 def _pool(path, leaf: jax.Array, layout: CacheLayout, span: int) -> jax.Array:
-    """Paged leaves [slots, (stacked layers,) entries, d] become page pools [pages + 1, (stacked layers,) entries
-    per page, d]; the others keep their slot axis."""
+    """Paged leaves [slots, entries, d] become page pools [pages + 1, entries per page, d]; the others keep their
+    slot axis."""
     if paged_path(path):
         per_page = leaf.shape[-2] * layout.page_tokens // span
         return jnp.zeros((layout.num_pages + 1, *leaf.shape[1:-2], per_page, leaf.shape[-1]), leaf.dtype)

@@ -18,8 +18,7 @@ On the CPU backend, a bucket of fewer (token, expert) pairs than experts (decode
 layer's float expert stacks as per-expert views (`pallas_kernels.expert_views`: aliases of the stack, made once),
 so the chosen experts are multiplied where they lie instead of being copied out of the stack first.
 
-Used by a single-device engine on a V4 model whose layers are not stacked (`model.layer_stack` already compiles
-one body per run).
+Used by a single-device engine on a V4 model.
 """
 
 from __future__ import annotations
@@ -115,7 +114,7 @@ class LayerPlan:
         """Why `model` cannot run as layer programs (None: it can)."""
         module = model.module()
         if not all(isinstance(entry, Block) for entry in module.layers):
-            return "its layers are not all plain V4 blocks (a V4.1 model, or stacked layers)"
+            return "its layers are not all plain V4 blocks (a V4.1 model)"
         if model.engram is not None:
             return "it has Engram memory"
         return None

@@ -41,7 +41,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "seq": ("cp",),                  # sequence chunks of a long prefill (zigzag)
     "expert": ("ep",),               # routed experts (physical slots when EPLB adds replicas)
     "table_rows": ("cp", "dp", "ep"),  # Engram table rows: each device owns a contiguous range
-    **dict.fromkeys(("layers", "vocab", "embed", "mlp", "out", "in", "router", "topk", "replica", "heads", "norm",
+    **dict.fromkeys(("vocab", "embed", "mlp", "out", "in", "router", "topk", "replica", "heads", "norm",
                      "window", "hc", "hc_scale"), ()),  # the backbone: replicated over every rank
 }
 

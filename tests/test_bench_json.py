@@ -82,15 +82,16 @@ def test_bench_engine_roofline_figures_are_json_safe(monkeypatch):
     assert figures["products_share_b1"] == pytest.approx(sorted([0.004 * 100, 0.002 * 50, 0.005 * 90])[1])
 
 
-def test_bench_layer_scan_summary_is_json_safe():
-    """The layer-scan benchmark's figures from numpy-typed measurements: one strict JSON line, ratios by hand
-    (the stacked model itself is checked against the unstacked one in tests/test_layer_stack.py)."""
-    from benchmarks import layer_scan
+def test_bench_layer_programs_summary_is_json_safe():
+    """The layer-programs benchmark's figures from numpy-typed measurements: one strict JSON line, ratios by
+    hand."""
+    from benchmarks import layer_forms
 
-    compile_s = {"one_program": {4: np.float64(2.0), 16: 8.0}, "stacked": {4: 2.0, 16: np.float32(2.5)}}
-    rates = {"one_program": {1: np.float64(50.0), 16: 200.0}, "stacked": {1: 40.0, 16: np.float32(100.0)}}
-    line = json.loads(json_line(layer_scan.summary(compile_s, rates, True)))
-    assert line["compile_ratio_16_over_4_one_program"] == 4.0 and line["compile_ratio_16_over_4_stacked"] == 1.25
-    assert line["compile_s_by_layers_stacked"] == {"4": 2.0, "16": 2.5}
-    assert line["stacked_over_one_program_decode_b1"] == 0.8 and line["stacked_over_one_program_decode_b16"] == 0.5
-    assert line["decode_tok_s_b16_stacked"] == 100.0 and line["outputs_match"] is True
+    compile_s = {"one_program": {4: np.float64(2.0), 16: 8.0}, "layer_programs": {4: 2.0, 16: np.float32(2.5)}}
+    rates = {"one_program": {1: np.float64(50.0), 16: 200.0}, "layer_programs": {1: 40.0, 16: np.float32(100.0)}}
+    line = json.loads(json_line(layer_forms.summary(compile_s, rates, True)))
+    assert line["compile_ratio_16_over_4_one_program"] == 4.0 and line["compile_ratio_16_over_4_layer_programs"] == 1.25
+    assert line["compile_s_by_layers_layer_programs"] == {"4": 2.0, "16": 2.5}
+    assert line["layer_programs_over_one_program_decode_b1"] == 0.8
+    assert line["layer_programs_over_one_program_decode_b16"] == 0.5
+    assert line["decode_tok_s_b16_layer_programs"] == 100.0 and line["outputs_match"] is True

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from model.config import preset
-from model.layer_stack import stack_layers
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
 from serving.sampling import SamplingParams
@@ -54,7 +53,6 @@ def test_one_row_decode_reads_the_chosen_experts_where_they_lie(model):
 
 
 def test_models_it_does_not_cover_run_as_one_program(model):
-    assert Engine(stack_layers(model), max_slots=2, max_len=64).layer_plan is None
     assert Engine(model, max_slots=2, max_len=64, layer_programs=False).layer_plan is None
     v41 = random_model(preset("tiny-v41"))
     assert Engine(v41, max_slots=2, max_len=64).layer_plan is None

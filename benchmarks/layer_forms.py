@@ -1,8 +1,8 @@
-"""Layer-loop benchmark: the three ways the engine can run a model's repeated layers, compile time against depth
-and decode speed, on this machine.
+"""Layer-programs benchmark: the two ways the engine can run a model's layers, compile time against depth and
+decode speed, on this machine.
 
-    jaxseek bench layer-scan                # 4, 8 and 16 layers, decode at 8 (~15 min on 2 idle cores)
-    jaxseek bench layer-scan --layers 4 8   # fewer
+    jaxseek bench layer-programs                # 4, 8 and 16 layers, decode at 8 (~10 min on 2 idle cores)
+    jaxseek bench layer-programs --layers 4 8   # fewer
 
 Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
 
@@ -10,9 +10,7 @@ The model: `small` widths with V4-Flash's layer pattern (two sliding layers, (CS
 `benchmarks.startup.flash_pattern`), random weights, fp32. The forms:
 
 - `one_program`: the whole step as one program, every layer unrolled in it (`--no-layer-programs`);
-- `layer_programs`: one program per kind of layer, launched per layer (`serving.layer_programs`, the default);
-- `stacked`: the repeated layers stored stacked and run as scans in one program (`--scan-layers`,
-  `model.layer_stack`).
+- `layer_programs`: one program per kind of layer, launched per layer (`serving.layer_programs`, the default).
 
 Figures per form:
 
@@ -37,15 +35,10 @@ from benchmarks.startup import compile_seconds, flash_pattern
 
 
 def log(message: str) -> None:
-    print(f"bench layer-scan: {message}", file=sys.stderr, flush=True)
+    print(f"bench layer-programs: {message}", file=sys.stderr, flush=True)
 
 
-def forms():
-    """(name, model transform, engine settings) of the three forms."""
-    from model.layer_stack import stack_layers
-
-    return [("one_program", None, {"layer_programs": False}), ("layer_programs", None, {}),
-            ("stacked", stack_layers, {})]
+FORMS = {"one_program": {"layer_programs": False}, "layer_programs": {}}  # form -> engine settings
 
 
 def decode_rates(layers: int, repeats: int) -> tuple[dict, bool]:
@@ -58,8 +51,8 @@ def decode_rates(layers: int, repeats: int) -> tuple[dict, bool]:
     from serving.sampling import SamplingParams
 
     model = init_model(flash_pattern(preset("small"), layers), seed=0)
-    engines = {name: Engine(transform(model) if transform else model, max_slots=16, max_len=1024, prefill_chunk=16,
-                            **settings) for name, transform, settings in forms()}
+    engines = {name: Engine(model, max_slots=16, max_len=1024, prefill_chunk=16, **settings)
+               for name, settings in FORMS.items()}
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     rng = np.random.default_rng(0)
     rates, tokens = {name: {} for name in engines}, {name: [] for name in engines}
@@ -80,7 +73,7 @@ def decode_rates(layers: int, repeats: int) -> tuple[dict, bool]:
 
 def summary(compile_s: dict[str, dict[int, float]], rates: dict, match: bool) -> dict:
     """The JSON line's figures: `compile_s` {form: {layers: seconds}}, `rates` {form: {rows: tok/s}}."""
-    out = {"benchmark": "layer_scan"}
+    out = {"benchmark": "layer_programs"}
     for name, by in compile_s.items():
         first, last = min(by), max(by)
         out[f"compile_s_by_layers_{name}"] = {str(n): round(s, 2) for n, s in by.items()}
@@ -105,11 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     jax.config.update("jax_compilation_cache_dir", None)  # compile for real
     result = {"load_avg_1m_start": round(os.getloadavg()[0], 2)}
-    compile_s = {name: {} for name, _, _ in forms()}
+    compile_s = {name: {} for name in FORMS}
     for layers in sorted(set(args.layers)):
-        for name, transform, settings in forms():
+        for name, settings in FORMS.items():
             log(f"compiling {layers} layers, {name}")
-            compile_s[name][layers] = compile_seconds(layers, transform, **settings)
+            compile_s[name][layers] = compile_seconds(layers, **settings)
     log(f"decoding at {args.decode_layers} layers")
     rates, match = decode_rates(args.decode_layers, args.repeats)
     result |= summary(compile_s, rates, match) | {"load_avg_1m_end": round(os.getloadavg()[0], 2),
