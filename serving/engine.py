@@ -666,14 +666,14 @@ class Engine:
                 if out.next_drafts.shape[1] and out.drafted:
                     request.prior_confidence = request.confidence
                     request.drafts, request.confidence = out.next_drafts[i].tolist(), out.next_confidence[i].tolist()
-                complete = request.grammar is not None and self.structured.commit(
+                kept = None if request.grammar is None else self.structured.commit(
                     request.grammar, out.tokens[i, :accepted + 1].tolist(), accepted)
-                for j in range(accepted + 1):
+                for j in range(accepted + 1 if kept is None else kept):
                     self._emit(request, out, i, j)
-                    if complete and j == accepted and request.status is not Status.FINISHED:
-                        request.finish("stop")
                     if request.status is Status.FINISHED:
                         break
+                if kept is not None and request.status is not Status.FINISHED:
+                    request.finish("stop")
                 if self.structured.jump_forward and request.status is Status.RUNNING:
                     jump_forward(request, self.model_config.eos_token_id, self.config.detokenize)
                 if request.status is Status.FINISHED:

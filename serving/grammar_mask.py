@@ -115,6 +115,11 @@ class RequestGrammar:
         return self._taken is not None
 
     @property
+    def stopped(self) -> bool:
+        """The constraint admits no further token (the last one it took completed it)."""
+        return self.active and self.error is None and self.matcher.is_stopped()
+
+    @property
     def finished(self) -> bool:
         """The output is complete: only EOS may follow."""
         return self.ended or self.error is not None or (self.active and self.matcher.is_stopped())

@@ -129,11 +129,13 @@ class StructuredOutputs:
         finally:
             self._forward_in_flight = False
 
-    def commit(self, grammar: RequestGrammar, tokens: list[int], accepted: int) -> bool:
+    def commit(self, grammar: RequestGrammar, tokens: list[int], accepted: int) -> int | None:
         """Move a constrained request's matcher over a row's emitted `tokens` (settling a verify row's drafts:
-        `accepted` of them); whether the output is complete (the constraint admits no further token, or it took an
-        EOS). Its time is exposed unless a forward half runs meanwhile (`overlapping`)."""
-        start = time.perf_counter()
+        `accepted` of them); None while the output is not complete, else how many of `tokens` it keeps: all when
+        it took an EOS the constraint allowed, up to the token after which the constraint admits nothing more
+        otherwise (one-token decoding stops there, so an EOS a verify row emitted after it is not the output's).
+        Its time is exposed unless a forward half runs meanwhile (`overlapping`)."""
+        start, row = time.perf_counter(), tokens
         if grammar.speculating:
             grammar.settle(accepted)
             tokens = tokens[accepted:]
@@ -144,4 +146,8 @@ class StructuredOutputs:
             self._overlapped += spent
         else:
             self.stats["grammar_exposed_seconds"] += spent
-        return grammar.finished
+        if not grammar.finished:
+            return None
+        if not grammar.stopped:
+            return len(row)
+        return 1 + max((j for j, t in enumerate(row) if t not in grammar.eos_ids), default=-1)

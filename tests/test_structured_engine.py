@@ -228,3 +228,19 @@ def test_a_verify_row_without_drafts_gets_its_plain_mask(bundled):
     np.testing.assert_array_equal(masks[0], np.repeat(expected, 4, axis=0))
     grammars[0].settle(0)
     assert grammars[0].accept(bundled.tokenizer.encode("V"))
+
+
+def test_a_verify_row_completing_its_constraint_keeps_no_eos_after_it(bundled):
+    """Drafts that complete a constraint admitting nothing more: the verifier's token after them can only be EOS,
+    and the output ends before it, where one-token decoding stops (it never samples that EOS); an EOS the
+    constraint merely allows (it could go on) stays, as one-token decoding would take it."""
+    engine = Engine(bundled, max_slots=2, max_len=64)
+    structured, eos = engine.structured, bundled.config.eos_token_id
+    for pattern, text, kept in ((r"Romeo\.", "Romeo.", None), (r"Romeo\.?", "Romeo", "all")):
+        drafts = bundled.tokenizer.encode(text)
+        grammar = structured.grammar(ConstraintSpec.regex(pattern), None, 32)
+        masks = np.zeros((1, len(drafts) + 1, grammar.words), np.int32)
+        assert speculate_masks([grammar], [drafts], masks, structured.executor)[0] == len(drafts)
+        row = drafts + [eos]  # every draft accepted, then the verifier's EOS
+        got = structured.commit(grammar, row, len(drafts))
+        assert got == (len(row) if kept == "all" else len(drafts)), (pattern, got)
