@@ -224,6 +224,60 @@ class BlockV41(HyperBlock):
         return expand(streams, y, post, comb), ffn_pre, state, shared
 
 
+def first_streams(embed, tokens: Int[Array, "b c"], n: int) -> tuple[Float[Array, "b c n d"], Float[Array, "b c n"]]:
+    """(the streams a chunk enters the first layer with, the first site's `pre` weights: the first stream)."""
+    streams = input_streams(embed, tokens, n)
+    return streams, jnp.broadcast_to(jax.nn.one_hot(0, n, dtype=jnp.float32), (*streams.shape[:2], n))
+
+
+def mixed_logits(norm, head, streams: Float[Array, "b c n d"], pre_mix: Float[Array, "b c n"]) -> Float[Array, "b c v"]:
+    """fp32 logits of the streams collapsed with the last site's `pre` weights."""
+    return head(norm(collapse(streams, pre_mix)).astype(jnp.float32))
+
+
+def tap(streams: Float[Array, "b c n d"]) -> Float[Array, "b c d"]:
+    """A layer's output streams as a DSpark drafter reads them: averaged over the hc copies."""
+    return jnp.mean(streams.astype(jnp.float32), axis=2)
+
+
+def run_layer(block: BlockV41, streams, pre_mix, tokens, start, state: dict, shared: dict, engram_rows=None,
+              count=None, kept=None):
+    """`block` on (streams, pre_mix); with `kept` ([b, c] bool) the other positions keep their inputs. Returns
+    (streams, pre_mix, state, shared)."""
+    out_streams, out_mix, state, shared = block(streams, pre_mix, tokens, start, state, shared, engram_rows, count)
+    if kept is not None:
+        out_streams = jnp.where(kept[:, :, None, None], out_streams, streams)
+        out_mix = jnp.where(kept[:, :, None], out_mix, pre_mix)
+    return out_streams, out_mix, state, shared
+
+
+def masked_rows(span: tuple, width: int) -> Bool[Array, "b c"]:
+    """`mask` replay: the positions a replay layer updates (from each row's first kept token, `kept_span`)."""
+    return jnp.arange(width)[None, :] >= jnp.reshape(span[0], (-1, 1))
+
+
+def replays(span: tuple) -> Bool[Array, ""]:
+    """`compact` replay: whether any row keeps a token (else the replay layers are skipped)."""
+    return any_rank(jnp.any(span[1] > 0))
+
+
+def kept_run(run: tuple, span: tuple, width: int, layer_ids) -> tuple:
+    """`compact` replay's run (streams, pre_mix, tokens, Engram rows by layer, shared): each row's kept tail
+    gathered into `width` rows (of the Engram rows, those of `layer_ids`), shared with the replay floor."""
+    streams, pre_mix, tokens, rows, shared = run
+    at = jnp.broadcast_to(span[0], (tokens.shape[0],))
+    take = lambda x: take_rows(x, at, width)  # noqa: E731
+    kept_shared = {k: take(v) if k in PER_QUERY else v for k, v in shared.items()}
+    return (take(streams), take(pre_mix), take(tokens), {i: take(r) for i, r in rows.items() if i in layer_ids},
+            {**kept_shared, "replay_floor": span[2]})
+
+
+def put_kept(span: tuple, x: Array, kept: Array) -> Array:
+    """`x` with each row's kept tail replaced by `kept` (the inverse of `kept_run`'s gather)."""
+    b = x.shape[0]
+    return put_rows(x, kept, jnp.broadcast_to(span[0], (b,)), jnp.broadcast_to(span[1], (b,)))
+
+
 class DeepseekV41(nnx.Module):
     """The V4.1 text model; `__call__` runs a chunk of tokens against a per-sequence cache."""
 
@@ -252,9 +306,7 @@ class DeepseekV41(nnx.Module):
         if any(not 0 <= i < len(self.layers) for i in collect):
             raise ValueError(f"collect={list(collect)} names layers outside [0, {len(self.layers)})")
         start = cache["pos"]
-        n = self.config.hc_mult
-        streams = input_streams(self.embed, tokens, n)
-        pre_mix = jnp.broadcast_to(jax.nn.one_hot(0, n, dtype=jnp.float32), (*streams.shape[:2], n))
+        streams, pre_mix = first_streams(self.embed, tokens, self.config.hc_mult)
         if len(engram_rows) != len(self.config.engram_layer_ids):
             raise ValueError(f"expected Engram rows for layers {list(self.config.engram_layer_ids)}, "
                              f"got {len(engram_rows)} arrays")
@@ -289,46 +341,37 @@ class DeepseekV41(nnx.Module):
         streams, pre_mix, tokens, rows, shared = run
         states, taps = [], {}
         for i in layer_ids:
-            out_streams, out_mix, state, shared = self.layers[i](streams, pre_mix, tokens, start, cache["layers"][i],
-                                                                 shared, rows.get(i), count)
-            if kept is not None:
-                out_streams = jnp.where(kept[:, :, None, None], out_streams, streams)
-                out_mix = jnp.where(kept[:, :, None], out_mix, pre_mix)
-            streams, pre_mix = out_streams, out_mix
+            streams, pre_mix, state, shared = run_layer(self.layers[i], streams, pre_mix, tokens, start,
+                                                        cache["layers"][i], shared, rows.get(i), count, kept)
             states.append(state)
             if i in collect:
-                taps[i] = jnp.mean(streams.astype(jnp.float32), axis=2)
+                taps[i] = tap(streams)
         return streams, pre_mix, states, shared, taps
 
     def _masked(self, layer_ids, run: tuple, start, count, cache: dict, span, collect):
         """`mask` replay: every row runs with window keys below the floor hidden; rows before it are kept."""
-        offset, _, floor = span
-        kept = jnp.arange(run[0].shape[1])[None, :] >= jnp.reshape(offset, (-1, 1))
-        run = (*run[:4], {**run[4], "replay_floor": floor})
+        kept = masked_rows(span, run[0].shape[1])
+        run = (*run[:4], {**run[4], "replay_floor": span[2]})
         streams, pre_mix, states, _, taps = self._run_layers(layer_ids, run, start, cache, count, collect, kept)
         return streams, pre_mix, states, taps
 
     def _compact(self, layer_ids, run: tuple, start, count, cache: dict, span, collect, width: int):
         """`compact` replay: each row's kept tail gathered into `width` = min(chunk, keep) rows, run, scattered
         back; the layers are skipped when no row keeps a token."""
-        streams, pre_mix, tokens, rows, shared = run
-        b, (offset, length, floor) = tokens.shape[0], span
-        at, n_kept = jnp.broadcast_to(offset, (b,)), jnp.broadcast_to(length, (b,))
-        take = lambda x: take_rows(x, at, width)  # noqa: E731
-        put = lambda x, kept_rows: put_rows(x, kept_rows, at, n_kept)  # noqa: E731
-        unchanged = {i: jnp.mean(streams.astype(jnp.float32), axis=2) for i in collect if i in layer_ids}
+        streams, pre_mix = run[:2]
+        offset, length, _ = span
+        unchanged = {i: tap(streams) for i in collect if i in layer_ids}
+        put = functools.partial(put_kept, span)
 
         def replayed():
-            kept_shared = {k: take(v) if k in PER_QUERY else v for k, v in shared.items()}
-            run = (take(streams), take(pre_mix), take(tokens), {i: take(r) for i, r in rows.items() if i in layer_ids},
-                   {**kept_shared, "replay_floor": floor})
-            out, out_mix, states, _, taps = self._run_layers(layer_ids, run, start + offset, cache, length, collect)
+            kept = kept_run(run, span, width, layer_ids)
+            out, out_mix, states, _, taps = self._run_layers(layer_ids, kept, start + offset, cache, length, collect)
             return put(streams, out), put(pre_mix, out_mix), states, {i: put(unchanged[i], t) for i, t in taps.items()}
 
         def skipped():
             return streams, pre_mix, [cache["layers"][i] for i in layer_ids], unchanged
 
-        return jax.lax.cond(any_rank(jnp.any(length > 0)), replayed, skipped)
+        return jax.lax.cond(replays(span), replayed, skipped)
 
     def __call__(self, tokens: Int[Array, "b c"], cache: dict, engram_rows=(), count=None, collect=(),
                  replay: Replay | None = None, prompt_end=None, at=None, final=False):
@@ -342,5 +385,4 @@ class DeepseekV41(nnx.Module):
 
     def final_logits(self, final: tuple) -> Float[Array, "b c v"]:
         """fp32 logits of every position from the (streams, pre-mix weights) `__call__(..., final=True)` returns."""
-        streams, pre_mix = final
-        return self.head(self.norm(collapse(streams, pre_mix)).astype(jnp.float32))
+        return mixed_logits(self.norm, self.head, *final)

@@ -290,7 +290,8 @@ class Engine:
         why = LayerPlan.supports(model)
         if why is not None and config.layer_programs:
             raise ValueError(f"layer_programs=True: this model cannot run as layer programs: {why}")
-        return None if why else LayerPlan.for_model(model, empty_layers, spec.target_layers if spec else ())
+        return None if why else LayerPlan.for_model(model, empty_layers, spec.target_layers if spec else (),
+                                                    self.replay)
 
     def _prefix_cache(self) -> PrefixAdmission | RankedPrefix | None:
         """The engine's prefix cache (None when off), with its device ops on `self.cache`."""

@@ -1,5 +1,5 @@
-"""A V4 engine step's forward half as one compiled program per kind of layer, so a bucket's compile time is set by
-how many kinds of layer the model has, not by its depth.
+"""A V4 or V4.1 engine step's forward half as one compiled program per kind of layer, so a bucket's compile time is
+set by how many kinds of layer the model has, not by its depth.
 
 The whole step (`serving.step`) unrolls every layer into one program: compiling a bucket costs time in
 proportion to the layer count. Here the forward half is a chain of programs the host launches:
@@ -9,38 +9,50 @@ proportion to the layer count. Here the forward half is a chain of programs the 
    state, runs the block, writes the state back (the state is donated, so it updates in place);
 3. `head`: the logits at the verify positions and the drafter's features.
 
-Layers with the same structure (graph, parameter and cache shapes) share one compiled program: V4-Flash's 43
-layers are 5 kinds. Launches are asynchronous, so the host runs ahead of the device as with one program; each
-layer costs a launch. The decide half is the whole step's. Each piece runs the code the whole step traces, so
-tokens and logits equal it (tests/test_layer_programs.py).
+Layers with the same structure (graph, parameter and cache shapes; on V4.1 also what they read of earlier layers
+and whether they are replay layers) share one compiled program: V4-Flash's 43 layers are 5 kinds. Launches are
+asynchronous, so the host runs ahead of the device as with one program; each layer costs a launch. The decide
+half is the whole step's. Each piece runs the code the whole step traces, so tokens and logits equal it
+(tests/test_layer_programs.py).
 
 On the CPU backend, a bucket of fewer (token, expert) pairs than experts (decode of a token or two) passes each
 layer's float expert stacks as per-expert views (`pallas_kernels.expert_views`: aliases of the stack, made once),
 so the chosen experts are multiplied where they lie instead of being copied out of the stack first.
 
-Used by a single-device engine on a V4 model.
+V4.1 layers read other layers' state: a KV / index source's page pools (its own state, donated to its program and
+returned updated) go to the later layers' programs as read-only inputs, so no pool is copied or returned twice;
+the per-query picks and candidate pool pass from program to program, and so do the mHC `pre` weights with the
+streams. Bounded replay (`model.replay`) adds `enter` before the replay layers (`mask`: the floor and the
+positions updated; `compact`: each row's kept tail gathered) and, for `compact`, `leave` after them (scattered
+back); each `compact` replay layer skips itself under a `lax.cond` when no row keeps a token, as the whole step
+skips them all.
+
+Used by a single-device engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from model.paged import pools
-from model.replay import take_positions
+from model.paged import PAGED_LEAVES, Paged, is_paged, pools
+from model.replay import Replay, kept_span, take_positions
 from model.transformer import Block, input_streams, project_logits
+from model.v41 import BlockV41, first_streams, kept_run, masked_rows, mixed_logits, put_kept, replays, run_layer, tap
 from pallas_kernels import registry
 from pallas_kernels.expert_views import ExpertViews, expert_views
 from pallas_kernels.moe import VIEWED_BRANCHES, few_pairs
 from pallas_kernels.transposed_weights import HELD_KEY
 from serving.kv_cache import layer_rows, put_rows
 from serving.step import (CompiledHalves, Forwarded, RowInputs, StepBatch, StepHalves, abstract_shapes, compile_decide,
-                          forwarded, prompt_logprobs, row_inputs, split_cache)
+                          forwarded, prompt_logprobs, replay_prompt_end, row_inputs, split_cache)
 
 
 def layer_key(block) -> tuple:
@@ -57,6 +69,24 @@ class LayerBatch(NamedTuple):
     block_tables: Int[Array, "r p"]
     frozen: Int[Array, " r"]
     reset: Bool[Array, " r"]
+    prompt_end: Int[Array, " r"]
+    engram_rows: tuple  # V4.1: per Engram layer, the looked-up table rows
+
+
+class LayerInput(NamedTuple):
+    """What a layer runs on besides its weights and state: streams, the next site's `pre` weights (V4.1; None on
+    V4), the tokens, their start and count per row, the layer's Engram rows, and in the replay layers the replay
+    floor, the positions `mask` updates and whether `compact` runs them (None where unused)."""
+
+    streams: Float[Array, "r t n d"]
+    pre_mix: Float[Array, "r t n"] | None
+    tokens: Int[Array, "r t"]
+    starts: Int[Array, " r"]
+    counts: Int[Array, " r"]
+    engram: Float[Array, "r t k e"] | None = None
+    floor: Int[Array, " r"] | None = None
+    kept: Bool[Array, "r t"] | None = None
+    go: Bool[Array, ""] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,37 +123,66 @@ def _piece(module, paths: list[tuple], prefix: tuple) -> Piece:
     return Piece(graphdef, leaves, jax.tree.structure(state))
 
 
+def _shared_reads(module, empty_layers: list) -> list[tuple]:
+    """Per V4.1 layer, what it finds of its predecessors' shared state (`BlockV41`): each published page pool's
+    name and shape, and which per-query results (index picks, candidate pool) are published. Part of a layer's
+    kind: a program is compiled for one structure of what it reads."""
+    reads, published, flow = [], {}, set()
+    for block, empty in zip(module.layers, empty_layers):
+        reads.append((tuple(sorted(published.items())), tuple(sorted(flow))))
+        attn = block.attn
+        published |= {name: empty[name].shape for name in PAGED_LEAVES if name in empty}
+        if attn.ratio and attn.is_index_source:
+            flow |= {"picks", "candidates"} if attn.is_candidate_source else {"picks"}
+    return reads
+
+
+def _flow(shared: dict) -> dict:
+    """What a V4.1 layer program hands on of the shared state: the per-query results, not the page pools (the
+    sources' states are passed instead, so no pool is returned twice) nor the replay floor (an input)."""
+    return {k: v for k, v in shared.items() if not is_paged(v) and k != "replay_floor"}
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
     """How a model's forward half splits: the embedding, each layer (and the kind it shares a program with), the
-    head, and the layers whose output streams the drafter reads."""
+    head, and the layers whose output streams the drafter reads. On V4.1 also the layers whose page pools later
+    layers read and, with bounded replay, the first replay layer."""
 
     embed: Piece
     layers: tuple[Piece, ...]
     kinds: tuple[int, ...]  # per layer, the index of the first layer of its kind
-    head: tuple[Piece, Piece, Piece]  # hc_head, norm, head
+    head: tuple[Piece, ...]  # hc_head, norm, head (V4); norm, head (V4.1)
     hc_mult: int
     empty_layers: tuple  # one-row empty state per layer (a reset row starts from it)
     collect: tuple[int, ...]
     experts: tuple[int, ...]  # the leaves that are float routed-expert stacks [E, ...]
     n_experts: int
     top_k: int
+    v41: bool = False
+    published: tuple[tuple[str, ...], ...] = ()  # V4.1: per layer, the page pools of its state later layers read
+    engram: tuple[int, ...] = ()  # V4.1: the Engram layers, in `StepBatch.engram_rows` order
+    replay: Replay | None = None  # V4.1 prefill's bounded replay (`model.replay`)
+    split: int = 0  # the first replay layer (the depth without replay)
 
     @classmethod
     def supports(cls, model) -> str | None:
         """Why `model` cannot run as layer programs (None: it can)."""
-        module = model.module()
-        if not all(isinstance(entry, Block) for entry in module.layers):
-            return "its layers are not all plain V4 blocks (a V4.1 model)"
-        if model.engram is not None:
-            return "it has Engram memory"
+        layers = model.module().layers
+        if not (all(isinstance(entry, Block) for entry in layers) or all(isinstance(e, BlockV41) for e in layers)):
+            return "its layers are neither all V4 nor all V4.1 blocks"
         return None
 
     @classmethod
-    def for_model(cls, model, empty_layers: list, collect: tuple[int, ...]) -> LayerPlan:
-        module, paths = model.module(), _key_paths(model.params)
-        keys = [(layer_key(block), jax.tree.structure(empty), tuple(leaf.shape for leaf in jax.tree.leaves(empty)))
-                for block, empty in zip(module.layers, empty_layers)]
+    def for_model(cls, model, empty_layers: list, collect: tuple[int, ...], replay: Replay | None = None
+                  ) -> LayerPlan:
+        module, paths, config = model.module(), _key_paths(model.params), model.config
+        v41 = isinstance(module.layers[0], BlockV41)
+        split = config.n_prefill_layer if v41 and replay is not None else len(module.layers)
+        reads = _shared_reads(module, empty_layers) if v41 else [()] * len(module.layers)
+        keys = [(layer_key(block), jax.tree.structure(empty), tuple(leaf.shape for leaf in jax.tree.leaves(empty)),
+                 read, i >= split, v41 and i in collect)
+                for i, (block, empty, read) in enumerate(zip(module.layers, empty_layers, reads))]
         float_experts = {i for i, block in enumerate(module.layers)
                          if block.ffn.experts.stacked()[0] == "routed_experts"}
         stacks = {("ffn", "experts", name, "value") + held for name in ("w1", "w2", "w3") for held in ((), (HELD_KEY,))}
@@ -132,9 +191,17 @@ class LayerPlan:
         return cls(_piece(module, paths, ("embed",)),
                    tuple(_piece(module, paths, ("layers", i)) for i in range(len(module.layers))),
                    tuple(keys.index(key) for key in keys),
-                   tuple(_piece(module, paths, (name,)) for name in ("hc_head", "norm", "head")),
-                   model.config.hc_mult, tuple(empty_layers), tuple(collect), experts,
-                   model.config.n_routed_experts, model.config.num_experts_per_tok)
+                   tuple(_piece(module, paths, (name,)) for name in (("norm", "head") if v41 else
+                                                                     ("hc_head", "norm", "head"))),
+                   config.hc_mult, tuple(empty_layers), tuple(collect), experts,
+                   config.n_routed_experts, config.num_experts_per_tok, v41,
+                   tuple(tuple(name for name in PAGED_LEAVES if name in empty) for empty in empty_layers) if v41
+                   else (), tuple(getattr(config, "engram_layer_ids", ())), replay if v41 else None, split)
+
+    @property
+    def extra(self) -> tuple[str, ...]:
+        """The programs around the replay layers: `enter` (mask and compact) and `leave` (compact)."""
+        return () if self.replay is None else ("enter", "leave") if self.replay.mode == "compact" else ("enter",)
 
     def viewed(self, rows: int, width: int) -> bool:
         """Whether a bucket of `rows` x `width` tokens passes the float expert stacks as per-expert views: on the
@@ -151,50 +218,129 @@ class LayerPlan:
             out[i] = views(leaves[i])
         return out
 
+    def program(self, name, verify_len: int, num_top: int) -> tuple[Callable, tuple[int, ...]]:
+        """(the program `name`: "embed", a layer kind (int), "enter", "leave" or "head"; its donated arguments)."""
+        if isinstance(name, int):
+            return self.layer_program(name), (1,)
+        if name == "embed":
+            return functools.partial(self.embed_program, verify_len=verify_len), ()
+        if name == "head":
+            return functools.partial(self.head_program, num_top=num_top), ()
+        return getattr(self, f"{name}_program"), ()
+
     def embed_program(self, leaves: list, cache: dict, batch: StepBatch, verify_len: int):
-        """(the rows' inputs, their first streams, what the layer programs read of the batch) of the step
-        (`cache`: without its layer state); the layer batch comes out on the device with them, so the host
-        places nothing more per step."""
+        """(the rows' inputs, what the first layer runs on, what the layer programs read of the batch) of the step
+        (`cache`: without its layer state); the layer batch comes out on the device with them, so the host places
+        nothing more per step."""
         rows = row_inputs(cache, batch, verify_len)
-        layer_batch = LayerBatch(batch.slots, batch.block_tables, batch.frozen, batch.reset)
-        return rows, input_streams(self.embed.module(leaves), rows.tokens, self.hc_mult), layer_batch
+        layer_batch = LayerBatch(batch.slots, batch.block_tables, batch.frozen, batch.reset, batch.prompt_end,
+                                 batch.engram_rows)
+        embed = self.embed.module(leaves)
+        streams, pre_mix = (first_streams(embed, rows.tokens, self.hc_mult) if self.v41 else
+                            (input_streams(embed, rows.tokens, self.hc_mult), None))
+        return rows, LayerInput(streams, pre_mix, rows.tokens, rows.starts, rows.counts), layer_batch
 
     def layer_program(self, layer: int):
-        """The program of layer `layer`'s kind: (weights, its cache state, streams, rows, layer batch) -> (streams,
-        its new cache state)."""
+        """The program of layer `layer`'s kind: (weights, its cache state, `LayerInput`, what it reads of the
+        earlier layers' shared state (V4.1), layer batch) -> (streams, pre_mix, its new cache state, the shared
+        per-query results it hands on, its drafter tap (V4.1: taken inside, as `model.v41` does; else None))."""
         piece, empty = self.layers[layer], self.empty_layers[layer]
+        tapped = self.v41 and layer in self.collect
 
-        def run(leaves: list, state: dict, streams, rows: RowInputs, batch: LayerBatch):
+        def run(leaves: list, state: dict, x: LayerInput, shared: dict, batch: LayerBatch):
             block = piece.module([ExpertViews(leaf) if isinstance(leaf, tuple) else leaf for leaf in leaves])
             row_state = layer_rows({"layers": [state]}, batch.slots, batch.block_tables, batch.frozen, [empty],
                                    batch.reset)[0]
-            streams, new = block(streams, rows.tokens, rows.starts, row_state, rows.counts)
-            return streams, put_rows({"layers": [state]}, batch.slots, [pools(new)])["layers"][0]
+            if not self.v41:
+                streams, new = block(x.streams, x.tokens, x.starts, row_state, x.counts)
+                return streams, None, put_rows({"layers": [state]}, batch.slots, [pools(new)])["layers"][0], {}, None
+            if x.floor is not None:
+                shared = {**shared, "replay_floor": x.floor}
+
+            def forward():
+                streams, pre_mix, new, out = run_layer(block, x.streams, x.pre_mix, x.tokens, x.starts, row_state,
+                                                       shared, x.engram, x.counts, x.kept)
+                return streams, pre_mix, pools(new), _flow(out)
+
+            streams, pre_mix, new, flow = forward() if x.go is None else jax.lax.cond(
+                x.go, forward, lambda: (x.streams, x.pre_mix, pools(row_state), _flow(shared)))
+            new = put_rows({"layers": [state]}, batch.slots, [new])["layers"][0]
+            return streams, pre_mix, new, flow, tap(streams) if tapped else None
 
         return run
 
-    def head_program(self, leaves: list[list], streams, taps: list, rows: RowInputs, num_top: int) -> Forwarded:
-        """The verify positions' logits, the drafter's features (the tapped streams, flattened, in order) and the
-        scored rows' prompt logprobs with `num_top` alternatives; `leaves`: the head pieces' leaves
-        (`head_leaves`)."""
+    def enter_program(self, x: LayerInput, flow: dict, rows: RowInputs, batch: LayerBatch):
+        """What the replay layers run on (`model.replay`): (their `LayerInput`, shared per-query results, Engram
+        rows by layer, the kept span). `mask`: every position, with the floor and the positions it updates;
+        `compact`: each row's kept tail, gathered (`model.v41.kept_run`), and whether any row keeps a token."""
+        replay, (r, width) = self.replay, x.tokens.shape
+        span = kept_span(rows.starts, rows.counts, replay_prompt_end(replay, batch.prompt_end, rows), replay.keep, r)
+        engram = dict(zip(self.engram, batch.engram_rows))
+        if replay.mode == "mask":
+            return x._replace(floor=span[2], kept=masked_rows(span, width)), flow, engram, span
+        layer_ids = range(self.split, len(self.layers))
+        streams, pre_mix, tokens, engram, shared = kept_run((x.streams, x.pre_mix, x.tokens, engram, flow), span,
+                                                            min(width, replay.keep), layer_ids)
+        return (LayerInput(streams, pre_mix, tokens, rows.starts + span[0], span[1], floor=shared["replay_floor"],
+                           go=replays(span)), _flow(shared), engram, span)
+
+    def leave_program(self, before: LayerInput, after: LayerInput, taps: dict, span: tuple):
+        """`compact` replay's exit: the replay layers' kept rows of (streams, pre_mix, taps) scattered back into
+        what entered them (`model.v41.put_kept`)."""
+        unchanged = tap(before.streams)
+        return (put_kept(span, before.streams, after.streams), put_kept(span, before.pre_mix, after.pre_mix),
+                {i: put_kept(span, unchanged, t) for i, t in taps.items()})
+
+    def head_program(self, leaves: list[list], x: LayerInput, taps: list, rows: RowInputs, num_top: int
+                     ) -> Forwarded:
+        """The verify positions' logits, the drafter's features (the taps, flattened, in order) and the scored
+        rows' prompt logprobs with `num_top` alternatives; `leaves`: the head pieces' leaves (`head_leaves`)."""
         parts = [piece.module(piece_leaves) for piece, piece_leaves in zip(self.head, leaves)]
-        picked = project_logits(*parts, take_positions(streams, rows.at))
+        if self.v41:
+            logits = lambda at: mixed_logits(*parts, take_positions(x.streams, at),  # noqa: E731
+                                             take_positions(x.pre_mix, at))
+        else:
+            logits = lambda at: project_logits(*parts, take_positions(x.streams, at))  # noqa: E731
         features = jnp.concatenate([t.reshape(*t.shape[:2], -1) for t in taps], axis=-1) if taps else None
-        return forwarded(picked, features, rows, prompt_logprobs(lambda: project_logits(*parts, streams), rows,
-                                                                 num_top))
+        return forwarded(logits(rows.at), features, rows, prompt_logprobs(lambda: logits(None), rows, num_top))
 
     def head_leaves(self, leaves: list) -> list[list]:
-        """The leaves of `hc_head`, `norm` and `head`, one list each."""
+        """The leaves of the head pieces, one list each."""
         return [piece.take(leaves) for piece in self.head]
+
+    def chain(self, call: Callable, leaves: list, cache: dict, batch: StepBatch) -> tuple[Forwarded, list]:
+        """The forward half as the chain of programs the host launches, `call(name, *args)` running (or compiling)
+        each (`program`): embed, the layers in order (V4.1: each given the page pools of the latest sources as
+        read-only inputs, the sources' own donated-then-returned states), the replay programs around the replay
+        layers, the head. Returns (the head's `Forwarded`, the new layer states)."""
+        rest, _ = split_cache(cache)
+        rows, x, batch = call("embed", self.embed.take(leaves), rest, batch)
+        states, taps, sources, flow = list(cache["layers"]), {}, {}, {}
+        engram, before, span = dict(zip(self.engram, batch.engram_rows)), None, None
+        for i, (kind, piece) in enumerate(zip(self.kinds, self.layers)):
+            if i == self.split:
+                before = x
+                x, flow, engram, span = call("enter", x, flow, rows, batch)
+            shared = {name: Paged(states[j][name], batch.block_tables, batch.frozen) for name, j in sources.items()}
+            x = x._replace(engram=engram.get(i))
+            streams, pre_mix, states[i], flow, tapped = call(kind, piece.take(leaves), states[i], x,
+                                                             {**shared, **flow}, batch)
+            x = x._replace(streams=streams, pre_mix=pre_mix)
+            sources |= {name: i for name in (self.published[i] if self.v41 else ())}
+            if i in self.collect:
+                taps[i] = streams if tapped is None else tapped
+        if "leave" in self.extra:
+            streams, pre_mix, replayed = call("leave", before, x, {i: taps[i] for i in taps if i >= self.split}, span)
+            x, taps = x._replace(streams=streams, pre_mix=pre_mix), {**taps, **replayed}
+        return call("head", self.head_leaves(leaves), x, [taps[i] for i in self.collect], rows), states
 
 
 class LayeredForward:
     """The forward half as launched programs: `(target leaves, cache, batch) -> (Forwarded, cache)`; `viewed`: the
     layer programs take per-expert views of the float expert stacks (`LayerPlan.viewed`)."""
 
-    def __init__(self, plan: LayerPlan, embed, kinds: dict[int, object], head, viewed: bool):
-        self.plan, self.embed, self.head, self.viewed = plan, embed, head, viewed
-        self.layers = [kinds[kind] for kind in plan.kinds]
+    def __init__(self, plan: LayerPlan, programs: dict, viewed: bool):
+        self.plan, self.programs, self.viewed = plan, programs, viewed
         self.views: tuple[list, list] | None = None  # (target leaves, the same with expert views), made once
 
     def __call__(self, target_leaves: list, cache: dict, batch: StepBatch) -> tuple[Forwarded, dict]:
@@ -203,28 +349,26 @@ class LayeredForward:
             if self.views is None or self.views[0] is not target_leaves:
                 self.views = (target_leaves, plan.with_views(target_leaves, expert_views))
             target_leaves = self.views[1]
-        rest, _ = split_cache(cache)
-        rows, streams, layer_batch = self.embed(plan.embed.take(target_leaves), rest, batch)
-        states, taps = list(cache["layers"]), {}
-        for i, (program, piece) in enumerate(zip(self.layers, plan.layers)):
-            streams, states[i] = program(piece.take(target_leaves), states[i], streams, rows, layer_batch)
-            if i in plan.collect:
-                taps[i] = streams
-        fwd = self.head(plan.head_leaves(target_leaves), streams, [taps[i] for i in plan.collect], rows)
+        fwd, states = plan.chain(lambda name, *args: self.programs[name](*args), target_leaves, cache, batch)
         return fwd, {**cache, "layers": states}
+
+
+def _names(plan: LayerPlan) -> list:
+    """The programs of a plan in `LayeredHalves.executables` order: embed, the layer kinds, the replay programs,
+    head."""
+    return ["embed", *sorted(set(plan.kinds)), *plan.extra, "head"]
 
 
 class LayeredHalves(CompiledHalves):
     """A bucket's step compiled as layer programs and the decide half (`executables`: embed, one program per
-    kind of layer in kind order, head, decide)."""
+    kind of layer in kind order, the replay programs (`LayerPlan.extra`), head, decide)."""
 
     def __init__(self, executables: list, plan: LayerPlan, head_leaves: tuple[int, ...], viewed: bool):
-        kinds = sorted(set(plan.kinds))
-        embed, *programs, head, decide = executables
-        if len(programs) != len(kinds):
-            raise ValueError(f"{len(executables)} executables do not fit a plan of {len(kinds)} layer kinds")
-        super().__init__([LayeredForward(plan, embed, dict(zip(kinds, programs)), head, viewed), decide],
-                         head_leaves)
+        *programs, decide = executables
+        names = _names(plan)
+        if len(programs) != len(names):
+            raise ValueError(f"{len(executables)} executables do not fit a plan of {len(names) + 1} programs")
+        super().__init__([LayeredForward(plan, dict(zip(names, programs)), viewed), decide], head_leaves)
         self._executables = list(executables)
 
     @property
@@ -240,24 +384,22 @@ class LayeredHalves(CompiledHalves):
 def compile_layered(halves: StepHalves, plan: LayerPlan, weights: tuple, cache: dict, batch: StepBatch,
                     verify_len: int) -> LayeredHalves:
     """Ahead-of-time compile one bucket as layer programs plus the decide half (each layer program donating its
-    state, the decide half its cache)."""
+    state, the decide half its cache): the chain (`LayerPlan.chain`) walked on shapes, each program compiled
+    where it is first called."""
     leaves = weights[0]
     viewed = plan.viewed(*batch.tokens.shape)
-    layer_leaves = plan.with_views(leaves, _abstract_views) if viewed else leaves
-    rest = split_cache(cache)[0]
-    embed = jax.jit(plan.embed_program, static_argnums=3).lower(
-        abstract_shapes(plan.embed.take(leaves)), abstract_shapes(rest), abstract_shapes(batch), verify_len).compile()
-    rows, streams, layer_batch = embed.out_info
-    programs = []
-    for kind in sorted(set(plan.kinds)):
-        programs.append(jax.jit(plan.layer_program(kind), donate_argnums=1).lower(
-            abstract_shapes(plan.layers[kind].take(layer_leaves)), abstract_shapes(cache["layers"][kind]), streams, rows,
-            layer_batch).compile())
-    head = jax.jit(plan.head_program, static_argnums=4).lower(
-        abstract_shapes(plan.head_leaves(leaves)), streams, [streams] * len(plan.collect), rows,
-        halves.num_top).compile()
-    decide = compile_decide(halves, weights, cache, batch, head.out_info, verify_len)
-    return LayeredHalves([embed, *programs, head, decide], plan, halves.head_leaves, viewed)
+    programs = {}
+
+    def compiling(name, *args):
+        if name not in programs:
+            fn, donated = plan.program(name, verify_len, halves.num_top)
+            programs[name] = jax.jit(fn, donate_argnums=donated).lower(*args).compile()
+        return programs[name].out_info
+
+    fwd, _ = plan.chain(compiling, abstract_shapes(plan.with_views(leaves, _abstract_views) if viewed else leaves),
+                        abstract_shapes(cache), abstract_shapes(batch))
+    decide = compile_decide(halves, weights, cache, batch, fwd, verify_len)
+    return LayeredHalves([programs[name] for name in _names(plan)] + [decide], plan, halves.head_leaves, viewed)
 
 
 def _abstract_views(stack) -> tuple:

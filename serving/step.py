@@ -197,6 +197,13 @@ def prompt_logprobs(logits: Callable[[], Float[Array, "r t vocab"]], rows: RowIn
     return jax.lax.cond(jnp.any(rows.scored), score, skip)
 
 
+def replay_prompt_end(replay: Replay, prompt_end: Int[Array, " r"], rows: RowInputs) -> Int[Array, " r"]:
+    """Where bounded replay takes each row's prompt to end: a row without a prompt end (0) is unbounded, unless it
+    outgrows compact's keep rows (then its chunk's end)."""
+    unbounded = (prompt_end == 0) & (rows.counts <= replay.keep)
+    return jnp.where(unbounded, 0, jnp.maximum(prompt_end, rows.starts + rows.counts))
+
+
 def forwarded(picked: Float[Array, "r v vocab"], features: Float[Array, "r t f"] | None, rows: RowInputs,
               prompt: SampleOutput) -> Forwarded:
     """The forward half's hand-over: the verify positions' logits, the drafter's features (None: no drafter),
@@ -244,10 +251,8 @@ def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
         extra = {"engram_rows": batch.engram_rows} if batch.engram_rows else {}
         if drafter is not None:
             extra["collect"] = drafter.target_layers
-        if replay is not None:  # a row without a prompt end is unbounded, unless it outgrows compact's keep rows
-            unbounded = (batch.prompt_end == 0) & (rows.counts <= replay.keep)
-            extra |= {"replay": replay, "prompt_end": jnp.where(unbounded, 0, jnp.maximum(
-                batch.prompt_end, rows.starts + rows.counts))}
+        if replay is not None:
+            extra |= {"replay": replay, "prompt_end": replay_prompt_end(replay, batch.prompt_end, rows)}
         picked, new, *taps, final = module(rows.tokens, {"pos": rows.starts, "layers": states}, count=rows.counts,
                                            at=rows.at, final=True, **extra)
         cache = put_rows(cache, batch.slots, new["layers"])

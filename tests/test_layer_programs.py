@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from model.config import preset
+from model.replay import Replay
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
 from serving.sampling import SamplingParams
@@ -52,12 +53,38 @@ def test_one_row_decode_reads_the_chosen_experts_where_they_lie(model):
     assert_full_forward_tokens(outputs, model, PROMPTS, 6)
 
 
+def test_v41_layer_programs_give_the_one_program_steps_numbers():
+    """V4.1 (KV and index sources read by later layers, the candidate pool, Engram, mHC `pre` weights): chunked
+    prefill past compact replay's keep, then decode, and prompt logprobs through the replay layers, equal the
+    same engine compiled as one program. The two ratio-1 replay layers that read layer 3's pools and picks share
+    a program."""
+    config = dataclasses.replace(preset("tiny-v41"), num_hidden_layers=7, compress_ratios=(0, 2, 2, 1, 1, 1, 1),
+                                 kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 5),
+                                 candidate_source_layer_id=3)
+    model = random_model(config, seed=3, noise=0.05)
+    prompts = [np.random.default_rng(6).integers(0, config.vocab_size, n).tolist() for n in (40, 21)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    params = [greedy, dataclasses.replace(greedy, prompt_logprobs=0)]
+    outputs = []
+    for layer_programs in (None, False):
+        engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, batch_invariant=True,
+                        return_logits=True, replay=Replay("compact", 12), layer_programs=layer_programs)
+        outputs.append(engine.generate(prompts, params))
+        if layer_programs is None:
+            assert engine.layer_plan.kinds == (0, 1, 2, 3, 4, 5, 4) and engine.layer_plan.split == 4
+            for compiled in engine.compiled.values():  # embed, 6 kinds, enter, leave, head, decide
+                assert len(compiled.executables) == 11
+    for layered, one in zip(*outputs, strict=True):
+        assert layered.token_ids == one.token_ids
+        np.testing.assert_allclose(np.stack(layered.logits), np.stack(one.logits), atol=1e-5, rtol=0)
+    scored, reference = outputs[0][1].prompt_logprobs, outputs[1][1].prompt_logprobs
+    assert scored[0] is None and len(scored) == len(prompts[1])
+    np.testing.assert_allclose([entry.logprob for entry in scored[1:]], [entry.logprob for entry in reference[1:]],
+                               atol=1e-5, rtol=0)
+
+
 def test_models_it_does_not_cover_run_as_one_program(model):
     assert Engine(model, max_slots=2, max_len=64, layer_programs=False).layer_plan is None
-    v41 = random_model(preset("tiny-v41"))
-    assert Engine(v41, max_slots=2, max_len=64).layer_plan is None
-    with pytest.raises(ValueError, match="cannot run as layer programs"):
-        Engine(v41, max_slots=2, max_len=64, layer_programs=True)
     with pytest.raises(ValueError, match="layer_programs=True is single-device"):
         EngineConfig(mesh="dp=2", layer_programs=True)
     with unchecked(), pytest.raises(ValueError, match="layer_programs must be"):
