@@ -445,18 +445,25 @@ def test_v41_model_with_pallas_kernels_equals_reference():
     decode form, as MTP verification runs it), Pallas in interpret mode == reference; and the same step traced
     for SM90 has no `triton_problems` (on the H200, 12 tokens in 16-token mHC tiles wrote past the outputs).
     The prefill form runs in the V4 oracle test with `pallas` (tests/test_parity.py)."""
+    import dataclasses
+
     from model.initialize import init_model
     from model.config import preset
 
+    # tiny-v41 cut to 6 layers: a sliding layer, a ratio-2 encoder group, the ratio-1 decoder KV with its
+    # consumers and a re-index layer; Engram on layer 1
+    config = dataclasses.replace(preset("tiny-v41"), num_hidden_layers=6, compress_ratios=(0, 2, 2, 1, 1, 1),
+                                 kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 5),
+                                 candidate_source_layer_id=3)
     tokens = np.random.default_rng(0).integers(0, 256, (2, 6))
     logits = {}
     for impl in registry.IMPLEMENTATIONS:
         with registry.use(impl):
-            model = init_model(preset("tiny-v41"), seed=1)
+            model = init_model(config, seed=1)
             logits[impl] = model.step(tokens, model.init_cache(2, 16))[0]
     close(logits["pallas"], logits["reference"], 1e-4)
 
-    model = init_model(preset("tiny-v41"), seed=1)  # a fresh jit: traced for SM90, never run
+    model = init_model(config, seed=1)  # a fresh jit: traced for SM90, never run
     cache = model.init_cache(2, 16)
     rows, _ = model.engram.lookup(tokens, np.asarray(cache["engram_history"]))
     with registry.use("pallas"):
