@@ -42,6 +42,11 @@ class ServerMetrics:
         self._rank_hit_rate = Gauge("jaxseek:prefix_cache_hit_rate_by_rank", "Prompt tokens served from the prefix "
                                     "cache of one attention rank over prompt tokens admitted there (a mesh "
                                     "engine).", ["model_name", "rank"], registry=self.registry)
+        self.prefix_queries = Counter("jaxseek:prefix_cache_queries", "Prompt tokens admitted with the prefix cache "
+                                      "on (vLLM's prefix_cache_queries).", **label).labels(model_name)
+        self.prefix_hits = Counter("jaxseek:prefix_cache_hits", "Of those, tokens the prefix cache held (vLLM's "
+                                   "prefix_cache_hits).", **label).labels(model_name)
+        self._prefix_seen = {"query_tokens": 0, "hit_tokens": 0}
         self.prompt_tokens = Counter("jaxseek:prompt_tokens", "Prompt tokens of finished requests.",
                                      **label).labels(model_name)
         self.generation_tokens = Counter("jaxseek:generation_tokens", "Generated tokens of finished requests.",
@@ -110,9 +115,12 @@ class ServerMetrics:
             self.eplb_balancedness.set(stats["eplb_balancedness"])
 
     def observe_prefix(self, metrics: dict[str, float]) -> None:
-        """The prefix cache's hit rate (`Engine.prefix_cache_metrics`: empty when the cache is off) and, on a
-        mesh, each attention rank's (`rank{d}_hit_rate`)."""
+        """The prefix cache's hit rate and token counts (`Engine.prefix_cache_metrics`, cumulative: empty when
+        the cache is off) and, on a mesh, each attention rank's hit rate (`rank{d}_hit_rate`)."""
         self.prefix_hit_rate.set(metrics.get("hit_rate", 0.0))
+        for counter, key in ((self.prefix_queries, "query_tokens"), (self.prefix_hits, "hit_tokens")):
+            counter.inc(max(int(metrics.get(key, 0)) - self._prefix_seen[key], 0))
+            self._prefix_seen[key] = int(metrics.get(key, 0))
         for key, value in metrics.items():
             if key.startswith("rank") and key.endswith("_hit_rate"):
                 self._rank_hit_rate.labels(self.model_name, key[len("rank"):-len("_hit_rate")]).set(value)

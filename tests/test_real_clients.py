@@ -143,13 +143,18 @@ def test_lm_eval_multiple_choice_log_likelihoods_and_accuracy(lm_eval_run, model
     assert lm_eval_run["results"]["shakespeare_mc"]["acc,none"] == pytest.approx(np.mean(picked))
     assert len(os.path.commonprefix([requests[0][0][0], requests[1][0][0]])) > 300  # the shared passage
 
-    metrics = httpx.get(live + "/metrics").text
-    assert float(next(line.split()[-1] for line in metrics.splitlines()
-                      if line.startswith("jaxseek:prefix_cache_hit_rate{"))) > 0
+    def series(name: str) -> float:
+        return float(next(line.split()[-1] for line in httpx.get(live + "/metrics").text.splitlines()
+                          if line.startswith(name + "{")))
+
+    assert series("jaxseek:prefix_cache_hit_rate") > 0
+    queried, hit = series("jaxseek:prefix_cache_queries_total"), series("jaxseek:prefix_cache_hits_total")
     ctx, cont = requests[0][0]
     body = {"model": MODEL, "prompt": [ctx + cont], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
     r = httpx.post(live + "/v1/completions", json=body, timeout=60).json()
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert series("jaxseek:prefix_cache_queries_total") - queried == len(ctx + cont)
+    assert series("jaxseek:prefix_cache_hits_total") - hit >= r["usage"]["prompt_tokens_details"]["cached_tokens"]
     served = r["choices"][0]["logprobs"]["token_logprobs"]
     assert served[0] is None and len(served) == len(ctx + cont) + 1
     np.testing.assert_allclose(served[1:-1], prompt_logprobs_by_forward(model, ctx + cont, WIDTH)[0], atol=TOL,
