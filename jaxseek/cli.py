@@ -266,8 +266,9 @@ def _add_cache_and_grammar_flags(e) -> None:
     """Engine flags `generate` and `serve` share: speculation, prefix caching, the KV pool, jump-forward decoding
     of grammar-forced tokens, bounded decoder replay, how the step is compiled and the weights held."""
     e.add_argument("--layer-programs", action=argparse.BooleanOptionalAction, default=None,
-                   help="V4 on one device: run the step's layers as one compiled program per kind of layer, so "
-                        "compile time does not grow with depth (default: wherever the model allows)")
+                   help="on one device: run the step's layers as one compiled program per kind of layer, so "
+                        "compile time does not grow with depth (default: V4 models, and V4.1 models of 16 layers or "
+                        "more; shallower V4.1 models compile and decode faster as one program)")
     e.add_argument("--host-layout", action=argparse.BooleanOptionalAction, default=None,
                    help="on the CPU backend: hold the fp32 linear maps and routed-expert weights transposed, the "
                         "layout XLA:CPU multiplies fastest (default: on a CPU without --mesh)")

@@ -62,6 +62,9 @@ def layer_key(block) -> tuple:
     return graphdef, jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
 
 
+V41_FROM_LAYERS = 16  # the depth from which a V4.1 model runs as layer programs by default (`LayerPlan.unpaid`)
+
+
 class LayerBatch(NamedTuple):
     """What a layer program reads of the step's batch (an output of the embed program: on the device with it)."""
 
@@ -171,6 +174,16 @@ class LayerPlan:
         layers = model.module().layers
         if not (all(isinstance(entry, Block) for entry in layers) or all(isinstance(e, BlockV41) for e in layers)):
             return "its layers are neither all V4 nor all V4.1 blocks"
+        return None
+
+    @classmethod
+    def unpaid(cls, model) -> str | None:
+        """Why `model`, which can run as layer programs, runs as one program unless asked (None: layer programs
+        pay): a V4.1 model below `V41_FROM_LAYERS` layers compiles and decodes faster as one program
+        (docs/benchmarks.md)."""
+        depth = len(model.module().layers)
+        if isinstance(model.module().layers[0], BlockV41) and depth < V41_FROM_LAYERS:
+            return f"a V4.1 model of {depth} layers (< {V41_FROM_LAYERS}) compiles and decodes faster as one program"
         return None
 
     @classmethod

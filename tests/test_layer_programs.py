@@ -66,11 +66,11 @@ def test_v41_layer_programs_give_the_one_program_steps_numbers():
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     params = [greedy, dataclasses.replace(greedy, prompt_logprobs=0)]
     outputs = []
-    for layer_programs in (None, False):
+    for layer_programs in (True, False):
         engine = Engine(model, max_slots=2, max_len=64, page_tokens=16, prefill_chunk=16, batch_invariant=True,
                         return_logits=True, replay=Replay("compact", 12), layer_programs=layer_programs)
         outputs.append(engine.generate(prompts, params))
-        if layer_programs is None:
+        if layer_programs:
             assert engine.layer_plan.kinds == (0, 1, 2, 3, 4, 5, 4) and engine.layer_plan.split == 4
             for compiled in engine.compiled.values():  # embed, 6 kinds, enter, leave, head, decide
                 assert len(compiled.executables) == 11
@@ -85,6 +85,11 @@ def test_v41_layer_programs_give_the_one_program_steps_numbers():
 
 def test_models_it_does_not_cover_run_as_one_program(model):
     assert Engine(model, max_slots=2, max_len=64, layer_programs=False).layer_plan is None
+    shallow = random_model(dataclasses.replace(preset("tiny-v41"), num_hidden_layers=6,
+                                               compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layer_ids=(1, 3),
+                                               index_source_layer_ids=(1, 3, 5), candidate_source_layer_id=3))
+    assert Engine(shallow, max_slots=2, max_len=64).layer_plan is None  # where layer programs do not pay
+    assert Engine(shallow, max_slots=2, max_len=64, layer_programs=True).layer_plan is not None
     with pytest.raises(ValueError, match="layer_programs=True is single-device"):
         EngineConfig(mesh="dp=2", layer_programs=True)
     with unchecked(), pytest.raises(ValueError, match="layer_programs must be"):
