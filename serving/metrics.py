@@ -103,8 +103,7 @@ class ServerMetrics:
         """The engine's cumulative mask-filling and exposed grammar time (`Engine.stats["grammar_seconds"]`,
         `["grammar_exposed_seconds"]`) after a step."""
         for counter, key in ((self.grammar_mask, "grammar_seconds"), (self.grammar_exposed, "grammar_exposed_seconds")):
-            counter.inc(max(stats[key] - self._grammar_seen[key], 0.0))
-            self._grammar_seen[key] = stats[key]
+            _advance(counter, self._grammar_seen, key, stats[key])
 
     def observe_eplb(self, stats: dict) -> None:
         """The engine's expert-shard balancedness (`Engine.stats["eplb_balancedness"]`, present once a step of a
@@ -119,8 +118,7 @@ class ServerMetrics:
         the cache is off) and, on a mesh, each attention rank's hit rate (`rank{d}_hit_rate`)."""
         self.prefix_hit_rate.set(metrics.get("hit_rate", 0.0))
         for counter, key in ((self.prefix_queries, "query_tokens"), (self.prefix_hits, "hit_tokens")):
-            counter.inc(max(int(metrics.get(key, 0)) - self._prefix_seen[key], 0))
-            self._prefix_seen[key] = int(metrics.get(key, 0))
+            _advance(counter, self._prefix_seen, key, metrics.get(key, 0))
         for key, value in metrics.items():
             if key.startswith("rank") and key.endswith("_hit_rate"):
                 self._rank_hit_rate.labels(self.model_name, key[len("rank"):-len("_hit_rate")]).set(value)
@@ -160,3 +158,9 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _advance(counter: Counter, seen: dict, key: str, total: float) -> None:
+    """Advance `counter` by how much the engine's cumulative `total` under `key` grew since `seen[key]`."""
+    counter.inc(max(total - seen[key], 0))
+    seen[key] = total

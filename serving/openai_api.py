@@ -162,12 +162,11 @@ class OpenAIRequests:
             fields[length] = 1
         if echo and fields.get("logprobs") is not None:
             fields["prompt_logprobs"] = fields["logprobs"]
-        texts = self.prompt_texts(body.get("prompt"))
         prompts = self.prompts(body.get("prompt"))
         constraint, _ = self.constraint(body)
-        pairs = [(ids, text, p) for ids, text in zip(prompts, texts) for p in self.params(body, len(ids), fields)]
-        return Prepared([Submission(ids, p, constraint) for ids, _, p in pairs], sum(len(p) for p in prompts),
-                        echo=[self.decode(ids) if text is None else text for ids, text, _ in pairs] if echo else None,
+        choices = [(ids, text, p) for ids, text in prompts for p in self.params(body, len(ids), fields)]
+        return Prepared([Submission(ids, p, constraint) for ids, _, p in choices], sum(len(ids) for ids, _ in prompts),
+                        echo=[self.decode(ids) if text is None else text for ids, text, _ in choices] if echo else None,
                         prompt_only=prompt_only)
 
     def chat_prompt(self, body: dict) -> tuple[list[int], bool, list[dict]]:
@@ -196,17 +195,9 @@ class OpenAIRequests:
                            param="prompt_logprobs")
         return dict(fields)
 
-    @staticmethod
-    def prompt_texts(prompt) -> list[str | None]:
-        """Each prompt of a completions `prompt` as its text (None: given as token ids), for `echo`."""
-        if isinstance(prompt, str):
-            return [prompt]
-        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
-            return [p if isinstance(p, str) else None for p in prompt]
-        return [None]
-
-    def prompts(self, prompt) -> list[list[int]]:
-        """A completions `prompt`'s token ids: a string, token ids, or a list of up to MAX_CHOICES of those."""
+    def prompts(self, prompt) -> list[tuple[list[int], str | None]]:
+        """A completions `prompt`'s prompts, each as (token ids, its text or None when given as ids): a string,
+        token ids, or a list of up to MAX_CHOICES of those."""
         if isinstance(prompt, str):
             prompt = [prompt]
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
@@ -218,12 +209,12 @@ class OpenAIRequests:
         out = []
         for p in prompt:
             if isinstance(p, str):
-                out.append(self.tokenizer.encode(p))
+                out.append((self.tokenizer.encode(p), p))
             elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                out.append(list(p))
+                out.append((list(p), None))
             else:
                 raise ApiError(400, "each prompt must be a string or a list of token ids", param="prompt")
-            if not out[-1]:
+            if not out[-1][0]:
                 raise ApiError(400, "the prompt is empty", param="prompt")
         return out
 

@@ -3,6 +3,7 @@ decoding by the full-sequence forward (the reference engines are checked against
 with its BF16 tensors widened to F32."""
 
 import shutil
+import socket
 from pathlib import Path
 
 import jax
@@ -12,6 +13,13 @@ from flax import nnx
 
 from model.api import Model
 from model.initialize import init_model
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def random_model(config, seed: int = 0, noise: float = 0.1, **init_kwargs) -> Model:

@@ -9,7 +9,6 @@ forward; the openai SDK's `parse` with a pydantic response_format and pydantic-a
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,8 @@ from pydantic import BaseModel, Field
 
 from model import load_model
 from model.api import Model
-from tests.helpers import greedy_full_forward, prompt_logprobs_by_forward
+from benchmarks.serving import stop_server
+from tests.helpers import free_port, greedy_full_forward, prompt_logprobs_by_forward
 
 DATA = Path(__file__).parent / "data"
 TASKS = DATA / "lm_eval"
@@ -35,12 +35,6 @@ TOL = 1e-4
 class Speaker(BaseModel):
     name: str = Field(max_length=12)
     act: int = Field(ge=1, le=5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +62,7 @@ def live(tmp_path_factory):
             raise AssertionError(f"jaxseek serve did not come up (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

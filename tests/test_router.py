@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,12 @@ import pytest
 from model import load_model
 from serving.router import Router
 from serving.server import Server, ServerConfig, serve_in_thread
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bundled"
 TOKENS = 56  # tokens a stream of the kill test generates (prompt + tokens within max_len 96)
 PROMPTS = ["ROMEO:\n", "JULIET:\n", "KING:\nWhat news?", "HAMLET:\nTo be", "First Citizen:\n", "PORTIA:\nThe quality"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
