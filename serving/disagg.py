@@ -31,10 +31,14 @@ from serving.sampling import SamplingParams
 from serving.slot_state import SlotState
 
 # ---- the prefill process --------------------------------------------------------------------------------------
-def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cache: str | None) -> None:
+def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cache: str | None,
+                    cpu_devices: int) -> None:
     """The prefill process: load the model, then prefill what arrives and send back hand-offs (or results of
     requests that finished at their first token). Each request is acknowledged ("accepted" or "error") as soon
-    as it arrives; a cancelled one is acknowledged ("cancelled") once the prefill engine has let it go."""
+    as it arrives; a cancelled one is acknowledged ("cancelled") once the prefill engine has let it go.
+    `cpu_devices`: the parent's emulated CPU devices (`jax_num_cpu_devices`, -1: JAX's default), which a mesh
+    engine on CPU needs here too."""
+    jax.config.update("jax_num_cpu_devices", cpu_devices)  # before any JAX operation
     if compile_cache:
         jax.config.update("jax_compilation_cache_dir", compile_cache)
     from model import load_model
@@ -92,7 +96,8 @@ class DisaggregatedEngine:
 
     `add_request` hands the prompt to the prefill process (which validates it: a refusal raises ValueError
     here); `step` installs the hand-offs that arrived and runs one decode-engine step. The prefill engine runs
-    the decode engine's settings, on the model of `model_path`: the checkpoint the decode engine's model was
+    the decode engine's settings (its mesh included: a hand-off leaves a rank of one and goes to the decode
+    engine's least loaded rank), on the model of `model_path`: the checkpoint the decode engine's model was
     loaded from (None: the bundled model). A request without a seed gets one here, since both engines must draw
     the same tokens; outputs then equal a single engine's.
     """
@@ -106,7 +111,7 @@ class DisaggregatedEngine:
         self.inbox, self.outbox = context.Queue(), context.Queue()
         self.process = context.Process(target=_prefill_worker, daemon=True, args=(
             self.inbox, self.outbox, model_path, dataclasses.replace(decode_engine.config, detokenize=None),
-            compile_cache))
+            compile_cache, jax.config.jax_num_cpu_devices))
         self.process.start()
         kind, _ = self.outbox.get(timeout=start_timeout)
         if kind != "ready":

@@ -369,8 +369,9 @@ class Engine:
         request = self.requests[request_id]
         if request.status is not Status.RUNNING or request.prefilling or request.in_flight:
             raise ValueError(f"request {request_id} is not between steps with its prompt prefilled")
-        pages = np.asarray(self.scheduler.pages.owned.get(request.slot, []), np.int32)
-        layers, per_slot = slot_state.take(self.cache, request.slot, pages)
+        slot, pages = self.placement.cache_index(
+            request.slot, np.asarray(self.scheduler.pages.owned.get(request.slot, []), np.int32))
+        layers, per_slot = slot_state.take(self.cache, slot, pages)
         return SlotState(
             request_id=request_id, prompt=list(request.prompt), params=request.params, output=list(request.output),
             logprobs=list(request.logprobs), computed=request.computed, page_tokens=self.layout.page_tokens,
@@ -383,28 +384,28 @@ class Engine:
 
     def import_slot(self, state: SlotState) -> bool:
         """Install a request `export_slot` gave (another engine's) as running here: its next step decodes it;
-        False when no slot or not enough pages are free now (try again after a step). Raises ValueError for a
-        state of another layout or a request id in use."""
+        False when no slot or not enough pages are free now (try again after a step). On a mesh it goes to the
+        rank the scheduler picks (`take_handoff`). Raises ValueError for a state of another layout or a request
+        id in use."""
         slot_state.check(self.cache, state, self.layout.page_tokens)
         if state.request_id in self.requests:
             raise ValueError(f"request id {state.request_id!r} is already in use")
         grammar = self.structured.grammar(state.constraint, state.constraint_trigger, state.params.max_tokens)
         if grammar is not None and not grammar.accept(state.output):
             raise ValueError(f"the hand-off's output breaks its constraint: {grammar.error}")
-        scheduler = self.scheduler
-        new = scheduler.pages.grow(scheduler.free_slots[-1], state.computed) if scheduler.free_slots else None
-        if new is None:
-            return False
-        slot = scheduler.free_slots.pop()
-        self.cache = slot_state.put(self.cache, state, slot, np.asarray(new, np.int32))
         now = time.perf_counter()
         request = Request(state.request_id, list(state.prompt), state.params, arrival=now - state.elapsed,
-                          status=Status.RUNNING, output=list(state.output), logprobs=list(state.logprobs), slot=slot,
+                          status=Status.RUNNING, output=list(state.output), logprobs=list(state.logprobs),
                           computed=state.computed, first_token_time=now, engram_history=state.engram_history,
                           drafts=list(state.drafts), confidence=list(state.confidence), grammar=grammar,
                           constraint=state.constraint, prompt_logprobs=state.prompt_logprobs)
+        new = self.scheduler.take_handoff(request)
+        if new is None:
+            return False
+        slot, pages = self.placement.cache_index(request.slot, np.asarray(new, np.int32))
+        self.cache = slot_state.put(self.cache, state, slot, pages)
         self.requests[request.request_id] = request
-        scheduler.running.append(request)
+        self.scheduler.running.append(request)
         return True
 
     def cancel(self, request_id: str) -> None:

@@ -67,7 +67,8 @@ class DataParallelScheduler(Scheduler):
     """The scheduler of a data-parallel engine: a new request goes to the rank, among those with a free slot,
     with the least pending prefill plus uncached prompt tokens (its prompt less what that rank's prefix cache
     would spare it, `PrefixAdmission.cached_tokens`); ties go to the fewest running requests, then the most free
-    pages, then the lower rank."""
+    pages, then the lower rank. A hand-off (`take_handoff`: its tokens computed elsewhere, none to prefill) goes
+    to the least loaded such rank with free pages for them, if any has."""
 
     def __init__(self, layout: CacheLayout, *args, ranks: int, **kwargs):
         super().__init__(layout, *args, pages=ShardedPages(layout, ranks), **kwargs)
@@ -80,9 +81,12 @@ class DataParallelScheduler(Scheduler):
         for r in self.running:
             if r.prefilling:
                 pending[self.rank(r)] += len(r.sequence) - r.computed
-        cached = self.prefix.cached_tokens(request.prompt) if self.prefix is not None else [0] * self.ranks
-        uncached = len(request.prompt) - np.asarray(cached)
+        fresh = self.prefix is not None and not request.computed
+        cached = self.prefix.cached_tokens(request.prompt) if fresh else [0] * self.ranks
+        uncached = np.maximum(len(request.prompt) - request.computed - np.asarray(cached), 0)
         open_ranks = {rank_of(s, per_rank) for s in self.free_slots}
+        need = -(-request.computed // self.layout.page_tokens)
+        open_ranks = {d for d in open_ranks if need <= len(self.pages.pools[d])} or open_ranks  # else reclaim
         rank = min(open_ranks, key=lambda d: (pending[d] + uncached[d], running[d], -len(self.pages.pools[d]), d))
         slot = min(s for s in self.free_slots if rank_of(s, per_rank) == rank)
         self.free_slots.remove(slot)
@@ -153,6 +157,11 @@ class DataParallel:
     def scheduler(self, layout: CacheLayout, *args, **kwargs) -> DataParallelScheduler:
         """The engine's scheduler over the whole (global) `layout`: `Scheduler`'s arguments."""
         return DataParallelScheduler(layout, *args, ranks=self.ranks, **kwargs)
+
+    def cache_index(self, slot: int, pages: Int[np.ndarray, " p"]) -> tuple[int, Int[np.ndarray, " p"]]:
+        """Where the scheduler's (global) `slot` and `pages` lie in the cache: each rank's slots and pages, its
+        scratch ones last, follow the previous rank's."""
+        return slot + slot // self.layout.max_slots, pages + pages // self.layout.num_pages
 
     def init_cache(self, module, drafter=None) -> dict:
         """Every rank's empty cache, stacked on the leading (slot or page) axis and split over the ranks."""

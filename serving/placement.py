@@ -8,6 +8,9 @@ programs, storage in the executable cache, decode steps in halves (token masks f
 
 from __future__ import annotations
 
+import numpy as np
+from jaxtyping import Int
+
 from serving.engine_config import EngineConfig
 from serving.engine_dp import DataParallel
 from serving.kv_cache import CacheLayout, init_engine_cache
@@ -30,6 +33,10 @@ class OneDevice:
     def scheduler(self, layout: CacheLayout, *args, **kwargs) -> Scheduler:
         """The engine's scheduler over `layout`: `Scheduler`'s arguments."""
         return Scheduler(layout, *args, **kwargs)
+
+    def cache_index(self, slot: int, pages: Int[np.ndarray, " p"]) -> tuple[int, Int[np.ndarray, " p"]]:
+        """Where the scheduler's `slot` and `pages` lie in the cache: there."""
+        return slot, pages
 
     def init_cache(self, module, drafter=None) -> dict:
         """The engine's empty cache (`serving.kv_cache.init_engine_cache`)."""

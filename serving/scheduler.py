@@ -141,6 +141,20 @@ class Scheduler:
         """A free slot for `request` (the data-parallel engine picks a rank by its cache and load)."""
         return self.free_slots.pop()
 
+    def take_handoff(self, request: Request) -> list[int] | None:
+        """A slot (`request.slot`) and pages for `request`, its first `request.computed` tokens computed by another
+        engine (`Engine.import_slot`): the new pages, or None (nothing taken) when no slot or too few pages are
+        free."""
+        if not self.free_slots:
+            return None
+        slot = self.take_slot(request)
+        new = self.pages.grow(slot, request.computed)
+        if new is None:
+            self.free_slots.append(slot)
+            return None
+        request.slot = slot
+        return new
+
     def prefix_cache(self, build: Callable[[PageAllocator, int], PrefixAdmission]) -> PrefixAdmission:
         """The engine's prefix cache: `build(pages, shares)` makes one over `pages` holding a `shares`-th of the
         host tier and snapshots (here the whole pool, one share; a data-parallel engine one per rank)."""

@@ -529,9 +529,6 @@ def serve(args, model, engine_config: EngineConfig) -> int:
     if args.disaggregate and args.config:
         raise ValueError("--disaggregate loads the model again in the prefill process: give --model (or neither, "
                          "for the bundled model), not a random --config")
-    if args.disaggregate and engine_config.mesh is not None:
-        raise ValueError("--disaggregate runs its prefill and decode engines on one device each: the hand-off of a "
-                         "mesh engine's cache, split over its ranks, is not built; drop --mesh or --disaggregate")
     name = args.served_model_name or model_name(args.model, args.config)
     config = ServerConfig(model_name=name, api_key=args.api_key, max_concurrency=args.max_concurrency,
                           max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model,

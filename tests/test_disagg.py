@@ -52,15 +52,23 @@ def same(a, b):
         assert x.token == y.token and x.logprob == pytest.approx(y.logprob, abs=1e-5)
 
 
-def test_handoff_within_a_process_continues_exactly(setup):
-    """Export after the first token from one engine, import into another slot state of the same engine."""
-    model, engine, prompts, reference = setup
-    rid = engine.add_request(prompts[2], PARAMS[2])
+def handed_off(engine, prompt, params, request_id=None):
+    """The hand-off of a request `engine` (zero-overhead scheduling off, or batch-invariant) ran to its first
+    token; its slot, pages and id are free again, as the prefill process leaves them."""
+    rid = engine.add_request(prompt, params, request_id)
     while not engine.requests[rid].output:
         engine.step()
     state = engine.export_slot(rid)
     engine.cancel(rid)
     engine.run()
+    engine.requests.pop(rid)
+    return state
+
+
+def test_handoff_within_a_process_continues_exactly(setup):
+    """Export after the first token from one engine, import into another slot state of the same engine."""
+    model, engine, prompts, reference = setup
+    state = handed_off(engine, prompts[2], PARAMS[2])
     clobber(engine)
     state.request_id = "moved"
     assert engine.import_slot(state)

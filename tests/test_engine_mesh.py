@@ -16,6 +16,7 @@ from model.config import preset
 from serving.engine import Engine
 from serving.sampling import SamplingParams
 from tests.helpers import random_model
+from tests.test_disagg import handed_off
 from tests.test_structured_engine import tiny  # noqa: F401  (a fixture: V4.1 with a character tokenizer)
 
 # tiny-v41 cut to 6 layers (compiles faster): a sliding layer, a ratio-2 encoder group, the ratio-1 decoder KV
@@ -91,6 +92,40 @@ def test_prefix_cache_and_mtp_speculation_on_dp_and_ep_equal_one_plain_device(v4
     assert metrics["hit_tokens"] == 64 and metrics["host_restored"] == 2 and metrics[f"rank{held[0]}_hit_rate"] > 0
     assert metrics[f"rank{1 - held[0]}_hit_rate"] == 0
     assert engine.speculation_metrics()["verified_per_step"] > 0
+
+
+def test_handoff_into_and_out_of_a_mesh_engine_continues_exactly(v4):
+    """P/D hand-offs with a mesh engine (`Engine.export_slot` / `import_slot`): a request prefilled on one device
+    goes to the dp=2,ep=2 engine's idle rank (rank 0 runs another request), on that rank's pages, the cache
+    keeping its shardings; exported from there after a few tokens, it finishes on the single device. Both
+    requests' tokens are a single engine's."""
+    import jax
+
+    prompts = [RNG.integers(0, V4.vocab_size, n).tolist() for n in (7, 21)]
+    params = [SamplingParams(temperature=1.0, max_tokens=6, seed=11, ignore_eos=True), GREEDY]
+    single = Engine(v4, zero_overhead=False, **ENGINE)  # each step read before the next: exports between steps
+    reference = single.generate(prompts, params)
+    moved = "moved"
+    state = handed_off(single, prompts[1], params[1], moved)
+    mesh = Engine(v4, mesh="dp=2,ep=2", zero_overhead=False, **ENGINE)
+    busy = mesh.add_request(prompts[0], params[0])
+    mesh.step()
+    shardings = jax.tree.map(lambda x: x.sharding, mesh.cache)
+    assert mesh.import_slot(state)
+    handed = mesh.requests[moved]
+    assert mesh.scheduler.rank(mesh.requests[busy]) == 0 and mesh.scheduler.rank(handed) == 1
+    half = mesh.layout.num_pages // 2
+    assert set(mesh.scheduler.pages.owned[handed.slot]) <= set(range(half, 2 * half))  # rank 1's pages
+    assert jax.tree.map(lambda x: x.sharding, mesh.cache) == shardings
+    outputs = {}
+    while len(handed.output) < 3:
+        outputs |= {out.request_id: out for out in mesh.step()}
+    back = mesh.export_slot(moved)
+    mesh.cancel(moved)
+    outputs |= mesh.run()
+    assert outputs[busy].token_ids == reference[0].token_ids
+    assert single.import_slot(back)
+    assert single.run()[moved].token_ids == reference[1].token_ids
 
 
 def test_structured_outputs_under_dspark_on_a_mesh_equal_one_device(tiny):
