@@ -18,7 +18,7 @@ from model.axes import param
 from model.config import CSA_RATIO, ModelConfig
 from model.linear import Linear
 from model.norms import RMSNorm
-from model.paged import Paged
+from model.paged import Paged, row_pages
 from model.rope import apply_rope
 from pallas_kernels import registry
 
@@ -34,11 +34,11 @@ class Compressor(nnx.Module):
         self.norm = RMSNorm(dim, config.rms_norm_eps)
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
 
-    def init_state(self, batch: int, max_len: int, backtrack: int = 0) -> dict[str, jax.Array]:
+    def init_state(self, batch: int, max_len: int, backtrack: int = 0) -> dict:
         """Empty state for sequences of at most `max_len` tokens that may roll back `backtrack` tokens."""
         r, d = self.ratio, self.dim
         width = 2 * d if self.overlap else d
-        return {"entries": jnp.zeros((batch, max_len // r, d), jnp.float32),
+        return {"entries": row_pages(jnp.zeros((batch, max_len // r, d), jnp.float32)),
                 **recent_slots(batch, (2 if self.overlap else 1) * r + backtrack, width)}
 
     def __call__(

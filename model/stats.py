@@ -92,10 +92,9 @@ def v41_stats(config) -> dict:
 
     def global_bytes(length: int) -> float:
         layers = jax.eval_shape(lambda: model.module().init_cache(1, length)["layers"])
-        return sum(state["entries"].shape[1] * state["entries"].shape[2] * V41_LATENT_BYTES
-                   + (state["index_keys"].shape[1] * state["index_keys"].shape[2] * V41_INDEX_KEY_BYTES
-                      if "index_keys" in state else 0)
-                   for state in layers if "entries" in state)
+        per_entry = {"entries": V41_LATENT_BYTES, "index_keys": V41_INDEX_KEY_BYTES}
+        return sum(state[name].pages.shape[1] * state[name].pages.shape[2] * size
+                   for state in layers for name, size in per_entry.items() if name in state)
 
     ring = jax.eval_shape(lambda: model.module().init_cache(1, 8)["layers"][0]["ring_kv"])
     swa_layer = ring.shape[1] * ring.shape[2] * V41_WINDOW_BYTES

@@ -10,7 +10,6 @@ from model.config import ModelConfig
 from model.hyper import HyperConnection, HyperHead, expand
 from model.linear import Linear, normal_init
 from model.moe import MoE
-from model.paged import as_paged, pools
 from model.norms import RMSNorm
 from model.replay import take_positions
 
@@ -134,13 +133,13 @@ class DeepseekV4(nnx.Module):
         start = cache["pos"]
         streams = input_streams(self.embed, tokens, self.config.hc_mult)
         states, taps = [], {}
-        for i, (block, state) in enumerate(zip(self.layers, as_paged(cache["layers"]))):
+        for i, (block, state) in enumerate(zip(self.layers, cache["layers"])):
             streams, state = block(streams, tokens, start, state, count)
             if i in collect:
                 taps[i] = streams
             states.append(state)
         taps = {i: tap.reshape(*tap.shape[:2], -1) for i, tap in taps.items()}
-        cache = {**cache, "pos": start + count, "layers": pools(states)}
+        cache = {**cache, "pos": start + count, "layers": states}
         if collect:
             return streams, cache, jnp.concatenate([taps[i] for i in collect], axis=-1)
         return streams, cache
@@ -172,7 +171,7 @@ class DeepseekV4(nnx.Module):
         blk = self.mtp[depth]
         start = cache["pos"] - streams.shape[1]
         x = blk.mix_inputs(streams, self.embed(next_tokens))
-        out, state = blk(x, next_tokens, start, as_paged(cache["mtp"][depth]))
+        out, state = blk(x, next_tokens, start, cache["mtp"][depth])
         mtp_states = list(cache["mtp"])
-        mtp_states[depth] = pools(state)
+        mtp_states[depth] = state
         return self.head_logits(out, blk.hc_head, blk.norm), {**cache, "mtp": mtp_states}

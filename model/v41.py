@@ -23,7 +23,7 @@ from model.hyper import collapse, expand
 from model.linear import Linear
 from model.moe import MoE, any_rank
 from model.norms import RMSNorm
-from model.paged import Paged, as_paged, pools, store_windows
+from model.paged import Paged, row_pages, store_windows
 from model.replay import Replay, key_positions, kept_span, put_rows, take_positions, take_rows
 from model.rope import apply_rope, layer_frequencies
 from model.transformer import Embedding, HyperBlock, empty_cache, input_streams
@@ -121,12 +121,12 @@ class AttentionV41(LatentAttention):
         state = ring_state(cfg, batch, ring)
         if self.is_kv_source:
             n = max_len // self.ratio
-            state["entries"] = jnp.zeros((batch, n, cfg.head_dim), jnp.float32)
+            state["entries"] = row_pages(jnp.zeros((batch, n, cfg.head_dim), jnp.float32))
             if self.ratio > 1:
                 state.update(recent_slots(batch, self.ratio + state["ring_kv"].shape[1] - cfg.sliding_window,
                                           cfg.head_dim))
             if self.is_index_source:
-                state["index_keys"] = jnp.zeros((batch, n, cfg.index_head_dim), jnp.float32)
+                state["index_keys"] = row_pages(jnp.zeros((batch, n, cfg.index_head_dim), jnp.float32))
         return state
 
     def compress(self, x: Float[Array, "b c d"], start, state: dict, shared: dict, count):
@@ -318,7 +318,6 @@ class DeepseekV41(nnx.Module):
         split = self.config.n_prefill_layer if replay.active else len(self.layers)
         if split < len(self.layers):  # before tracing any layer: a bad keep fails fast
             replay.check(cache["layers"][split]["ring_kv"].shape[1], self.config.sliding_window)
-        cache = {**cache, "layers": as_paged(cache["layers"])}
         run = (streams, pre_mix, tokens, rows, {})
         streams, pre_mix, states, shared, taps = self._run_layers(range(split), run, start, cache, count, collect)
         if split < len(self.layers):
@@ -329,7 +328,7 @@ class DeepseekV41(nnx.Module):
             streams, pre_mix, more, more_taps = replayed(range(split, len(self.layers)), run, start, count, cache,
                                                          span, collect)
             states, taps = states + more, {**taps, **more_taps}
-        cache = {**cache, "pos": start + count, "layers": pools(states)}
+        cache = {**cache, "pos": start + count, "layers": states}
         if collect:
             return streams, pre_mix, cache, jnp.concatenate([taps[i] for i in collect], axis=-1)
         return streams, pre_mix, cache

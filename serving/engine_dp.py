@@ -22,7 +22,7 @@ from model import moe
 from model.api import Model
 from model.dspark import Drafter
 from model.host_layout import checkpoint_layout
-from serving.kv_cache import CacheLayout, PageAllocator, cache_axes, init_engine_cache
+from serving.kv_cache import CacheLayout, EngineCache, PageAllocator, init_engine_cache
 from serving.prefix_admission import PrefixAdmission
 from serving.prefix_ranks import RankedPrefix, RankPages
 from serving.request import Request
@@ -163,7 +163,7 @@ class DataParallel:
         scratch ones last, follow the previous rank's."""
         return slot + slot // self.layout.max_slots, pages + pages // self.layout.num_pages
 
-    def init_cache(self, module, drafter=None) -> dict:
+    def init_cache(self, module, drafter=None) -> EngineCache:
         """Every rank's empty cache, stacked on the leading (slot or page) axis and split over the ranks."""
         def stacked():
             local = init_engine_cache(module, self.layout, drafter)
@@ -173,8 +173,8 @@ class DataParallel:
         return jax.jit(stacked, out_shardings=jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs))()
 
     # ---- compilation --------------------------------------------------------------------------------------
-    def compile(self, halves: StepHalves, plan: None, weights: tuple, cache: dict, bucket: tuple[int, int, int, int],
-                engram_shapes=()) -> list:
+    def compile(self, halves: StepHalves, plan: None, weights: tuple, cache: EngineCache,
+                bucket: tuple[int, int, int, int], engram_shapes=()) -> list:
         """The step of `bucket` (rows per rank, width, verify length, context pages) as one shard_map over the
         mesh, ahead of time (`plan`: None, a mesh step is one program), called as the single-device step is
         (`_Executable`, the one entry of the list)."""
@@ -308,7 +308,7 @@ class _Executable:
     def __init__(self, owner: DataParallel, rows: int, step, gather, batch_shardings):
         self.owner, self.rows, self.step, self.gather, self.batch_shardings = owner, rows, step, gather, batch_shardings
 
-    def __call__(self, weights: tuple, cache: dict, batch: StepBatch):
+    def __call__(self, weights: tuple, cache: EngineCache, batch: StepBatch):
         placed, placed_rows = self.owner.place(batch, self.rows)
         outputs, cache, loads = self.step(weights, cache, jax.device_put(placed, self.batch_shardings))
         if self.owner.ep > 1:
@@ -352,9 +352,9 @@ class _RankExperts:
                            n_shards=self.n_shards, op=op)
 
 
-def _cache_specs(cache: dict) -> dict:
+def _cache_specs(cache: EngineCache) -> EngineCache:
     """PartitionSpecs of an engine cache's leaves from their logical axes (slots and pages over the ranks)."""
-    return jax.tree.map(lambda axes: logical_spec(*axes), cache_axes(cache), is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(lambda axes: logical_spec(*axes), cache.axes(), is_leaf=lambda x: isinstance(x, tuple))
 
 
 def _batch_specs(batch: StepBatch) -> StepBatch:

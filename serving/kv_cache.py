@@ -18,10 +18,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int, PyTree
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from model.axes import batch_axes
-from model.paged import Paged, paged_path
+from model.paged import Paged, map_state, page_pools, slot_leaves
+from model.pytree import pytree_dataclass, replace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,48 +68,83 @@ class CacheLayout:
         return layout
 
 
+@pytree_dataclass
+@dataclasses.dataclass(frozen=True)
+class EngineCache:
+    """The engine's device cache. Every entry but `layers` is per slot ([slots + 1, ...], the last slot scratch);
+    `layers` holds each layer's state as the model declares it (`init_state`), its per-slot leaves with the slot
+    axis and its growing leaves as page pools (`model.paged.Paged`, the pool alone). The drafter entries are
+    None without a DSpark drafter."""
+
+    layers: list
+    last_token: Int[Array, " s"]
+    next_pos: Int[Array, " s"]  # the position of `last_token`
+    prompt_mask: Bool[Array, "s vocab"]
+    output_counts: Int[Array, "s vocab"]
+    drafter: list | None = None  # the DSpark drafter's context rings
+    drafts: Int[Array, "s g"] | None = None  # its current drafted block, the distributions it was drawn from
+    draft_probs: Float[Array, "s g vocab"] | None = None
+    confidence: Float[Array, "s g"] | None = None
+
+    def replace(self, **entries) -> EngineCache:
+        return replace(self, **entries)
+
+    def per_slot(self) -> dict[str, PyTree]:
+        """Every entry the cache keeps slot by slot, by name (the layers and absent drafter entries left out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "layers" and getattr(self, f.name) is not None}
+
+    def window_state(self) -> list[jax.Array]:
+        """What a window-state snapshot holds, in tree order: every per-slot layer leaf (window rings, compressor
+        open windows) and the DSpark drafter's context rings, each with its slot axis."""
+        return slot_leaves(self.layers) + jax.tree.leaves(self.drafter)
+
+    def with_window_state(self, put: Callable[[jax.Array], jax.Array]) -> EngineCache:
+        """The cache with `put` applied, in `window_state` order, to what a snapshot holds."""
+        return self.replace(layers=map_state(lambda node: node, put, self.layers),
+                            drafter=jax.tree.map(put, self.drafter))
+
+    def axes(self) -> EngineCache:
+        """Logical axes of every leaf (arrays or shapes): page pools lead with `pages`, every other leaf with its
+        slot (`batch`), so the rules split both over the attention ranks."""
+        pool = lambda leaf: ("pages",) + (None,) * (len(leaf.shape) - 1)  # noqa: E731
+        return jax.tree.map(batch_axes, self.replace(layers=None)).replace(
+            layers=map_state(lambda node: jax.tree.map(pool, node), batch_axes, self.layers))
+
+
 def page_bytes(module, page_tokens: int) -> int:
     """Bytes one page holds over every layer's paged leaves (compressed entries and index keys) of a model module."""
     shapes = jax.eval_shape(lambda: module.init_cache(1, page_tokens)["layers"])
-    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize
-               for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0] if paged_path(path))
+    return sum(math.prod(pool.shape) * pool.dtype.itemsize for pool in page_pools(shapes))
 
 
-def init_engine_cache(module, layout: CacheLayout, drafter=None) -> dict:
-    """The empty device cache of `layout` for a model module (DeepseekV4 or DeepseekV41); with a DSpark drafter
-    module (`model.dspark.DSparkDrafter`) also each slot's drafter context rings and its current drafted block
-    (tokens, the distributions they were drawn from, confidences)."""
+def init_engine_cache(module, layout: CacheLayout, drafter=None) -> EngineCache:
+    """The empty device cache of `layout` for a model module (DeepseekV4 or DeepseekV41), with a DSpark drafter
+    module's entries (`model.dspark.DSparkDrafter`) when given."""
     span, slots = layout.pages_per_slot * layout.page_tokens, layout.max_slots + 1
-    ref = module.init_cache(slots, span, layout.ring)
-    layers = jax.tree.map_with_path(lambda path, leaf: _pool(path, leaf, layout, span), ref["layers"])
-    cache = {
-        "layers": layers,
-        "last_token": jnp.zeros((slots,), jnp.int32),
-        "next_pos": jnp.zeros((slots,), jnp.int32),  # the position of `last_token`
-        "prompt_mask": jnp.zeros((slots, layout.vocab_size), bool),
-        "output_counts": jnp.zeros((slots, layout.vocab_size), jnp.int32),
-    }
-    if drafter is not None:
-        g = drafter.config.block_size
-        cache |= {"drafter": drafter.init_state(slots), "drafts": jnp.zeros((slots, g), jnp.int32),
-                  "draft_probs": jnp.zeros((slots, g, layout.vocab_size), jnp.float32),
-                  "confidence": jnp.zeros((slots, g), jnp.float32)}
-    return cache
+
+    def pool(node: Paged) -> Paged:  # [slots, entries, d] -> [pages + 1, entries per page, d]
+        dense = node.pages
+        shape = (layout.num_pages + 1, *dense.shape[1:-2], dense.shape[-2] * layout.page_tokens // span,
+                 dense.shape[-1])
+        return Paged(jnp.zeros(shape, dense.dtype))
+
+    layers = map_state(pool, lambda leaf: leaf, module.init_cache(slots, span, layout.ring)["layers"])
+    cache = EngineCache(layers, last_token=jnp.zeros((slots,), jnp.int32), next_pos=jnp.zeros((slots,), jnp.int32),
+                        prompt_mask=jnp.zeros((slots, layout.vocab_size), bool),
+                        output_counts=jnp.zeros((slots, layout.vocab_size), jnp.int32))
+    if drafter is None:
+        return cache
+    g = drafter.config.block_size
+    return cache.replace(drafter=drafter.init_state(slots), drafts=jnp.zeros((slots, g), jnp.int32),
+                         draft_probs=jnp.zeros((slots, g, layout.vocab_size), jnp.float32),
+                         confidence=jnp.zeros((slots, g), jnp.float32))
 
 
-def cache_axes(cache: dict) -> dict:
-    """Logical axes of every leaf of an engine cache (arrays or shapes): the page pools of `layers` lead with
-    `pages`, every other leaf with its slot (`batch`), so the rules split both over the attention ranks."""
-    def layer_leaf(path, leaf) -> tuple[str | None, ...]:
-        return ("pages",) + (None,) * (len(leaf.shape) - 1) if paged_path(path) else batch_axes(leaf)
-
-    return {**jax.tree.map(batch_axes, cache), "layers": jax.tree.map_with_path(layer_leaf, cache["layers"])}
-
-
-def drafter_ring(cache: dict) -> int:
+def drafter_ring(cache: EngineCache) -> int:
     """Positions in each slot's drafter context ring of the engine `cache` (its widest [slots, ring, d] leaf;
     0 without a drafter)."""
-    return max((leaf.shape[1] for leaf in jax.tree.leaves(cache.get("drafter", [])) if leaf.ndim == 3), default=0)
+    return max((leaf.shape[1] for leaf in jax.tree.leaves(cache.drafter) if leaf.ndim == 3), default=0)
 
 
 def gather_slots(tree: PyTree, slots: Int[Array, " r"], empty: PyTree, reset) -> PyTree:
@@ -121,35 +157,23 @@ def gather_slots(tree: PyTree, slots: Int[Array, " r"], empty: PyTree, reset) ->
     return jax.tree.map(one, tree, empty)
 
 
-def _pool(path, leaf: jax.Array, layout: CacheLayout, span: int) -> jax.Array:
-    """Paged leaves [slots, entries, d] become page pools [pages + 1, entries per page, d]; the others keep their
-    slot axis."""
-    if paged_path(path):
-        per_page = leaf.shape[-2] * layout.page_tokens // span
-        return jnp.zeros((layout.num_pages + 1, *leaf.shape[1:-2], per_page, leaf.shape[-1]), leaf.dtype)
-    return leaf
-
-
-def layer_rows(cache: dict, slots: Int[Array, " r"], tables: Int[Array, "r p"], frozen: Int[Array, " r"],
+def layer_rows(layers: list, slots: Int[Array, " r"], tables: Int[Array, "r p"], frozen: Int[Array, " r"],
                empty: list, reset) -> list:
-    """The layer states a step runs the model on: the per-slot leaves of `slots` (rows flagged in `reset`
-    start from the one-sequence empty state `empty`, a fresh request in a reused slot), materialised before
-    use so the slot buffers are no longer read when they are updated in place; and every page pool as a
-    `Paged`, read and written in place through the rows' block tables `tables` (the step's context bucket),
-    with `frozen` tokens per row held in shared, read-only pages. Stale entries of reused pages are never
-    visible: pools need no reset."""
-    rows = jax.lax.optimization_barrier(jax.tree.map_with_path(
-        lambda path, leaf, empty_leaf: None if paged_path(path) else gather_slots(leaf, slots, empty_leaf, reset),
-        cache["layers"], empty))
-    return jax.tree.map_with_path(lambda path, leaf, row: Paged(leaf, tables, frozen) if paged_path(path) else row,
-                                  cache["layers"], rows)
+    """The layer states a step runs the model on, from the engine cache's `layers`: the per-slot leaves of
+    `slots` (rows flagged in `reset` start from the one-sequence empty state `empty`, a fresh request in a
+    reused slot), materialised before use so the slot buffers are no longer read when they are updated in
+    place; and every page pool bound to the rows' block tables `tables` (the step's context bucket), read and
+    written in place, with `frozen` tokens per row held in shared, read-only pages. Stale entries of reused
+    pages are never visible: pools need no reset."""
+    rows = jax.lax.optimization_barrier(map_state(
+        lambda node, _: None, lambda leaf, empty_leaf: gather_slots(leaf, slots, empty_leaf, reset), layers, empty))
+    return map_state(lambda node, _: node.bind(tables, frozen), lambda leaf, row: row, layers, rows)
 
 
-def put_rows(cache: dict, slots: Int[Array, " r"], layers: list) -> dict:
-    """The cache with the model's new layer states of `layer_rows(cache, slots, ...)`: per-slot leaves by
-    slot, the page pools (written in place) as they are."""
-    return {**cache, "layers": jax.tree.map_with_path(
-        lambda path, leaf, new: new if paged_path(path) else leaf.at[slots].set(new), cache["layers"], layers)}
+def put_rows(layers: list, slots: Int[Array, " r"], new: list) -> list:
+    """The engine cache's `layers` with the model's new layer states of `layer_rows(layers, slots, ...)`:
+    per-slot leaves by slot, the page pools (written in place) as they are."""
+    return map_state(lambda node, new_node: new_node.unbound(), lambda leaf, row: leaf.at[slots].set(row), layers, new)
 
 
 class PageAllocator:

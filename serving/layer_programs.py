@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from model.paged import PAGED_LEAVES, Paged, is_paged, pools
+from model.paged import is_paged, unbound
+from model.pytree import replace
 from model.replay import Replay, kept_span, take_positions
 from model.transformer import Block, input_streams, project_logits
 from model.v41 import BlockV41, first_streams, kept_run, masked_rows, mixed_logits, put_kept, replays, run_layer, tap
@@ -50,7 +51,7 @@ from pallas_kernels import registry
 from pallas_kernels.expert_views import ExpertViews, expert_views
 from pallas_kernels.moe import VIEWED_BRANCHES, few_pairs
 from pallas_kernels.transposed_weights import HELD_KEY
-from serving.kv_cache import layer_rows, put_rows
+from serving.kv_cache import EngineCache, layer_rows, put_rows
 from serving.step import (CompiledHalves, Forwarded, RowInputs, StepBatch, StepHalves, abstract_shapes, compile_decide,
                           forwarded, prompt_logprobs, replay_prompt_end, row_inputs, split_cache)
 
@@ -134,7 +135,7 @@ def _shared_reads(module, empty_layers: list) -> list[tuple]:
     for block, empty in zip(module.layers, empty_layers):
         reads.append((tuple(sorted(published.items())), tuple(sorted(flow))))
         attn = block.attn
-        published |= {name: empty[name].shape for name in PAGED_LEAVES if name in empty}
+        published |= {name: leaf.pages.shape for name, leaf in empty.items() if is_paged(leaf)}
         if attn.ratio and attn.is_index_source:
             flow |= {"picks", "candidates"} if attn.is_candidate_source else {"picks"}
     return reads
@@ -208,7 +209,7 @@ class LayerPlan:
                                                                      ("hc_head", "norm", "head"))),
                    config.hc_mult, tuple(empty_layers), tuple(collect), experts,
                    config.n_routed_experts, config.num_experts_per_tok, v41,
-                   tuple(tuple(name for name in PAGED_LEAVES if name in empty) for empty in empty_layers) if v41
+                   tuple(tuple(name for name, leaf in empty.items() if is_paged(leaf)) for empty in empty_layers) if v41
                    else (), tuple(getattr(config, "engram_layer_ids", ())), replay if v41 else None, split)
 
     @property
@@ -241,7 +242,7 @@ class LayerPlan:
             return functools.partial(self.head_program, num_top=num_top), ()
         return getattr(self, f"{name}_program"), ()
 
-    def embed_program(self, leaves: list, cache: dict, batch: StepBatch, verify_len: int):
+    def embed_program(self, leaves: list, cache: EngineCache, batch: StepBatch, verify_len: int):
         """(the rows' inputs, what the first layer runs on, what the layer programs read of the batch) of the step
         (`cache`: without its layer state); the layer batch comes out on the device with them, so the host places
         nothing more per step."""
@@ -262,22 +263,21 @@ class LayerPlan:
 
         def run(leaves: list, state: dict, x: LayerInput, shared: dict, batch: LayerBatch):
             block = piece.module([ExpertViews(leaf) if isinstance(leaf, tuple) else leaf for leaf in leaves])
-            row_state = layer_rows({"layers": [state]}, batch.slots, batch.block_tables, batch.frozen, [empty],
-                                   batch.reset)[0]
+            row_state = layer_rows([state], batch.slots, batch.block_tables, batch.frozen, [empty], batch.reset)[0]
             if not self.v41:
                 streams, new = block(x.streams, x.tokens, x.starts, row_state, x.counts)
-                return streams, None, put_rows({"layers": [state]}, batch.slots, [pools(new)])["layers"][0], {}, None
+                return streams, None, put_rows([state], batch.slots, [new])[0], {}, None
             if x.floor is not None:
                 shared = {**shared, "replay_floor": x.floor}
 
             def forward():
                 streams, pre_mix, new, out = run_layer(block, x.streams, x.pre_mix, x.tokens, x.starts, row_state,
                                                        shared, x.engram, x.counts, x.kept)
-                return streams, pre_mix, pools(new), _flow(out)
+                return streams, pre_mix, unbound(new), _flow(out)
 
             streams, pre_mix, new, flow = forward() if x.go is None else jax.lax.cond(
-                x.go, forward, lambda: (x.streams, x.pre_mix, pools(row_state), _flow(shared)))
-            new = put_rows({"layers": [state]}, batch.slots, [new])["layers"][0]
+                x.go, forward, lambda: (x.streams, x.pre_mix, unbound(row_state), _flow(shared)))
+            new = put_rows([state], batch.slots, [new])[0]
             return streams, pre_mix, new, flow, tap(streams) if tapped else None
 
         return run
@@ -321,20 +321,21 @@ class LayerPlan:
         """The leaves of the head pieces, one list each."""
         return [piece.take(leaves) for piece in self.head]
 
-    def chain(self, call: Callable, leaves: list, cache: dict, batch: StepBatch) -> tuple[Forwarded, list]:
+    def chain(self, call: Callable, leaves: list, cache: EngineCache, batch: StepBatch) -> tuple[Forwarded, list]:
         """The forward half as the chain of programs the host launches, `call(name, *args)` running (or compiling)
         each (`program`): embed, the layers in order (V4.1: each given the page pools of the latest sources as
         read-only inputs, the sources' own donated-then-returned states), the replay programs around the replay
         layers, the head. Returns (the head's `Forwarded`, the new layer states)."""
         rest, _ = split_cache(cache)
         rows, x, batch = call("embed", self.embed.take(leaves), rest, batch)
-        states, taps, sources, flow = list(cache["layers"]), {}, {}, {}
+        states, taps, sources, flow = list(cache.layers), {}, {}, {}
         engram, before, span = dict(zip(self.engram, batch.engram_rows)), None, None
         for i, (kind, piece) in enumerate(zip(self.kinds, self.layers)):
             if i == self.split:
                 before = x
                 x, flow, engram, span = call("enter", x, flow, rows, batch)
-            shared = {name: Paged(states[j][name], batch.block_tables, batch.frozen) for name, j in sources.items()}
+            shared = {name: replace(states[j][name], table=batch.block_tables, frozen=batch.frozen)  # shapes too
+                      for name, j in sources.items()}
             x = x._replace(engram=engram.get(i))
             streams, pre_mix, states[i], flow, tapped = call(kind, piece.take(leaves), states[i], x,
                                                              {**shared, **flow}, batch)
@@ -356,14 +357,15 @@ class LayeredForward:
         self.plan, self.programs, self.viewed = plan, programs, viewed
         self.views: tuple[list, list] | None = None  # (target leaves, the same with expert views), made once
 
-    def __call__(self, target_leaves: list, cache: dict, batch: StepBatch) -> tuple[Forwarded, dict]:
+    def __call__(self, target_leaves: list, cache: EngineCache, batch: StepBatch
+                 ) -> tuple[Forwarded, EngineCache]:
         plan = self.plan
         if self.viewed:
             if self.views is None or self.views[0] is not target_leaves:
                 self.views = (target_leaves, plan.with_views(target_leaves, expert_views))
             target_leaves = self.views[1]
         fwd, states = plan.chain(lambda name, *args: self.programs[name](*args), target_leaves, cache, batch)
-        return fwd, {**cache, "layers": states}
+        return fwd, cache.replace(layers=states)
 
 
 def _names(plan: LayerPlan) -> list:
@@ -394,7 +396,7 @@ class LayeredHalves(CompiledHalves):
         return self._forward
 
 
-def compile_layered(halves: StepHalves, plan: LayerPlan, weights: tuple, cache: dict, batch: StepBatch,
+def compile_layered(halves: StepHalves, plan: LayerPlan, weights: tuple, cache: EngineCache, batch: StepBatch,
                     verify_len: int) -> LayeredHalves:
     """Ahead-of-time compile one bucket as layer programs plus the decide half (each layer program donating its
     state, the decide half its cache): the chain (`LayerPlan.chain`) walked on shapes, each program compiled

@@ -13,7 +13,7 @@ from jaxtyping import Int
 
 from serving.engine_config import EngineConfig
 from serving.engine_dp import DataParallel
-from serving.kv_cache import CacheLayout, init_engine_cache
+from serving.kv_cache import CacheLayout, EngineCache, init_engine_cache
 from serving.layer_programs import LayeredHalves, LayerPlan, compile_layered
 from serving.scheduler import Scheduler
 from serving.step import CompiledHalves, StepHalves, compile_halves, compile_step, empty_batch
@@ -38,11 +38,11 @@ class OneDevice:
         """Where the scheduler's `slot` and `pages` lie in the cache: there."""
         return slot, pages
 
-    def init_cache(self, module, drafter=None) -> dict:
+    def init_cache(self, module, drafter=None) -> EngineCache:
         """The engine's empty cache (`serving.kv_cache.init_engine_cache`)."""
         return init_engine_cache(module, self.layout, drafter)
 
-    def compile(self, halves: StepHalves, plan: LayerPlan | None, weights: tuple, cache: dict,
+    def compile(self, halves: StepHalves, plan: LayerPlan | None, weights: tuple, cache: EngineCache,
                 bucket: tuple[int, int, int, int], engram_shapes=()) -> list:
         """The compiled programs of `bucket` (what the executable cache stores): layer programs under `plan`, a
         decode / verify bucket's two halves, or a prefill bucket's one step."""

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.paged import paged_path
-from serving.kv_cache import PageAllocator, drafter_ring
+from model.paged import Paged, map_state, page_pools
+from serving.kv_cache import EngineCache, PageAllocator, drafter_ring
 from serving.prefix_cache import PrefixCache, PrefixMatch
 from serving.request import Request
 from serving.prompt_logprobs import PromptLogprobStore
@@ -25,13 +25,13 @@ from serving.window_snapshots import SnapshotStore, boundary_keys, prefix_key, p
 RINGS = ("ring_kv", "recent_kv")  # per-slot leaves [b, slots, d] whose slots follow the newest positions
 
 
-def exact_replay_tokens(config, cache: dict) -> int:
+def exact_replay_tokens(config, cache: EngineCache) -> int:
     """The replay after which every per-slot ring of the engine `cache` holds what a cold prefill leaves."""
-    named = jax.tree_util.tree_flatten_with_path(cache["layers"])[0]
+    named = jax.tree_util.tree_flatten_with_path(cache.layers)[0]
     ring = max(leaf.shape[1] for path, leaf in named if getattr(path[-1], "key", None) in RINGS)
     depth, window = config.num_hidden_layers, config.sliding_window
     tokens = ring + (depth - 1) * (window - 1)
-    if "drafter" in cache:
+    if cache.drafter is not None:
         tokens = max(tokens, drafter_ring(cache) + depth * (window - 1))
     return tokens
 
@@ -306,7 +306,8 @@ class DevicePages:
         self.owner.cache = self._op("write")(self.owner.cache, np.int32(page), contents)
 
     def take(self, slot: int) -> list[jax.Array]:
-        """A device copy of the slot's per-slot state (`_slot_leaves`), taken after the steps dispatched so far."""
+        """A device copy of the slot's window state (`EngineCache.window_state`), taken after the steps dispatched
+        so far."""
         return self._op("take")(self.owner.cache, np.int32(slot))
 
     def restore(self, slot: int, state: list[jax.Array]) -> None:
@@ -325,8 +326,8 @@ class DevicePages:
             cache = self.owner.cache
             spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
             scalar = jax.ShapeDtypeStruct((), np.int32)
-            paged = [spec(leaf[0]) for leaf in _paged_leaves(cache)]
-            per_slot = [spec(leaf[0]) for leaf in _slot_leaves(cache)]
+            paged = [spec(pool[0]) for pool in page_pools(cache.layers)]
+            per_slot = [spec(leaf[0]) for leaf in cache.window_state()]
             # the cache keeps its placement (a mesh engine's is split over the ranks): the steps expect it
             placed = jax.tree.map(lambda x: x.sharding, cache)
             args = {"read": (scalar,), "write": (scalar, paged), "take": (scalar,), "restore": (scalar, per_slot),
@@ -340,48 +341,29 @@ class DevicePages:
         return self._ops[name]
 
 
-def _paged_leaves(cache: dict) -> list[jax.Array]:
-    """The page pools of the cache's layers, in tree order."""
-    named = jax.tree_util.tree_flatten_with_path(cache["layers"])[0]
-    return [leaf for path, leaf in named if paged_path(path)]
+def _take_slot(cache: EngineCache, slot):
+    return [leaf[slot] for leaf in cache.window_state()]
 
 
-def _slot_leaves(cache: dict) -> list[jax.Array]:
-    """What a window-state snapshot holds, in tree order: every non-paged layer leaf (window rings, compressor
-    open windows) and the DSpark drafter's context rings, each with its slot axis."""
-    named = jax.tree_util.tree_flatten_with_path(cache["layers"])[0]
-    return [leaf for path, leaf in named if not paged_path(path)] + \
-        jax.tree.leaves(cache.get("drafter", []))
-
-
-def _take_slot(cache: dict, slot):
-    return [leaf[slot] for leaf in _slot_leaves(cache)]
-
-
-def _restore_slot(cache: dict, slot, state):
+def _restore_slot(cache: EngineCache, slot, state):
     rows = iter(state)
-    put = lambda leaf: leaf.at[slot].set(next(rows))  # noqa: E731
-    layers = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf if paged_path(path) else put(leaf), cache["layers"])
-    return {**cache, "layers": layers, **({"drafter": jax.tree.map(put, cache["drafter"])} if "drafter" in cache
-                                          else {})}
+    return cache.with_window_state(lambda leaf: leaf.at[slot].set(next(rows)))
 
 
-def _read_page(cache: dict, page):
-    return [leaf[page] for leaf in _paged_leaves(cache)]
+def _read_page(cache: EngineCache, page):
+    return [pool[page] for pool in page_pools(cache.layers)]
 
 
-def _write_page(cache: dict, page, contents):
+def _write_page(cache: EngineCache, page, contents):
     rows = iter(contents)
-    layers = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf.at[page].set(next(rows)) if paged_path(path) else leaf,
-        cache["layers"])
-    return {**cache, "layers": layers}
+    def put(node: Paged) -> Paged:
+        return jax.tree.map(lambda pool: pool.at[page].set(next(rows)), node)
+    return cache.replace(layers=map_state(put, lambda leaf: leaf, cache.layers))
 
 
-def _start_prompt(cache: dict, slot, tokens, count):
-    vocab = cache["prompt_mask"].shape[1]
+def _start_prompt(cache: EngineCache, slot, tokens, count):
+    vocab = cache.prompt_mask.shape[1]
     ids = jnp.where(jnp.arange(tokens.shape[0]) < count, tokens, vocab)  # padding: dropped
     mask = jnp.zeros((vocab,), bool).at[ids].set(True, mode="drop")
-    return {**cache, "prompt_mask": cache["prompt_mask"].at[slot].set(mask),
-            "output_counts": cache["output_counts"].at[slot].set(0)}
+    return cache.replace(prompt_mask=cache.prompt_mask.at[slot].set(mask),
+                         output_counts=cache.output_counts.at[slot].set(0))

@@ -16,11 +16,11 @@ import numpy as np
 from jaxtyping import Int
 
 from serving.constraints import ConstraintSpec
-from model.paged import paged_path
+from model.paged import Paged, map_state
+from serving.kv_cache import EngineCache
 from serving.request import TokenLogprob
 from serving.sampling import SamplingParams
 
-NOT_PER_SLOT = ("layers",)  # cache entries a hand-off does not copy slot by slot
 
 
 @dataclasses.dataclass
@@ -34,7 +34,7 @@ class SlotState:
     logprobs: list[TokenLogprob]
     computed: int
     page_tokens: int
-    layers: list[dict]  # one dict per layer: paged leaves [pages, entries per page, d], slot leaves [...]
+    layers: list[dict]  # one dict per layer: page pools (`Paged`, [pages, entries per page, d]), slot leaves
     slot: dict  # every other per-slot cache entry at this slot: last token, penalty statistics, ...
     engram_history: np.ndarray | None
     drafts: list[int]  # speculative decoding: the drafted block the host last read, and its confidences
@@ -49,35 +49,31 @@ class SlotState:
         return sum(leaf.nbytes for leaf in jax.tree.leaves((self.layers, self.slot)))
 
 
-def take(cache: dict, slot: int, pages: Int[np.ndarray, " p"]) -> tuple[list[dict], dict]:
+def take(cache: EngineCache, slot: int, pages: Int[np.ndarray, " p"]) -> tuple[list[dict], dict]:
     """(the layers' state, every other per-slot entry) of `slot` holding `pages`, on the host."""
-    layers = jax.tree.map_with_path(
-        lambda path, leaf: np.asarray(leaf[pages] if paged_path(path) else leaf[slot]), cache["layers"])
-    per_slot = {k: jax.tree.map(lambda leaf: np.asarray(leaf[slot]), v) for k, v in cache.items()
-                if k not in NOT_PER_SLOT}
-    return layers, per_slot
+    layers = map_state(lambda node: jax.tree.map(lambda pool: np.asarray(pool[pages]), node),
+                       lambda leaf: np.asarray(leaf[slot]), cache.layers)
+    return layers, jax.tree.map(lambda leaf: np.asarray(leaf[slot]), cache.per_slot())
 
 
-def check(cache: dict, state: SlotState, page_tokens: int) -> None:
+def check(cache: EngineCache, state: SlotState, page_tokens: int) -> None:
     """Raise ValueError if `state` came from an engine laid out unlike the one holding `cache`."""
     if state.page_tokens != page_tokens:
         raise ValueError(f"the prefill engine's pages hold {state.page_tokens} tokens, this engine's "
                          f"{page_tokens}: run both with the same page size")
-    if set(state.slot) != set(cache) - set(NOT_PER_SLOT):
+    if set(state.slot) != set(cache.per_slot()):
         raise ValueError(f"the hand-off's per-slot state ({', '.join(sorted(state.slot))}) is not this engine's "
-                         f"({', '.join(sorted(set(cache) - set(NOT_PER_SLOT)))}): run both engines alike")
+                         f"({', '.join(sorted(cache.per_slot()))}): run both engines alike")
 
 
-def put(cache: dict, state: SlotState, slot: int, pages: Int[np.ndarray, " p"]) -> dict:
+def put(cache: EngineCache, state: SlotState, slot: int, pages: Int[np.ndarray, " p"]) -> EngineCache:
     """`cache` with `state`'s cache part installed at `slot` and `pages` (as many as the state holds)."""
-    def install(path, leaf, value):
-        if paged_path(path):
-            if value.shape[0] != len(pages):
-                raise ValueError(f"the hand-off holds {value.shape[0]} pages for {state.computed} tokens, "
-                                 f"this engine needs {len(pages)}")
-            return leaf.at[pages].set(value)
-        return leaf.at[slot].set(value)
+    def install(node: Paged, held: Paged) -> Paged:
+        if held.pages.shape[0] != len(pages):
+            raise ValueError(f"the hand-off holds {held.pages.shape[0]} pages for {state.computed} tokens, "
+                             f"this engine needs {len(pages)}")
+        return jax.tree.map(lambda pool: pool.at[pages].set(held.pages), node)
 
-    return {**cache, "layers": jax.tree.map_with_path(install, cache["layers"], state.layers),
-            **{k: jax.tree.map(lambda leaf, value: leaf.at[slot].set(value), cache[k], v)
-               for k, v in state.slot.items()}}
+    layers = map_state(install, lambda leaf, value: leaf.at[slot].set(value), cache.layers, state.layers)
+    return cache.replace(layers=layers, **{k: jax.tree.map(lambda leaf, value: leaf.at[slot].set(value),
+                                                            getattr(cache, k), v) for k, v in state.slot.items()})

@@ -19,7 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from model.replay import Replay
 from serving.grammar_mask import ALL_ALLOWED, apply_token_bitmask, bitmask_width
-from serving.kv_cache import CacheLayout, gather_slots, layer_rows, put_rows
+from serving.kv_cache import CacheLayout, EngineCache, gather_slots, layer_rows, put_rows
 from model.sampling_keys import GREEDY_BELOW
 from serving.sampling import SampleOutput, SamplingBatch, draw_tokens, processed_logits, token_logprobs
 from serving.speculative import admit, verify
@@ -157,22 +157,22 @@ def decide_weights(weights: tuple, head_leaves: tuple[int, ...]) -> tuple:
     return [weights[0][i] for i in head_leaves], weights[1]
 
 
-def row_inputs(cache: dict, batch: StepBatch, verify_len: int) -> RowInputs:
+def row_inputs(cache: EngineCache, batch: StepBatch, verify_len: int) -> RowInputs:
     """The rows' `RowInputs` from the batch and, for decode and verify rows, their slots' last token, position
     and drafts."""
     slots, device = batch.slots, batch.from_prev
     rows, width = batch.tokens.shape
-    starts = jnp.where(device, cache["next_pos"][slots], batch.starts)
+    starts = jnp.where(device, cache.next_pos[slots], batch.starts)
     if verify_len > 1:  # a verify row: [last token, its admitted drafts]
-        drafted = admit(jnp.cumprod(cache["confidence"][slots], axis=1), jnp.where(device, batch.caps, 0),
+        drafted = admit(jnp.cumprod(cache.confidence[slots], axis=1), jnp.where(device, batch.caps, 0),
                         batch.budget)
-        block = jnp.concatenate([cache["last_token"][slots][:, None], cache["drafts"][slots]], 1)[:, :width]
+        block = jnp.concatenate([cache.last_token[slots][:, None], cache.drafts[slots]], 1)[:, :width]
         tokens = jnp.where(device[:, None], block, batch.tokens)
         counts = jnp.where(device, drafted + 1, batch.counts)
         kinds = jnp.where(device[:, None], jnp.where(jnp.arange(width) == 0, COUNTED, DRAFT), batch.kinds)
     else:
         drafted = jnp.zeros(rows, jnp.int32)
-        tokens = batch.tokens.at[:, 0].set(jnp.where(device, cache["last_token"][slots], batch.tokens[:, 0]))
+        tokens = batch.tokens.at[:, 0].set(jnp.where(device, cache.last_token[slots], batch.tokens[:, 0]))
         counts, kinds = batch.counts, batch.kinds
     # the verify positions: the last drafted + 1 real ones (a prefill or decode row: its last); the model
     # projects only them onto the vocabulary
@@ -213,14 +213,11 @@ def forwarded(picked: Float[Array, "r v vocab"], features: Float[Array, "r t f"]
     return Forwarded(picked, features, rows, prompt)
 
 
-LAYER_STATE = ("layers",)  # the cache entries the forward half updates; the decide half the rest
-
-
 class StepHalves(NamedTuple):
     """A step in two pure halves, so that a constrained batch's token masks can be filled on the host while the
     device runs the forward: `forward(target_leaves, cache, batch, verify_len) -> (Forwarded, cache)` and
     `decide(decide_weights, decided_cache, decide_batch, forwarded, verify_len) -> (StepOutput, decided_cache)`,
-    where `decided_cache` is the cache without `LAYER_STATE` and `decide_weights` is (the target leaves at
+    where `decided_cache` is the cache without its layers and `decide_weights` is (the target leaves at
     `head_leaves`, the drafter's leaves). `step` is the two in one."""
 
     forward: Callable
@@ -244,9 +241,9 @@ def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
     head_leaves = () if drafter is None else (state["embed"]["weight"].get_value(),
                                               state["head"]["weight"].get_value())
 
-    def forward(target_leaves: list, cache: dict, batch: StepBatch, verify_len: int) -> tuple[Forwarded, dict]:
+    def forward(target_leaves: list, cache: EngineCache, batch: StepBatch, verify_len: int) -> tuple[Forwarded, EngineCache]:
         module = nnx.merge(graphdef, jax.tree.unflatten(param_tree, target_leaves))
-        states = layer_rows(cache, batch.slots, batch.block_tables, batch.frozen, empty_layers, batch.reset)
+        states = layer_rows(cache.layers, batch.slots, batch.block_tables, batch.frozen, empty_layers, batch.reset)
         rows = row_inputs(cache, batch, verify_len)
         extra = {"engram_rows": batch.engram_rows} if batch.engram_rows else {}
         if drafter is not None:
@@ -255,17 +252,17 @@ def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
             extra |= {"replay": replay, "prompt_end": replay_prompt_end(replay, batch.prompt_end, rows)}
         picked, new, *taps, final = module(rows.tokens, {"pos": rows.starts, "layers": states}, count=rows.counts,
                                            at=rows.at, final=True, **extra)
-        cache = put_rows(cache, batch.slots, new["layers"])
+        cache = cache.replace(layers=put_rows(cache.layers, batch.slots, new["layers"]))
         prompt = prompt_logprobs(lambda: module.final_logits(final), rows, num_top)
         return forwarded(picked, taps[0] if drafter is not None else None, rows, prompt), cache
 
-    def decide(weights: tuple, cache: dict, batch: DecideBatch, fwd: Forwarded, verify_len: int
-               ) -> tuple[StepOutput, dict]:
+    def decide(weights: tuple, cache: EngineCache, batch: DecideBatch, fwd: Forwarded, verify_len: int
+               ) -> tuple[StepOutput, EngineCache]:
         head, drafter_leaves = weights
         rows_in = fwd.rows
         slots, tokens, starts, drafted, at = batch.slots, rows_in.tokens, rows_in.starts, rows_in.drafted, rows_in.at
         rows = tokens.shape[0]
-        scratch = cache["last_token"].shape[0] - 1
+        scratch = cache.last_token.shape[0] - 1
         constrained = jnp.any(batch.bitmask != ALL_ALLOWED)  # an unconstrained batch skips the masking
         picked = jax.lax.cond(constrained, apply_token_bitmask, lambda x, _: x, fwd.picked, batch.bitmask)
         cache, processed = _processed(cache, batch, slots, tokens, rows_in.kinds, rows_in.counts, at, picked)
@@ -275,27 +272,27 @@ def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
         emit = jnp.where(batch.sample, slots, scratch)
         final = jnp.take_along_axis(emitted, accepted[:, None], axis=1)[:, 0]
         committed = jnp.arange(verify_len)[None, :] <= accepted[:, None]
-        output_counts = cache["output_counts"].at[emit[:, None], jnp.maximum(emitted, 0)].add(
+        output_counts = cache.output_counts.at[emit[:, None], jnp.maximum(emitted, 0)].add(
             committed.astype(jnp.int32))
-        cache = {**cache, "output_counts": output_counts, "last_token": cache["last_token"].at[emit].set(final),
-                 "next_pos": cache["next_pos"].at[emit].set(starts + at[:, 0] + accepted + 1)}
+        cache = cache.replace(output_counts=output_counts, last_token=cache.last_token.at[emit].set(final),
+                              next_pos=cache.next_pos.at[emit].set(starts + at[:, 0] + accepted + 1))
 
         g = verify_len - 1
-        confidence = cache["confidence"][slots][:, :g] if drafter is not None else jnp.zeros((rows, 0))
+        confidence = cache.confidence[slots][:, :g] if drafter is not None else jnp.zeros((rows, 0))
         next_drafts, next_confidence = jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32)
         if drafter is not None:  # the committed positions' features, then the next block after the final token
             dmodule = nnx.merge(drafter.graphdef, jax.tree.unflatten(drafter.param_tree, drafter_leaves))
-            dstate = jax.lax.optimization_barrier(gather_slots(cache["drafter"], slots, drafter.empty_state,
+            dstate = jax.lax.optimization_barrier(gather_slots(cache.drafter, slots, drafter.empty_state,
                                                                batch.reset))
             absorbed = jnp.where(batch.sample, at[:, 0] + accepted + 1, rows_in.counts)
             out = dmodule.serve(head[0], head[1], fwd.features, tokens, starts, absorbed, dstate, final,
                                 batch.sampling.seed, batch.sampling.temperature, batch.draft)
             drafted_to = jnp.where(batch.draft, emit, scratch)  # not drafting: the slots keep their old blocks
-            cache = {**cache, "drafter": jax.tree.map(lambda leaf, row: leaf.at[slots].set(row), cache["drafter"],
-                                                      out.state),
-                     "drafts": cache["drafts"].at[drafted_to].set(out.tokens),
-                     "draft_probs": cache["draft_probs"].at[drafted_to].set(out.probs),
-                     "confidence": cache["confidence"].at[drafted_to].set(out.confidences)}
+            cache = cache.replace(drafter=jax.tree.map(lambda leaf, row: leaf.at[slots].set(row), cache.drafter,
+                                                       out.state),
+                                  drafts=cache.drafts.at[drafted_to].set(out.tokens),
+                                  draft_probs=cache.draft_probs.at[drafted_to].set(out.probs),
+                                  confidence=cache.confidence.at[drafted_to].set(out.confidences))
             next_drafts, next_confidence = out.tokens, out.confidences
 
         flat = lambda x: x.reshape(rows * verify_len, *x.shape[2:])  # noqa: E731
@@ -307,11 +304,11 @@ def build_step_halves(graphdef, param_tree, empty_layers: list, num_top: int,
                           fwd.prompt.top_ids, fwd.prompt.top_logprobs,
                           jnp.asarray(batch.draft) & (drafter is not None)), cache
 
-    def step(weights: tuple, cache: dict, batch: StepBatch, verify_len: int) -> tuple[StepOutput, dict]:
+    def step(weights: tuple, cache: EngineCache, batch: StepBatch, verify_len: int) -> tuple[StepOutput, EngineCache]:
         fwd, cache = forward(weights[0], cache, batch, verify_len)
         decided, layer_state = split_cache(cache)
         out, decided = decide(decide_weights(weights, head_leaves), decided, decide_batch(batch), fwd, verify_len)
-        return out, {**layer_state, **decided}
+        return out, decided.replace(layers=layer_state)
 
     return StepHalves(forward, decide, head_leaves, step, num_top)
 
@@ -321,11 +318,11 @@ def _processed(cache, batch, slots, tokens, kinds, counts, at, picked):
     position, whose output counts include the drafts before it."""
     rows, width = tokens.shape
     verify_len, vocab = picked.shape[1], picked.shape[2]
-    scratch = cache["last_token"].shape[0] - 1
+    scratch = cache.last_token.shape[0] - 1
     real = jnp.arange(width)[None, :] < counts[:, None]
     fresh = jnp.where(batch.reset & (batch.starts == 0), slots, scratch)  # a prefix hit: set by the engine
-    prompt_mask = cache["prompt_mask"].at[fresh].set(False)
-    output_counts = cache["output_counts"].at[fresh].set(0)
+    prompt_mask = cache.prompt_mask.at[fresh].set(False)
+    output_counts = cache.output_counts.at[fresh].set(0)
     as_prompt = jnp.where(real & (kinds == PROMPT), slots[:, None], scratch)
     prompt_mask = prompt_mask.at[as_prompt, tokens].set(True)
     output_counts = output_counts.at[slots[:, None], tokens].add((real & (kinds == RECOMPUTED)).astype(jnp.int32))
@@ -338,7 +335,7 @@ def _processed(cache, batch, slots, tokens, kinds, counts, at, picked):
     per_position = jax.tree.map(lambda x: jnp.repeat(x, verify_len, axis=0), batch.sampling)
     processed = processed_logits(flat(picked), per_position, jnp.repeat(prompt_mask[slots], verify_len, axis=0),
                                  flat(counts_at))
-    cache = {**cache, "prompt_mask": prompt_mask, "output_counts": output_counts}
+    cache = cache.replace(prompt_mask=prompt_mask, output_counts=output_counts)
     return cache, processed.reshape(rows, verify_len, vocab)
 
 
@@ -351,15 +348,14 @@ def _decide(cache, batch, slots, starts, tokens, drafted, at, processed):
         token = draw_tokens(processed[:, 0], batch.sampling, positions[:, 0])
         return token[:, None], jnp.zeros(rows, jnp.int32), jnp.zeros((rows, 0), jnp.float32)
     greedy = batch.sampling.temperature < GREEDY_BELOW
-    verdict = verify(processed, tokens[:, 1:verify_len], cache["draft_probs"][slots][:, :verify_len - 1],
+    verdict = verify(processed, tokens[:, 1:verify_len], cache.draft_probs[slots][:, :verify_len - 1],
                      drafted, greedy, batch.sampling.seed, positions)
     return verdict.tokens, verdict.accepted, verdict.accept_prob
 
 
-def split_cache(cache: dict) -> tuple[dict, dict]:
-    """(the entries the decide half updates, `LAYER_STATE`) of an engine cache."""
-    return ({k: v for k, v in cache.items() if k not in LAYER_STATE},
-            {k: v for k, v in cache.items() if k in LAYER_STATE})
+def split_cache(cache: EngineCache) -> tuple[EngineCache, list]:
+    """(the entries the decide half updates, the layer states the forward half updates) of an engine cache."""
+    return cache.replace(layers=None), cache.layers
 
 
 def abstract_shapes(tree):
@@ -367,7 +363,7 @@ def abstract_shapes(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def compile_step(step_fn, weights: tuple, cache: dict, batch: StepBatch, verify_len: int):
+def compile_step(step_fn, weights: tuple, cache: EngineCache, batch: StepBatch, verify_len: int):
     """Ahead-of-time compile for one bucket (the cache is donated); calling it never recompiles."""
     return jax.jit(step_fn, donate_argnums=1, static_argnums=3).lower(*abstract_shapes((weights, cache, batch)),
                                                                       verify_len).compile()
@@ -387,20 +383,20 @@ class CompiledHalves:
     def executables(self) -> list:
         return [self._forward, self._decide]
 
-    def forward(self, weights: tuple, cache: dict, batch: StepBatch) -> tuple[Forwarded, dict]:
+    def forward(self, weights: tuple, cache: EngineCache, batch: StepBatch) -> tuple[Forwarded, EngineCache]:
         return self._forward(weights[0], cache, batch)
 
-    def decide(self, weights: tuple, cache: dict, batch: StepBatch, fwd: Forwarded) -> tuple[StepOutput, dict]:
+    def decide(self, weights: tuple, cache: EngineCache, batch: StepBatch, fwd: Forwarded) -> tuple[StepOutput, EngineCache]:
         decided, layer_state = split_cache(cache)
         out, decided = self._decide(decide_weights(weights, self.head_leaves), decided, decide_batch(batch), fwd)
-        return out, {**layer_state, **decided}
+        return out, decided.replace(layers=layer_state)
 
-    def __call__(self, weights: tuple, cache: dict, batch: StepBatch) -> tuple[StepOutput, dict]:
+    def __call__(self, weights: tuple, cache: EngineCache, batch: StepBatch) -> tuple[StepOutput, EngineCache]:
         fwd, cache = self.forward(weights, cache, batch)
         return self.decide(weights, cache, batch, fwd)
 
 
-def compile_halves(halves: StepHalves, weights: tuple, cache: dict, batch: StepBatch, verify_len: int
+def compile_halves(halves: StepHalves, weights: tuple, cache: EngineCache, batch: StepBatch, verify_len: int
                    ) -> CompiledHalves:
     """Ahead-of-time compile one bucket's step as its two halves (each donating its cache)."""
     forward = jax.jit(halves.forward, donate_argnums=1, static_argnums=3).lower(
@@ -409,7 +405,7 @@ def compile_halves(halves: StepHalves, weights: tuple, cache: dict, batch: StepB
                           halves.head_leaves)
 
 
-def compile_decide(halves: StepHalves, weights: tuple, cache: dict, batch: StepBatch, forwarded_info,
+def compile_decide(halves: StepHalves, weights: tuple, cache: EngineCache, batch: StepBatch, forwarded_info,
                    verify_len: int):
     """Ahead-of-time compile a bucket's decide half (donating its cache) for a forward half whose `Forwarded`
     has the shapes `forwarded_info`."""

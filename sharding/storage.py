@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model.paged import is_paged
+
 # cache leaf name -> row kind; `entries` under an `indexer` state are CSA index keys (V4)
 ROW_KINDS = {"entries": "latent", "index_keys": "index_key", "latent": "latent", "ring_kv": "window",
              "recent_kv": "open_window", "recent_gate": "open_window", "ring_pos": "positions"}
@@ -94,8 +96,8 @@ def cache_bytes(layers, config, kv_format: str) -> dict[str, float]:
         raise ValueError(f"unknown KV format {kv_format!r}; choose one of {sorted(KV_FORMATS)}")
     storage = KV_FORMATS[kv_format]
     out: dict[str, float] = {}
-    for path, leaf in jax.tree.leaves_with_path(layers):
-        kind = _row_kind(path)
+    for path, leaf in jax.tree.leaves_with_path(layers, is_leaf=is_paged):
+        kind, leaf = _row_kind(path), leaf.pages if is_paged(leaf) else leaf
         rows = math.prod(leaf.shape[:-1]) if len(leaf.shape) > 2 else leaf.shape[0]
         dim = leaf.shape[-1] if len(leaf.shape) > 2 else (leaf.shape[1] if len(leaf.shape) == 2 else 1)
         if storage is None:

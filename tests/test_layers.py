@@ -13,7 +13,7 @@ from pallas_kernels.sparse_attention import sink_attention_reference as sink_att
 from model.compressor import Compressor, Indexer
 from model.config import preset
 from model.hyper import expand
-from model.paged import as_paged, pools, store_windows
+from model.paged import row_pages, store_windows
 from pallas_kernels.hyper import sinkhorn
 from model.rope import apply_rope, inv_frequencies
 
@@ -121,10 +121,9 @@ def _compressor_reference(x, wkv, wgate, ape, norm_w, eps, ratio, overlap, freqs
 
 def feed(comp: Compressor, state: dict, x, start: int, freqs) -> dict:
     """A one-sequence compressor state after chunk `x` at `start`: the windows it completes stored."""
-    paged = as_paged(state)
-    windows, recent = comp(x, jnp.asarray(start), paged, freqs)
-    entries = store_windows(paged["entries"], windows, jnp.asarray(start), x.shape[1], comp.ratio)
-    return pools({**paged, **recent, "entries": entries})
+    windows, recent = comp(x, jnp.asarray(start), state, freqs)
+    entries = store_windows(state["entries"], windows, jnp.asarray(start), x.shape[1], comp.ratio)
+    return {**state, **recent, "entries": entries}
 
 
 @pytest.mark.parametrize("ratio, overlap", [(4, True), (16, False)])
@@ -143,7 +142,7 @@ def test_compressor_matches_formula_whole_and_chunked(ratio, overlap, chunks):
     ref = _compressor_reference(np.asarray(x[0], np.float64), *(np.asarray(a, np.float64) for a in (
         comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])),
         cfg.rms_norm_eps, ratio, overlap, freqs.astype(np.float64))
-    np.testing.assert_allclose(np.asarray(state["entries"][0]), ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(state["entries"].pages[0]), ref, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("ratio, overlap", [(4, True), (16, False)])
@@ -164,13 +163,13 @@ def test_compressor_rolls_back_rejected_tokens(ratio, overlap, accepted):
     ref = _compressor_reference(np.asarray(x[0], np.float64), *(np.asarray(a, np.float64) for a in (
         comp.wkv.weight[...], comp.wgate.weight[...], comp.ape[...], comp.norm.weight[...])),
         cfg.rms_norm_eps, ratio, overlap, freqs.astype(np.float64))
-    np.testing.assert_allclose(np.asarray(state["entries"][0]), ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(state["entries"].pages[0]), ref, rtol=2e-5, atol=2e-5)
 
 
 def test_indexer_breaks_ties_towards_lower_entries():
     cfg = preset("tiny")
     idx = Indexer(cfg, jnp.float32, nnx.Rngs(0))
-    keys = as_paged({"index_keys": jnp.zeros((1, 6, cfg.index_head_dim))})["index_keys"]  # every score exactly 0
+    keys = row_pages(jnp.zeros((1, 6, cfg.index_head_dim)))  # every score exactly 0
     x, q_lat = jnp.ones((1, 1, cfg.hidden_size)), jnp.ones((1, 1, cfg.q_lora_rank))
     freqs = inv_frequencies(8, 160000.0, None)
     picks = np.asarray(idx.select(x, q_lat, jnp.array([23]), keys, freqs))[0, 0]

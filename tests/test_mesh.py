@@ -20,8 +20,8 @@ from model.config import preset
 from model.dspark import DSparkConfig, DSparkDrafter
 from model.engram import HostEngramTable
 from pallas_kernels.moe import routed_experts_reference as routed_experts
-from model.paged import PAGED_LEAVES
-from serving.kv_cache import CacheLayout, cache_axes, init_engine_cache
+from model.paged import is_paged
+from serving.kv_cache import CacheLayout, init_engine_cache
 from sharding.context_parallel import BATCH
 from sharding.engram_shards import ShardedEngramTable, shard_engram
 from sharding.eplb import ExpertLoadWindow, rebalance_experts
@@ -151,11 +151,10 @@ def test_cache_leaves_place_rows_and_pages_over_the_attention_ranks():
         assert sharding.spec == (P(("dp", "ep"), *[None] * (leaf.ndim - 1)) if leaf.ndim else P())
     layout = CacheLayout.for_model(model.config, max_slots=2, max_len=64)
     engine = jax.eval_shape(lambda: init_engine_cache(model.module(), layout))
-    axes = cache_axes(engine)
-    assert axes["layers"][0]["ring_kv"][0] == "batch" and "block_tables" not in axes  # tables come with each batch
-    leaves = jax.tree.leaves_with_path(axes["layers"], is_leaf=lambda x: isinstance(x, tuple))
-    paged = [a for path, a in leaves if path[-1].key in PAGED_LEAVES]
-    assert paged and all(a[0] == "pages" for a in paged)
+    axes = engine.axes()
+    assert axes.layers[0]["ring_kv"][0] == "batch" and axes.last_token == ("batch",)  # tables come with each batch
+    pools = [a for a in jax.tree.leaves(axes.layers, is_leaf=is_paged) if is_paged(a)]
+    assert pools and all(a.pages[0] == "pages" and a.table is None for a in pools)
     assert logical_spec("batch") == logical_spec("pages") == P(("dp", "ep")) == P(TOKEN_AXES) == P(BATCH)
 
 

@@ -77,7 +77,7 @@ def test_paged_index_scores_equal_reference(visible):
 
 
 def test_paged_kernels_take_pools_of_empty_pages():
-    """A dense cache shorter than one window (`model.paged.as_paged`: one page of max_len // ratio = 0 entries a
+    """A dense cache shorter than one window (`model.paged.row_pages`: one page of max_len // ratio = 0 entries a
     row) has nothing to score or attend beyond the window: the kernels equal their references."""
     rng = np.random.default_rng(3)
     q, kv, ids, valid, sink, _, _, _ = paged_case(rng, [0, 0])

@@ -106,6 +106,8 @@ def test_the_step_in_halves_is_the_step_in_one(setup):
     one, one_cache = step(weights, copied(cache), batch, 4)
     two, two_cache = compile_halves(halves, weights, cache, batch, 4)(weights, copied(cache), batch)
     assert int(one.accepted[0]) < 3  # rejection under the mask: the residual draw and the drafter both ran
-    for name, a, b in [*zip(one._fields, one, two), *((k, one_cache[k], two_cache[k]) for k in one_cache)]:
+    caches = [(jax.tree_util.keystr(path), a, b) for (path, a), b in
+              zip(jax.tree_util.tree_leaves_with_path(one_cache), jax.tree.leaves(two_cache))]
+    for name, a, b in [*zip(one._fields, one, two), *caches]:
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)

@@ -15,7 +15,6 @@ from model.checkpoint import load_model, save_checkpoint
 from jaxseek.cli import main
 from model.config import ConfigError, load_config, preset
 from model.config_v41 import V41Config
-from model.paged import as_paged
 from model.v41 import candidate_pool
 from tests.helpers import random_model
 
@@ -102,8 +101,8 @@ def test_cache_holds_the_shared_kv_once(model):
     owners = [i for i, state in enumerate(cache["layers"]) if "entries" in state]
     assert owners == list(TINY.kv_source_layer_ids)
     decoder = TINY.decoder_start
-    assert cache["layers"][decoder]["entries"].shape[1] == 64       # ratio 1: one entry per token
-    assert cache["layers"][2]["entries"].shape[1] == 32             # ratio 2
+    assert cache["layers"][decoder]["entries"].pages.shape[1] == 64  # ratio 1: one entry per token
+    assert cache["layers"][2]["entries"].pages.shape[1] == 32        # ratio 2
     assert all("entries" not in cache["layers"][i] for i in range(decoder + 1, TINY.num_hidden_layers))
 
 
@@ -116,7 +115,7 @@ def test_reindex_picks_stay_inside_the_candidate_pool(model):
     pre = jnp.zeros((1, 61, TINY.hc_mult)).at[..., 0].set(1.0)
     rows, _ = model.engram.lookup(np.asarray(tokens), model.engram.empty_history(1))
     shared, seen = {}, {}
-    for i, (blk, state) in enumerate(zip(module.layers, as_paged(cache["layers"]))):
+    for i, (blk, state) in enumerate(zip(module.layers, cache["layers"])):
         streams, pre, _, shared = blk(streams, pre, tokens, jnp.asarray(0), state, shared,
                                       rows[0] if i in TINY.engram_layer_ids else None)
         seen[i] = dict(shared)
@@ -182,9 +181,11 @@ def test_qat_storage_simulation():
     for state in cache["layers"]:
         np.testing.assert_array_equal(fake_quant_fp8(state["ring_kv"], 32), state["ring_kv"])
         if "entries" in state:
-            np.testing.assert_array_equal(fake_quant_fp4(state["entries"], 16, e4m3_scales=True), state["entries"])
+            entries = state["entries"].pages
+            np.testing.assert_array_equal(fake_quant_fp4(entries, 16, e4m3_scales=True), entries)
         if "index_keys" in state:
-            np.testing.assert_array_equal(fake_quant_fp4(state["index_keys"], 32), state["index_keys"])
+            keys = state["index_keys"].pages
+            np.testing.assert_array_equal(fake_quant_fp4(keys, 32), keys)
 
 
 # ---- published figures ----------------------------------------------------------------------------------
