@@ -369,9 +369,8 @@ class Engine:
         request = self.requests[request_id]
         if request.status is not Status.RUNNING or request.prefilling or request.in_flight:
             raise ValueError(f"request {request_id} is not between steps with its prompt prefilled")
-        slot, pages = self.placement.cache_index(
-            request.slot, np.asarray(self.scheduler.pages.owned.get(request.slot, []), np.int32))
-        layers, per_slot = slot_state.take(self.cache, slot, pages)
+        pages = self.placement.cache_pages(np.asarray(self.scheduler.pages.owned.get(request.slot, []), np.int32))
+        layers, per_slot = slot_state.take(self.cache, self.placement.cache_slot(request.slot), pages)
         return SlotState(
             request_id=request_id, prompt=list(request.prompt), params=request.params, output=list(request.output),
             logprobs=list(request.logprobs), computed=request.computed, page_tokens=self.layout.page_tokens,
@@ -402,8 +401,8 @@ class Engine:
         new = self.scheduler.take_handoff(request)
         if new is None:
             return False
-        slot, pages = self.placement.cache_index(request.slot, np.asarray(new, np.int32))
-        self.cache = slot_state.put(self.cache, state, slot, pages)
+        self.cache = slot_state.put(self.cache, state, self.placement.cache_slot(request.slot),
+                                    self.placement.cache_pages(np.asarray(new, np.int32)))
         self.requests[request.request_id] = request
         self.scheduler.running.append(request)
         return True

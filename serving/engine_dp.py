@@ -158,10 +158,15 @@ class DataParallel:
         """The engine's scheduler over the whole (global) `layout`: `Scheduler`'s arguments."""
         return DataParallelScheduler(layout, *args, ranks=self.ranks, **kwargs)
 
-    def cache_index(self, slot: int, pages: Int[np.ndarray, " p"]) -> tuple[int, Int[np.ndarray, " p"]]:
-        """Where the scheduler's (global) `slot` and `pages` lie in the cache: each rank's slots and pages, its
-        scratch ones last, follow the previous rank's."""
-        return slot + slot // self.layout.max_slots, pages + pages // self.layout.num_pages
+    def cache_slot(self, slot: int) -> int:
+        """Where the scheduler's (global) `slot` lies in the cache: each rank's slots, its scratch slot last,
+        follow the previous rank's."""
+        return slot + slot // self.layout.max_slots
+
+    def cache_pages(self, pages: Int[np.ndarray, " p"]) -> Int[np.ndarray, " p"]:
+        """Where the scheduler's (global) `pages` lie in the cache: each rank's pages, its scratch page last,
+        follow the previous rank's."""
+        return pages + pages // self.layout.num_pages
 
     def init_cache(self, module, drafter=None) -> EngineCache:
         """Every rank's empty cache, stacked on the leading (slot or page) axis and split over the ranks."""

@@ -34,9 +34,13 @@ class OneDevice:
         """The engine's scheduler over `layout`: `Scheduler`'s arguments."""
         return Scheduler(layout, *args, **kwargs)
 
-    def cache_index(self, slot: int, pages: Int[np.ndarray, " p"]) -> tuple[int, Int[np.ndarray, " p"]]:
-        """Where the scheduler's `slot` and `pages` lie in the cache: there."""
-        return slot, pages
+    def cache_slot(self, slot: int) -> int:
+        """Where the scheduler's `slot` lies in the cache: there."""
+        return slot
+
+    def cache_pages(self, pages: Int[np.ndarray, " p"]) -> Int[np.ndarray, " p"]:
+        """Where the scheduler's `pages` lie in the cache: there."""
+        return pages
 
     def init_cache(self, module, drafter=None) -> EngineCache:
         """The engine's empty cache (`serving.kv_cache.init_engine_cache`)."""

@@ -287,7 +287,8 @@ class DevicePages:
     """What prefix caching does on the engine's device cache, reached as `owner.cache` (the engine replaces it
     on every step): copy one page's paged leaves to or from numpy (host tier), copy a slot's per-slot state to
     or from a device snapshot, and start a slot's penalty statistics with the prompt tokens its prefill does not
-    feed. Each op is compiled once (`warmup`)."""
+    feed. Slots and pages are the scheduler's, found in the cache through `owner.placement` (a mesh engine
+    stacks its ranks' caches). Each op is compiled once (`warmup`)."""
 
     def __init__(self, owner, max_len: int):
         self.owner, self.max_len = owner, max_len
@@ -299,27 +300,33 @@ class DevicePages:
 
     def read(self, page: int) -> list[np.ndarray]:
         """The page's rows of every paged leaf, in tree order (waits for the steps that wrote it)."""
-        return [np.asarray(x) for x in self._op("read")(self.owner.cache, np.int32(page))]
+        return [np.asarray(x) for x in self._op("read")(self.owner.cache, self._page(page))]
 
     def write(self, page: int, contents: list[np.ndarray]) -> None:
         """Put `contents` (from `read`) into page `page`."""
-        self.owner.cache = self._op("write")(self.owner.cache, np.int32(page), contents)
+        self.owner.cache = self._op("write")(self.owner.cache, self._page(page), contents)
 
     def take(self, slot: int) -> list[jax.Array]:
         """A device copy of the slot's window state (`EngineCache.window_state`), taken after the steps dispatched
         so far."""
-        return self._op("take")(self.owner.cache, np.int32(slot))
+        return self._op("take")(self.owner.cache, self._slot(slot))
 
     def restore(self, slot: int, state: list[jax.Array]) -> None:
         """Put a snapshot from `take` into slot `slot`."""
-        self.owner.cache = self._op("restore")(self.owner.cache, np.int32(slot), state)
+        self.owner.cache = self._op("restore")(self.owner.cache, self._slot(slot), state)
 
     def start_prompt(self, slot: int, tokens: list[int]) -> None:
         """Start the slot's penalty statistics of a request that prefills from mid-prompt (a prefix hit): its
         prompt mask holds `tokens`, its output counts are zero (the step resets only rows starting at 0)."""
         padded = np.zeros(self.max_len, np.int32)
         padded[:len(tokens)] = tokens
-        self.owner.cache = self._op("mark")(self.owner.cache, np.int32(slot), padded, np.int32(len(tokens)))
+        self.owner.cache = self._op("mark")(self.owner.cache, self._slot(slot), padded, np.int32(len(tokens)))
+
+    def _slot(self, slot: int) -> np.int32:
+        return np.int32(self.owner.placement.cache_slot(slot))
+
+    def _page(self, page: int) -> np.int32:
+        return self.owner.placement.cache_pages(np.array([page], np.int32))[0]
 
     def _op(self, name: str):
         if name not in self._ops:
