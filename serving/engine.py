@@ -149,8 +149,8 @@ class Engine:
         self._compiling_lock = threading.Lock()
         self._background: threading.Thread | None = None  # compiling the buckets not compiled yet, while serving
         self._unproven: set[tuple[int, int, int, int]] = set()  # buckets loaded from disk, not yet run
-        # compiled buckets kept on disk beside JAX's compile cache (where the placement's steps can be stored)
-        stored = directory() if self.placement.stores_executables else None
+        # compiled buckets kept on disk beside JAX's compile cache
+        stored = directory()
         self.executables = None if stored is None else ExecutableCache(
             stored, model.config, drafter.config if drafter else None, self.layout, self.replay,
             self.layer_plan is None, config.num_top_logprobs, config.return_logits, self._engram_shapes(),

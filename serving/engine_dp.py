@@ -107,7 +107,6 @@ class DataParallel:
     (`serving.placement`), built by `Engine(mesh=...)`."""
 
     layer_programs = False  # a mesh step is one shard_map program
-    stores_executables = False  # its steps compile (JAX's persistent cache still serves them)
     masks_during_forward = False  # one program: constrained rows' masks are filled before the step
 
     def __init__(self, mesh: Mesh | MeshSpec | str, model: Model, layout: CacheLayout, *,
@@ -181,8 +180,8 @@ class DataParallel:
     def compile(self, halves: StepHalves, plan: None, weights: tuple, cache: EngineCache,
                 bucket: tuple[int, int, int, int], engram_shapes=()) -> list:
         """The step of `bucket` (rows per rank, width, verify length, context pages) as one shard_map over the
-        mesh, ahead of time (`plan`: None, a mesh step is one program), called as the single-device step is
-        (`_Executable`, the one entry of the list)."""
+        mesh, ahead of time (`plan`: None, a mesh step is one program), and the gather of its outputs
+        (`wrap` makes them a step called as the single-device one is)."""
         rows, width, verify_len, pages = bucket
         step_fn = halves.step
         batch = empty_batch(self.layout, rows * self.ranks, width, engram_shapes, verify_len, pages)
@@ -210,11 +209,13 @@ class DataParallel:
         args = jax.tree.map(shaped, (weights, cache, batch), specs)
         step = jax.jit(sharded, donate_argnums=1).lower(*args).compile()
         gather = jax.jit(_in_order).lower(step.out_info[0], jax.ShapeDtypeStruct((rows * self.ranks,), jnp.int32))
-        return [_Executable(self, rows, step, gather.compile(), jax.tree.map(lambda a: a.sharding, args[2]))]
+        return [step, gather.compile()]
 
     def wrap(self, executables: list, halves: StepHalves, plan: None, bucket: tuple[int, int, int, int]):
-        """The step of `bucket` from what `compile` returned."""
-        return executables[0]
+        """The step of `bucket` from what `compile` returned (or the executable cache loaded): the sharded step
+        and the gather of its outputs into the batch's row order, called as a single-device step is."""
+        step, gather = executables
+        return _Executable(self, bucket[0], step, gather, step.input_shardings[0][2])
 
     # ---- batches ------------------------------------------------------------------------------------------
     def place(self, built: StepBatch, per_rank: int) -> tuple[StepBatch, Int[np.ndarray, " rows"]]:

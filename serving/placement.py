@@ -24,7 +24,6 @@ class OneDevice:
 
     ranks = 1
     layer_programs = True  # a forward half may run as a chain of layer programs (`serving.layer_programs`)
-    stores_executables = True  # compiled buckets may go to the executable cache
     masks_during_forward = True  # a decode bucket runs in halves: constrained rows' masks fill during its forward
 
     def __init__(self, model, layout: CacheLayout):

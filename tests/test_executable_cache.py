@@ -125,3 +125,17 @@ def test_constrained_rows_of_a_loaded_bucket_get_their_masks_after_the_tokens_in
     for compiled, loaded, pattern in zip(*results, patterns, strict=True):
         assert loaded.token_ids == compiled.token_ids
         assert loaded.finish_reason == "stop" and re.fullmatch(pattern, chars_text(loaded.token_ids))
+
+
+def test_a_mesh_engine_stores_and_loads_its_sharded_steps(model, first, traced):
+    """dp=2,ep=2 (tests/conftest.py's emulated devices): the sharded steps go to the cache under keys of their
+    own (the weights' and cache's shardings), and a second mesh engine loads them without tracing and decodes
+    the single-device engine's tokens."""
+    mesh = Engine(model, mesh="dp=2,ep=2", **SETTINGS)
+    assert mesh.executables.load(next(iter(first[0].compiled))) is None
+    assert [out.token_ids for out in mesh.generate(PROMPTS, GREEDY)] == first[1]
+    assert mesh.executables.stored == len(mesh.compiled) >= 2 and traced
+    traced.clear()
+    again = Engine(model, mesh="dp=2,ep=2", **SETTINGS)
+    assert [out.token_ids for out in again.generate(PROMPTS, GREEDY)] == first[1]
+    assert traced == [] and again.executables.loaded == len(again.compiled) == len(mesh.compiled)
