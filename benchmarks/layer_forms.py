@@ -3,6 +3,7 @@ decode speed, on this machine.
 
     jaxseek bench layer-programs                # 4, 8 and 16 layers, decode at 8 (~10 min on 2 idle cores)
     jaxseek bench layer-programs --layers 4 8   # fewer
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 jaxseek bench layer-programs --mesh dp=2,ep=2
 
 Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
 
@@ -10,7 +11,9 @@ The model: `small` widths with V4-Flash's layer pattern (two sliding layers, (CS
 `benchmarks.startup.flash_pattern`), random weights, fp32. The forms:
 
 - `one_program`: the whole step as one program, every layer unrolled in it (`--no-layer-programs`);
-- `layer_programs`: one program per kind of layer, launched per layer (`serving.layer_programs`, the default).
+- `layer_programs`: one program per kind of layer, launched per layer (`serving.layer_programs`, the default);
+- `mesh_one_program` (with `--mesh SPEC`): the mesh engine's step, one `shard_map` program over the mesh (a mesh
+  step does not run as layer programs), one slot per attention rank.
 
 Figures per form:
 
@@ -32,6 +35,7 @@ import time
 
 from benchmarks.bench_json import json_line
 from benchmarks.startup import compile_seconds, flash_pattern
+from sharding.mesh import MeshSpec
 
 
 def log(message: str) -> None:
@@ -41,7 +45,12 @@ def log(message: str) -> None:
 FORMS = {"one_program": {"layer_programs": False}, "layer_programs": {}}  # form -> engine settings
 
 
-def decode_rates(layers: int, repeats: int) -> tuple[dict, bool]:
+def forms(mesh: str | None) -> dict[str, dict]:
+    """The forms measured: `FORMS`, and with a mesh spec the mesh engine's one program."""
+    return FORMS | ({} if mesh is None else {"mesh_one_program": {"mesh": mesh}})
+
+
+def decode_rates(layers: int, repeats: int, mesh: str | None = None) -> tuple[dict, bool]:
     """({form: {rows: median tok/s}} at 1 and 16 rows, whether every form gave the same tokens)."""
     import numpy as np
 
@@ -52,7 +61,7 @@ def decode_rates(layers: int, repeats: int) -> tuple[dict, bool]:
 
     model = init_model(flash_pattern(preset("small"), layers), seed=0)
     engines = {name: Engine(model, max_slots=16, max_len=1024, prefill_chunk=16, **settings)
-               for name, settings in FORMS.items()}
+               for name, settings in forms(mesh).items()}
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     rng = np.random.default_rng(0)
     rates, tokens = {name: {} for name in engines}, {name: [] for name in engines}
@@ -91,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "(even, >= 4)")
     parser.add_argument("--decode-layers", type=int, default=8, help="main layers of the decode model (default 8)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per form and batch (default 3)")
+    parser.add_argument("--mesh", help="also the mesh engine on this mesh (e.g. dp=2,ep=2; on CPU emulate its "
+                        "devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     args = parser.parse_args(argv)
     if min(args.layers + [args.decode_layers]) < 4 or any(n % 2 for n in args.layers + [args.decode_layers]):
         parser.error("--layers / --decode-layers: each count must be even and at least 4")
@@ -98,13 +109,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     jax.config.update("jax_compilation_cache_dir", None)  # compile for real
     result = {"load_avg_1m_start": round(os.getloadavg()[0], 2)}
-    compile_s = {name: {} for name in FORMS}
+    measured = forms(args.mesh)
+    ranks = 1 if args.mesh is None else MeshSpec.parse(args.mesh).dp
+    compile_s = {name: {} for name in measured}
     for layers in sorted(set(args.layers)):
-        for name, settings in FORMS.items():
+        for name, settings in measured.items():
             log(f"compiling {layers} layers, {name}")
-            compile_s[name][layers] = compile_seconds(layers, **settings)
+            compile_s[name][layers] = compile_seconds(layers, ranks if "mesh" in settings else 1, **settings)
     log(f"decoding at {args.decode_layers} layers")
-    rates, match = decode_rates(args.decode_layers, args.repeats)
+    rates, match = decode_rates(args.decode_layers, args.repeats, args.mesh)
     result |= summary(compile_s, rates, match) | {"load_avg_1m_end": round(os.getloadavg()[0], 2),
                                                   "device": str(jax.devices()[0])}
     print(json_line(result))

@@ -101,15 +101,15 @@ def flash_pattern(config, layers: int):
     return dataclasses.replace(config, num_hidden_layers=len(ratios) - 1, compress_ratios=ratios)
 
 
-def compile_seconds(layers: int, **settings) -> float:
-    """Seconds per bucket to compile a one-slot engine's decode and prefill buckets, `small` widths; `settings` go
-    to the engine."""
+def compile_seconds(layers: int, slots: int = 1, **settings) -> float:
+    """Seconds per bucket to compile an engine's decode and prefill buckets, `small` widths, one slot (a mesh
+    engine: one per rank, `slots`); `settings` go to the engine."""
     from model.config import preset
     from model.initialize import init_model
     from serving.engine import Engine
 
     model = init_model(flash_pattern(preset("small"), layers), seed=0)
-    engine = Engine(model, max_slots=1, max_len=256, prefill_chunk=16, batch_invariant=True, **settings)
+    engine = Engine(model, max_slots=slots, max_len=256, prefill_chunk=16, batch_invariant=True, **settings)
     start = time.perf_counter()
     engine.warmup()
     return (time.perf_counter() - start) / len(engine.buckets())
