@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 
-from jaxseek.flags import (add_chat_template_arg, add_common_args, add_engine_limit_args, int_at_least,
+from jaxseek.flags import (add_chat_template_arg, add_common_args, add_engine_flags, engine_config, int_at_least,
                            package_version, setup_logging)
 from sharding.platform import PlatformError
 
@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
     prepare(requests, api, defaults, args.seed, one_choice=compact)
     num_top = max([s.params.logprobs or 0 for r in requests if r.prepared for s in r.prepared.submissions] + [1])
     try:
-        config = _engine_config(args, zero_overhead=not args.no_zero_overhead, num_top_logprobs=num_top)
+        config = engine_config(args, num_top_logprobs=num_top)
     except ValueError as e:
         args.parser.error(str(e))
     engine = Engine(model, fitted_config(requests, config), detokenize=api.decode)
@@ -136,7 +136,10 @@ def cmd_serve(args) -> int:
 
     if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
-    config = _engine_config(args, num_top_logprobs=args.max_logprobs)
+    try:
+        config = engine_config(args, num_top_logprobs=args.max_logprobs)
+    except ValueError as e:
+        args.parser.error(str(e))
     return serve(args, _load(args), config)
 
 
@@ -241,17 +244,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, metavar="N",
                    help="return each token's logprob and the N most likely alternatives (0..20)")
     e = p.add_argument_group("engine")
-    e.add_argument("--max-num-seqs", "--max-slots", dest="max_slots", type=int_at_least(1), default=8,
-                   help="concurrent requests (default 8)")
-    e.add_argument("--max-model-len", "--max-len", dest="max_len", type=int_at_least(1), default=1024,
-                   help="tokens per request, prompt + output (default 1024)")
-    e.add_argument("--prefill-chunk", type=int_at_least(1), default=64,
-                   help="prompt tokens per prefill row (default 64)")
-    e.add_argument("--batch-invariant", action="store_true",
-                   help="a request's tokens never depend on what else runs (one bucket per step kind)")
-    e.add_argument("--no-zero-overhead", action="store_true",
-                   help="read each step's results before dispatching the next")
-    _add_cache_and_grammar_flags(e)
+    add_engine_flags(e)
     e.add_argument("--warmup", action="store_true",
                    help="compile every step bucket up front, DSpark only those it profiles (default: each when "
                         "first used, so a batch compiles only the shapes it runs)")
@@ -260,70 +253,6 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
                    metavar="DIR", help="keep compiled steps on disk, so a later run of the same shapes starts "
                    "at once ($JAXSEEK_COMPILE_CACHE, default ~/.cache/jaxseek/xla; 'off' disables)")
-
-
-def _add_cache_and_grammar_flags(e) -> None:
-    """Engine flags `generate` and `serve` share: speculation, prefix caching, the KV pool, jump-forward decoding
-    of grammar-forced tokens, bounded decoder replay, how the step is compiled and the weights held."""
-    e.add_argument("--layer-programs", action=argparse.BooleanOptionalAction, default=None,
-                   help="on one device: run the step's layers as one compiled program per kind of layer, so "
-                        "compile time does not grow with depth (default: V4 models, and V4.1 models of 16 layers or "
-                        "more; shallower V4.1 models compile and decode faster as one program)")
-    e.add_argument("--host-layout", action=argparse.BooleanOptionalAction, default=None,
-                   help="on the CPU backend: hold the fp32 linear maps and routed-expert weights transposed, the "
-                        "layout XLA:CPU multiplies fastest (default: on a CPU without --mesh)")
-    e.add_argument("--speculation", choices=["none", "fixed", "dspark"], default="none",
-                   help="speculative decoding with the model's DSpark drafter: verify every draft (fixed) or as "
-                   "many as its confidences and the verify buckets' cost make worthwhile (dspark); lossless")
-    e.add_argument("--num-drafts", type=int_at_least(1), help="drafts per step at most (default: the "
-                   "drafter's block size)")
-    e.add_argument("--enable-prefix-caching", dest="no_prefix_cache", action="store_false", default=None,
-                   help="share the KV pages of cached prompt prefixes (the default unless --batch-invariant)")
-    e.add_argument("--no-enable-prefix-caching", "--no-prefix-cache", dest="no_prefix_cache", action="store_true",
-                   help="do not share the KV pages of cached prompt prefixes")
-    add_engine_limit_args(e)
-    e.add_argument("--host-pages", type=int_at_least(0), default=0,
-                   help="evicted prefix-cache pages kept in host memory and restored instead of recomputed")
-    e.add_argument("--jump-forward", action="store_true",
-                   help="a constrained request takes the tokens its grammar forces without sampling them")
-    e.add_argument("--mesh", metavar="SPEC",
-                   help="serve on a device mesh, e.g. dp=4,ep=2: requests and paged caches split over the dp "
-                        "attention ranks (a prefix cache per rank), routed experts over ep")
-    e.add_argument("--redundant-experts", type=int_at_least(0), default=0,
-                   help="with --mesh and ep > 1: EPLB replica slots per MoE layer")
-    e.add_argument("--eplb-every", type=int_at_least(0), default=0,
-                   help="with --mesh: steps between EPLB rebalances (0: never)")
-    e.add_argument("--prefix-snapshots", type=int_at_least(0),
-                   help="window-state snapshots kept for prefix-cache hits (default 8 per slot; 0: replay instead)")
-    e.add_argument("--replay", choices=["off", "mask", "compact"],
-                   help="V4.1 bounded decoder replay in prefill (default compact; off: every layer on every token)")
-    e.add_argument("--replay-keep", type=int_at_least(1), metavar="N",
-                   help="prompt tokens the replay layers see (default 140, at least window + backtracking)")
-
-
-def _engine_config(args, **settings):
-    """The `EngineConfig` of the engine flags `generate` and `serve` share, with `settings` (what the command
-    decides itself) over them. Raises ValueError for settings that do not go together."""
-    from model.replay import DEFAULT_KEEP, Replay
-    from serving.engine_config import EngineConfig
-
-    replay = {} if args.replay is None and args.replay_keep is None else {
-        "replay": Replay(args.replay or "compact", args.replay_keep or DEFAULT_KEEP)}
-    prefix = None if args.no_prefix_cache is None else not args.no_prefix_cache
-    mesh = {"mesh": args.mesh, "redundant_experts": args.redundant_experts, "eplb_every": args.eplb_every}
-    host_layout = args.host_layout
-    if host_layout is None:
-        from model.host_layout import unsupported_here
-
-        host_layout = not args.mesh and unsupported_here() is None
-    return EngineConfig(max_slots=args.max_slots, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                        batch_invariant=args.batch_invariant, seed=args.seed, speculation=args.speculation,
-                        layer_programs=args.layer_programs, host_layout=host_layout,
-                        num_drafts=args.num_drafts, prefix_cache=prefix,
-                        host_pages=args.host_pages, prefix_snapshots=args.prefix_snapshots,
-                        jump_forward=args.jump_forward, token_budget=args.token_budget,
-                        kv_cache_memory=args.kv_cache_memory,
-                        num_pages=args.num_pages, **replay, **(mesh if args.mesh else {}), **settings)
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -336,13 +265,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
     add_chat_template_arg(p)
     e = p.add_argument_group("engine")
-    e.add_argument("--max-num-seqs", "--max-slots", dest="max_slots", type=int_at_least(1), default=8,
-                   help="concurrent requests (default 8)")
-    e.add_argument("--max-model-len", "--max-len", dest="max_len", type=int_at_least(1), default=1024,
-                   help="tokens per request (default 1024)")
-    e.add_argument("--prefill-chunk", type=int_at_least(1), default=64, help="prompt tokens per prefill row")
-    e.add_argument("--batch-invariant", action="store_true", help="tokens never depend on what else runs")
-    _add_cache_and_grammar_flags(e)
+    add_engine_flags(e)
     e.add_argument("--no-warmup", action="store_true", help="compile every step bucket when first used (default: "
                    "the buckets of the first requests before answering, the others in the background)")
     e.add_argument("--compile-cache", default=os.environ.get("JAXSEEK_COMPILE_CACHE", "~/.cache/jaxseek/xla"),
@@ -378,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_platform_args(generate)
     add_common_args(generate)
     serve = sub.add_parser("serve", help=cmd_serve.__doc__, description=cmd_serve.__doc__)
-    serve.set_defaults(fn=cmd_serve)
+    serve.set_defaults(fn=cmd_serve, parser=serve)
     _add_serve_args(serve)
     _add_platform_args(serve)
     add_common_args(serve)

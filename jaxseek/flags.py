@@ -1,14 +1,17 @@
 """Flags `generate` and `serve` share under vLLM's names (`--max-model-len`, `--max-num-seqs`,
 `--enable-prefix-caching`, `--chat-template`, `--dtype auto`, `--kv-cache-memory`, `--max-num-batched-tokens`,
-`--log-level`, `--version`): their value types, and the settings they turn into."""
+`--log-level`, `--version`): their value types, and the settings they turn into. The engine's flags are built
+from `serving.engine_config.EngineConfig`, where each is declared with its setting."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 from pathlib import Path
 
+from serving.engine_config import EngineConfig, Flag
 from serving.openai_api import package_version
 
 CHAT_FORMAT_NAMES = ("auto", "deepseek-v4", "jinja", "plain")
@@ -73,15 +76,49 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", action="version", version=f"jaxseek {package_version()}")
 
 
-def add_engine_limit_args(e) -> None:
-    """The engine's token budget and KV pool: by page count or by memory."""
-    e.add_argument("--max-num-batched-tokens", "--token-budget", dest="token_budget", type=int_at_least(1), metavar="N",
-                   help="tokens one engine step processes at most, decode rows and prefill chunks together "
-                        "(default: max-num-seqs + 2 x prefill-chunk)")
-    e.add_argument("--num-kv-pages", "--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=int_at_least(1), metavar="N",
-                   help="KV-cache pages in the pool (default: enough for every slot at max-model-len)")
-    e.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES",
-                   help="size the KV pool by memory instead (bytes, or e.g. 512M, 8GiB)")
+def _declared() -> list[tuple[dataclasses.Field, tuple[Flag, ...]]]:
+    """Each `EngineConfig` field that declares flags, with them."""
+    return [(f, f.metadata["flags"]) for f in dataclasses.fields(EngineConfig) if "flags" in f.metadata]
+
+
+def _dest(field: dataclasses.Field, flags: tuple[Flag, ...], flag: Flag) -> str:
+    """Where argparse keeps a flag's value: its field's name, or (a field of several flags) the flag's own."""
+    return field.name if len(flags) == 1 else flag.names[0].removeprefix("--").replace("-", "_")
+
+
+def add_engine_flags(group) -> None:
+    """The engine flags `generate` and `serve` share: one per `EngineConfig` field that declares one
+    (`serving.engine_config.Flag`), its default the field's (a field of several flags: unset, None)."""
+    for field, flags in _declared():
+        default = field.default if len(flags) == 1 else None
+        for flag in flags:
+            how = {"metavar": flag.metavar or ("N" if flag.kind == "int" else None)}
+            if flag.kind == "int":
+                how["type"] = int_at_least(flag.minimum)
+            elif flag.kind == "size":
+                how["type"] = byte_size
+            elif flag.kind == "choice":
+                how["choices"] = flag.choices
+            elif flag.kind in ("switch", "negated"):
+                how = {"action": "store_true" if flag.kind == "switch" else "store_false"}  # no metavar
+            elif flag.kind == "toggle":
+                how = {"action": argparse.BooleanOptionalAction}
+            elif flag.kind != "text":
+                raise ValueError(f"{flag.names[0]}: unknown flag kind {flag.kind!r}")
+            group.add_argument(*flag.names, dest=_dest(field, flags, flag), default=default, help=flag.help, **how)
+
+
+def engine_config(args: argparse.Namespace, **settings) -> EngineConfig:
+    """The `EngineConfig` of the engine flags (`add_engine_flags`) and `--seed` (which seeds requests that give
+    none), with `settings` (what the command decides itself) over them. Raises ValueError for settings that do
+    not go together."""
+    values = {"seed": args.seed}
+    for field, flags in _declared():
+        if len(flags) == 1:
+            values[field.name] = getattr(args, field.name)
+        elif (value := field.metadata["combine"](*(getattr(args, _dest(field, flags, f)) for f in flags))) is not None:
+            values[field.name] = value
+    return EngineConfig(**(values | settings))
 
 
 def setup_logging(level: str) -> None:

@@ -24,11 +24,12 @@ def engine(cache: str):
 
     jax.config.update("jax_compilation_cache_dir", cache)
     from jaxseek import cli
+    from jaxseek.flags import engine_config
     from serving.engine import Engine
 
     args = cli.build_parser().parse_args(["serve", "--max-model-len", "4096", "--max-num-seqs", "8"])
     cli._setup_platform(args)
-    return Engine(cli._load(args), cli._engine_config(args, num_top_logprobs=args.max_logprobs))
+    return Engine(cli._load(args), engine_config(args, num_top_logprobs=args.max_logprobs))
 
 
 def buckets(cache: str) -> dict:

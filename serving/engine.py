@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.api import Model
-from model.host_layout import has_host_layout, host_layout, unsupported_here
+from model.host_layout import has_host_layout, host_layout
 from model.mtp_drafter import mtp_drafter
 from model.replay import for_engine
 from serving.constraints import ConstraintSpec
@@ -79,18 +79,16 @@ class _Forwarding(NamedTuple):
 class Engine:
     """Offline / online generation over one model, with the settings of an `EngineConfig`: `Engine(model, config)`,
     or `Engine(model, max_slots=..., max_len=...)` with keywords naming its fields; keywords given with a config
-    replace those fields of it. `config` holds the settings, `model_config` the model's. With `host_layout=True`
-    the engine first converts the model's weights to the CPU's layout, in place (`model.host_layout`)."""
+    replace those fields of it. `config` holds the settings, `model_config` the model's. Where the host layout
+    applies (`EngineConfig.uses_host_layout`: by default a one-device CPU engine) the engine first converts the
+    model's weights to the CPU's layout, in place (`model.host_layout`)."""
 
     # told about each step bucket compiled, before (seconds None) and after (e.g. a progress bar)
     on_compile: Callable[[tuple[int, int, int, int], float | None], None] | None = None
 
     def __init__(self, model: Model, config: EngineConfig | None = None, **settings):
         config = EngineConfig(**settings) if config is None else dataclasses.replace(config, **settings)
-        if config.host_layout:
-            if why := unsupported_here():
-                raise ValueError("host_layout=True is the CPU backend's weight layout (with the reference kernels): "
-                                 + why)
+        if config.uses_host_layout:
             host_layout(model)  # before the drafter is made from the model: it shares the MTP blocks' weights
         drafter = None if config.speculation == "none" else model.drafter or mtp_drafter(model.module())
         if config.speculation != "none" and drafter is None:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxseek.cli import BENCHMARKS, _engine_config, build_parser, main
-from jaxseek.flags import byte_size, package_version
+from jaxseek.cli import BENCHMARKS, build_parser, main
+from jaxseek.flags import byte_size, engine_config, package_version
 
 VLLM = ["--max-model-len", "256", "--max-num-seqs", "4", "--no-enable-prefix-caching", "--chat-template", "plain",
         "--max-num-batched-tokens", "40", "--num-gpu-blocks-override", "96", "--seed", "5", "--log-level", "WARNING"]
@@ -22,7 +22,7 @@ def test_vllm_names_and_todays_aliases_parse_to_the_same_settings(command):
     assert vllm == settings(command + TODAY)[0]
     assert (args.max_len, args.max_slots, args.chat_format, args.seed, args.log_level) == (256, 4, "plain", 5,
                                                                                           "warning")
-    engine = _engine_config(args)
+    engine = engine_config(args)
     assert (engine.prefix_cache, engine.token_budget, engine.num_pages, engine.max_len) == (False, 40, 96, 256)
 
 
@@ -30,16 +30,72 @@ def test_vllm_names_and_todays_aliases_parse_to_the_same_settings(command):
                                             (["--no-enable-prefix-caching"], False)])
 def test_prefix_caching_default_on_and_off(flag, expected):
     _, args = settings(["serve", *flag])
-    assert _engine_config(args).prefix_cache is expected  # None: on unless --batch-invariant
+    assert engine_config(args).prefix_cache is expected  # None: on unless --batch-invariant
 
 
 def test_kv_cache_memory_is_a_size_and_excludes_a_page_count():
     assert [byte_size(t) for t in ("1024", "512M", "1.5GiB", "2k")] == [1024, 512 << 20, 3 << 29, 2048]
     _, args = settings(["serve", "--kv-cache-memory", "8GiB"])
-    assert args.kv_cache_memory == 8 << 30 and _engine_config(args).kv_cache_memory == 8 << 30
+    assert args.kv_cache_memory == 8 << 30 and engine_config(args).kv_cache_memory == 8 << 30
     _, args = settings(["serve", "--kv-cache-memory", "8GiB", "--num-kv-pages", "64"])
     with pytest.raises(ValueError, match="kv_cache_memory or num_pages, not both"):
-        _engine_config(args)
+        engine_config(args)
+
+
+def engine_options(command: list[str]) -> dict[str, str]:
+    """The options of a command's "engine" group with their help, as `--help` lists them."""
+    parser = build_parser()._subparsers._group_actions[0].choices[command[0]]
+    group = next(g for g in parser._action_groups if g.title == "engine")
+    return {name: action.help for action in group._group_actions for name in action.option_strings}
+
+
+def test_generate_and_serve_list_the_engine_flags_of_one_declaration():
+    import dataclasses
+
+    from serving.engine_config import EngineConfig
+
+    declared = {name for field in dataclasses.fields(EngineConfig) for flag in field.metadata.get("flags", ())
+                for name in flag.names}
+    generate, serve = engine_options(["generate"]), engine_options(["serve"])
+    for own in ("--warmup", "--no-warmup", "--compile-cache"):  # each command's own
+        generate.pop(own), serve.pop(own, None)
+    assert generate == serve and declared <= generate.keys()
+    negated = {"--no-enable-prefix-caching", "--no-prefix-cache", "--no-host-layout", "--no-layer-programs"}
+    assert generate.keys() - declared == negated  # the toggles' other halves
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], {"zero_overhead": True, "layer_programs": None, "host_layout": None, "replay": None, "speculation": "none"}),
+    (["--no-zero-overhead", "--no-layer-programs", "--host-layout", "--replay", "mask", "--speculation", "dspark"],
+     {"zero_overhead": False, "layer_programs": False, "host_layout": True, "replay": ("mask", 140),
+      "speculation": "dspark"}),
+    (["--replay-keep", "200"], {"replay": ("compact", 200)}),
+    (["--mesh", "dp=2,ep=2", "--eplb-every", "5", "--eplb-window", "20"],
+     {"mesh": "dp=2,ep=2", "eplb_every": 5, "eplb_window": 20}),
+])
+def test_flags_become_the_declared_settings(argv, expected):
+    from serving.engine_config import EngineConfig
+
+    for command in (["generate", "--prompt", "x"], ["serve"]):
+        config = engine_config(settings(command + argv)[1])
+        got = {k: getattr(config, k) for k in expected}
+        if "replay" in got:  # unset: the engine's default
+            replay = got["replay"]
+            got["replay"] = None if replay is EngineConfig.replay else (replay.mode, replay.keep)
+        assert got == expected
+
+
+def test_host_layout_applies_on_one_cpu_device_by_default():
+    from serving.engine_config import EngineConfig
+
+    assert EngineConfig().uses_host_layout and not EngineConfig(host_layout=False).uses_host_layout
+    assert not EngineConfig(mesh="dp=2").uses_host_layout  # a mesh places the checkpoint layout
+
+
+def test_settings_that_do_not_go_together_exit_2_naming_them(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--eplb-every", "5"])
+    assert e.value.code == 2 and "EPLB (redundant_experts, eplb_every) needs a mesh" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

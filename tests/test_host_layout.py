@@ -48,7 +48,9 @@ def test_settings_the_host_layout_cannot_serve_are_refused():
     with registry.use("pallas"), pytest.raises(ValueError, match="host_layout=True is the CPU backend's"):
         Engine(model, max_slots=1, max_len=64, host_layout=True)
     assert not has_host_layout(model)  # refused before anything changed
+    with registry.use("pallas"):
+        assert not EngineConfig().uses_host_layout  # the default: only where it applies
     with pytest.raises(ValueError, match="host_layout=True is for a single-device CPU engine"):
         EngineConfig(mesh="dp=2", host_layout=True)
-    with unchecked(), pytest.raises(ValueError, match="host_layout must be True or False"):
+    with unchecked(), pytest.raises(ValueError, match="host_layout must be True, False or None"):
         EngineConfig(host_layout="yes")
