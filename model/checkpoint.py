@@ -30,6 +30,8 @@ from model.config_v41 import V41Config
 from model.dspark import DSparkConfig, DSparkDrafter, Drafter, checkpoint_name
 from model.engram import EngramMemory, canonical_vocab, table_names
 from model.host_layout import checkpoint_layout
+from model.linear import Fp8Linear
+from model.moe import Fp4Experts
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks
 from model.safetensors_io import INDEX_NAME, read_tensors, write_sharded, write_tensors
 from model.stored import E4M3, E8M0, as_stored, quantization_config, quantize_tensors, rule_names, stored_names
@@ -448,8 +450,8 @@ def _describe_quantization(path: Path, model: Model) -> None:
     """Add DeepSeek's `quantization_config` (and `expert_dtype`) to a saved config.json when the model holds
     FP8 linears (or packed FP4 experts)."""
     module = model.module()
-    blocks = {sub.block for _, sub in nnx.iter_modules(module) if hasattr(sub, "scale") and hasattr(sub, "block")}
-    fp4 = any(hasattr(sub, "w1_scale") for _, sub in nnx.iter_modules(module))
+    blocks = {sub.block for _, sub in nnx.iter_modules(module) if isinstance(sub, Fp8Linear)}
+    fp4 = any(isinstance(sub, Fp4Experts) for _, sub in nnx.iter_modules(module))
     if not blocks and not fp4:
         return
     if len(blocks) > 1:

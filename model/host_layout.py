@@ -31,7 +31,7 @@ def unsupported_here() -> str | None:
 def _linear_weights(model: Model) -> set[tuple]:
     """The parameter paths of the model's float linear maps (`Linear`, not FP8) but those named in `KEPT`."""
     return {(*path, "weight") for path, node in nnx.iter_graph(model.module())
-            if type(node) is Linear and not hasattr(node, "scale") and path[-1] not in KEPT}
+            if type(node) is Linear and path[-1] not in KEPT}
 
 
 def _held_transposed(path: tuple, value, linears: set[tuple]) -> bool:

@@ -17,8 +17,7 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02
 
 class Linear(nnx.Module):
     """y = x W^T with W [out, in], accumulated in fp32 and returned in `compute_dtype` if given (fp32: the
-    inputs kept in fp32 too), else in the weight's dtype (FP8: the input's). An FP8 weight (DeepSeek's stored form, `model.stored`) carries a
-    `scale` per `block` and is decoded inside the matmul (the kernel registry's `fp8_linear`)."""
+    inputs kept in fp32 too), else in the weight's dtype."""
 
     def __init__(self, in_dim: int, out_dim: int, dtype, rngs: nnx.Rngs, compute_dtype=None):
         self.weight = param(normal_init(rngs, (out_dim, in_dim), dtype), "out", "in")
@@ -26,10 +25,20 @@ class Linear(nnx.Module):
 
     def __call__(self, x: Float[Array, "... i"]) -> Float[Array, "... o"]:
         w = self.weight[...]
-        if hasattr(self, "scale"):
-            y = registry.op("fp8_linear")(x, w, self.scale[...], self.block)
-            return y.astype(self.compute_dtype or x.dtype)
         return dot_f32(x, w, round_inputs=self.compute_dtype is None).astype(self.compute_dtype or w.dtype)
+
+
+class Fp8Linear(Linear):
+    """A linear map in DeepSeek's stored FP8 form (`model.stored`): E4M3 `weight` [out, in] with a UE8M0 `scale`
+    per `block` of it, decoded inside the matmul (the kernel registry's `fp8_linear`); returned in
+    `compute_dtype` if given, else in the input's dtype."""
+
+    def __init__(self, weight: nnx.Param, scale: nnx.Param, block: tuple[int, int], compute_dtype=None):
+        self.weight, self.scale, self.block, self.compute_dtype = weight, scale, tuple(block), compute_dtype
+
+    def __call__(self, x: Float[Array, "... i"]) -> Float[Array, "... o"]:
+        y = registry.op("fp8_linear")(x, self.weight[...], self.scale[...], self.block)
+        return y.astype(self.compute_dtype or x.dtype)
 
 
 class GroupedLinear(nnx.Module):

@@ -111,9 +111,8 @@ def replica_slots(ids: Int[Array, "t k"], log2phy: Int[Array, "e r"], logcnt: In
 
 
 class Experts(nnx.Module):
-    """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I]; or, as DeepSeek stores
-    them (`model.stored`), packed FP4 w1, w3 [E, I, D/2], w2 [E, D, I/2] with UE8M0 `w1_scale`, `w3_scale`
-    [E, I, D/32], `w2_scale` [E, D, I/32] (the kernel registry's `routed_experts_fp4`).
+    """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I] (stored FP4:
+    `Fp4Experts`).
 
     With EPLB tables (`log2phy`, `logcnt` ExpertMaps, set by `sharding.expert_balance`) the weights are
     stacked per physical slot instead (redundant replicas included) and each pair goes to one replica of its
@@ -128,9 +127,7 @@ class Experts(nnx.Module):
 
     def stacked(self) -> tuple[str, tuple[str, ...]]:
         """(the kernel registry's op for these experts, the names of their expert-stacked tensors in the order it
-        takes them): float w1, w2, w3, or stored FP4 codes each followed by its scales."""
-        if hasattr(self, "w1_scale"):
-            return "routed_experts_fp4", ("w1", "w1_scale", "w2", "w2_scale", "w3", "w3_scale")
+        takes them): float w1, w2, w3."""
         return "routed_experts", ("w1", "w2", "w3")
 
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"]):
@@ -145,6 +142,21 @@ class Experts(nnx.Module):
         if routed is None:
             return registry.op(op)(x, ids, weights, *stacks, self.limit)
         return routed(x, ids, weights, *stacks, self.limit, op=op)
+
+
+class Fp4Experts(Experts):
+    """Routed experts as DeepSeek stores them (`model.stored`): packed FP4 codes w1, w3 [E, I, D/2], w2
+    [E, D, I/2], each with its UE8M0 scales `w1_scale`, `w3_scale` [E, I, D/32], `w2_scale` [E, D, I/32] (the
+    kernel registry's `routed_experts_fp4`)."""
+
+    def __init__(self, stacks: dict[str, nnx.Param], limit: float):
+        for name, stack in stacks.items():
+            setattr(self, name, stack)
+        self.limit = limit
+
+    def stacked(self) -> tuple[str, tuple[str, ...]]:
+        """The FP4 op and each packed stack followed by its scales."""
+        return "routed_experts_fp4", ("w1", "w1_scale", "w2", "w2_scale", "w3", "w3_scale")
 
 
 class MoE(nnx.Module):

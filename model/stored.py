@@ -10,6 +10,7 @@ router, compressors, wo_a) stays as the checkpoint stores it (reference/v4-archi
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Set as AbstractSet
 
@@ -19,8 +20,8 @@ import numpy as np
 from flax import nnx
 
 from model.axes import logical_axes, param
-from model.linear import Linear
-from model.moe import Experts
+from model.linear import Fp8Linear, Linear
+from model.moe import Experts, Fp4Experts
 from model.quant import quantize_fp4_packed, quantize_fp8_blocks
 
 FP8_LINEAR = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
@@ -95,19 +96,28 @@ def as_stored(module, fp8: AbstractSet[str], fp4: AbstractSet[str], block: tuple
         """An abstract parameter with the logical axes of the float weight it stands for."""
         return param(jax.ShapeDtypeStruct(tuple(shape), dtype), *logical_axes(like))
 
+    stored = []  # (path, the module in stored form), put in place after the walk
     for path, sub in nnx.iter_modules(module):
         name = ".".join(map(str, path))
         if isinstance(sub, Linear) and name in fp8:
             out_dim, in_dim = sub.weight.shape
-            weight = sub.weight
-            sub.weight = shaped((out_dim, in_dim), E4M3, weight)
-            sub.scale = shaped((-(-out_dim // block[0]), -(-in_dim // block[1])), E8M0, weight)
-            sub.block = tuple(block)
+            scale = shaped((-(-out_dim // block[0]), -(-in_dim // block[1])), E8M0, sub.weight)
+            stored.append((path, Fp8Linear(shaped((out_dim, in_dim), E4M3, sub.weight), scale, block,
+                                           sub.compute_dtype)))
         elif isinstance(sub, Experts) and f"{name}.w1" in fp4:
+            stacks = {}
             for w in ("w1", "w2", "w3"):
                 weight = getattr(sub, w)
                 n_exp, out_dim, in_dim = weight.shape
                 if in_dim % 2:
                     raise ValueError(f"{name}.{w}: packed FP4 needs an even number of inputs, got {in_dim}")
-                setattr(sub, w, shaped((n_exp, out_dim, in_dim // 2), np.int8, weight))
-                setattr(sub, f"{w}_scale", shaped((n_exp, out_dim, -(-in_dim // FP4_GROUP)), E8M0, weight))
+                stacks[w] = shaped((n_exp, out_dim, in_dim // 2), np.int8, weight)
+                stacks[f"{w}_scale"] = shaped((n_exp, out_dim, -(-in_dim // FP4_GROUP)), E8M0, weight)
+            stored.append((path, Fp4Experts(stacks, sub.limit)))
+    for path, sub in stored:
+        parent = functools.reduce(lambda node, key: node[key] if isinstance(key, int) else getattr(node, key),
+                                  path[:-1], module)
+        if isinstance(path[-1], int):
+            parent[path[-1]] = sub
+        else:
+            setattr(parent, path[-1], sub)

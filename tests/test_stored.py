@@ -13,6 +13,8 @@ import pytest
 from flax import nnx
 
 from model.initialize import init_model
+from model.linear import Fp8Linear, Linear
+from model.moe import Fp4Experts
 from model.checkpoint import CheckpointError, checkpoint_model, layout_for, load_model, save_checkpoint
 from jaxseek.cli import main
 from model.config import preset
@@ -93,6 +95,8 @@ def test_resident_model_computes_its_fp32_decoding(converted, tmp_path):
     _, _, fp8_dir = converted
     layer = load_model(fp8_dir, weights="checkpoint").module().layers[2]
     assert layer.attn.wq_a.weight.dtype == ml_dtypes.float8_e4m3fn and layer.attn.wq_a.block == (128, 128)
+    assert isinstance(layer.attn.wq_a, Fp8Linear) and isinstance(layer.ffn.experts, Fp4Experts)  # formats as types
+    assert type(layer.attn.compressor.wkv) is Linear  # kept as the checkpoint has it
     assert layer.ffn.experts.w1.dtype == np.int8 and layer.ffn.experts.w1_scale.shape == (4, 32, 2)
     assert layer.attn.compressor.wkv.weight.dtype == ml_dtypes.bfloat16  # as DeepSeek's checkpoints hold it
     assert layer.attn.compressor.norm.weight.dtype == layer.hc_attn.fn.dtype == np.float32
