@@ -1,7 +1,5 @@
 """Mixture of experts: sqrt-softplus routing (bias for selection only), hash routing, clamped SwiGLU experts."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -15,26 +13,36 @@ from pallas_kernels import registry
 from pallas_kernels.moe import clamped_swiglu
 
 
-_dispatch: list = []  # an expert-parallel `routed_experts` (sharding.expert_parallel), innermost last
+class ExpertDispatch:
+    """How MoE layers traced inside `expert_dispatch(...)` run their routed experts in place of the local
+    `routed_experts` op: called with that op's signature (`op="routed_experts_fp4"`: the FP4 op's), weights
+    stacked per expert or per EPLB slot (e.g. split over a mesh's `ep` axis, `sharding.expert_parallel`). A
+    dispatch running inside a data-parallel step overrides `first_token` and `any_rank` for its rank."""
+
+    def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
+                 *stacks_and_limit, op: str = "routed_experts") -> Float[Array, "t d"]:
+        raise NotImplementedError
+
+    def first_token(self, tokens: int) -> Int[Array, ""] | int:
+        """The index in the whole batch of the first of these `tokens` (EPLB's replica choice): 0 on one rank."""
+        return 0
+
+    def any_rank(self, pred: Bool[Array, ""]) -> Bool[Array, ""]:
+        """`pred` as one decision for every rank (`any_rank`): `pred` itself on one rank."""
+        return pred
 
 
-@contextlib.contextmanager
-def expert_dispatch(routed):
-    """Use `routed` for MoE layers traced inside this block: the signature of `routed_experts` (or, with
-    `op="routed_experts_fp4"`, of `routed_experts_fp4`), weights stacked per expert or per EPLB slot."""
-    _dispatch.append(routed)
-    try:
-        yield
-    finally:
-        _dispatch.pop()
+def expert_dispatch(routed: ExpertDispatch):
+    """Run the MoE layers traced inside this block through `routed` (the registry's `TraceChoices.experts`)."""
+    return registry.tracing(experts=routed)
 
 
 def any_rank(pred: Bool[Array, ""]) -> Bool[Array, ""]:
     """`pred`, made one decision for every rank of an expert-parallel dispatch that runs inside a data-parallel
-    step (a dispatch with an `any_rank` method: True where any rank's `pred` is): a `lax.cond` whose branch runs
-    MoE layers must be taken by all ranks at once, or the ranks that took it wait forever in its all-to-all."""
-    routed = _dispatch[-1] if _dispatch else None
-    return routed.any_rank(pred) if hasattr(routed, "any_rank") else pred
+    step (True where any rank's `pred` is): a `lax.cond` whose branch runs MoE layers must be taken by all ranks
+    at once, or the ranks that took it wait forever in its all-to-all."""
+    routed = registry.choices().experts
+    return pred if routed is None else routed.any_rank(pred)
 
 
 def route_scores(logits: Float[Array, "t e"], scoring_func: str) -> Float[Array, "t e"]:
@@ -116,7 +124,7 @@ class Experts(nnx.Module):
 
     With EPLB tables (`log2phy`, `logcnt` ExpertMaps, set by `sharding.expert_balance`) the weights are
     stacked per physical slot instead (redundant replicas included) and each pair goes to one replica of its
-    expert; a dispatch with a `first_token(t)` method (a data-parallel rank's) offsets the replica choice."""
+    expert; a data-parallel rank's dispatch offsets the replica choice by its `first_token`."""
 
     def __init__(self, config: ModelConfig | V41Config, dtype, rngs: nnx.Rngs):
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -135,9 +143,9 @@ class Experts(nnx.Module):
         or `routed_experts_fp4` for stored experts; an expert-parallel dispatch takes either, by `op`)."""
         op, names = self.stacked()
         stacks = tuple(getattr(self, name)[...] for name in names)
-        routed = _dispatch[-1] if _dispatch else None
+        routed = registry.choices().experts
         if hasattr(self, "log2phy"):
-            first = routed.first_token(ids.shape[0]) if hasattr(routed, "first_token") else 0
+            first = 0 if routed is None else routed.first_token(ids.shape[0])
             ids = replica_slots(ids, self.log2phy[...], self.logcnt[...], first)
         if routed is None:
             return registry.op(op)(x, ids, weights, *stacks, self.limit)

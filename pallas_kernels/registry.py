@@ -1,6 +1,7 @@
-"""Operations the model calls by name, each with a pure-jnp reference and a Pallas kernel of the same signature.
+"""Operations the model calls by name, each with a pure-jnp reference and a Pallas kernel of the same signature,
+and the one value that says how functions traced now compute them (`TraceChoices`).
 
-The choice is made when a function is traced: `use(...)` forces `reference` or `pallas` (the `--kernels`
+The kernel choice is made when a function is traced: `use(...)` forces `reference` or `pallas` (the `--kernels`
 flag), otherwise the environment variable `JAXSEEK_KERNELS` if set (e.g. for the benchmark scripts), otherwise
 the platform decides: NVIDIA GPUs run the Pallas kernels, CPU and Ascend the references.
 Pallas on CPU runs in interpret mode (tests). Set the choice before compiling: jitted functions keep what
@@ -8,6 +9,7 @@ they were traced with.
 """
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -16,8 +18,40 @@ import jax
 from pallas_kernels import fp4_experts, hyper, moe, paged_attention, quant_linear, sparse_attention
 
 IMPLEMENTATIONS = ("reference", "pallas")
-_chosen: list[str] = []
-_wrappers: list[tuple[str, Callable[[Callable], Callable]]] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceChoices:
+    """Everything outside a traced function's arguments that changes what it computes, in one value: the
+    implementation forced for every operation (None: `default_implementation()`), wrappers of single operations
+    (name, wrapper: `op(name)` is `wrapper(implementation)`, e.g. the per-device form of a mesh,
+    `sharding.context_parallel`), and how MoE layers run their routed experts (`experts`: a
+    `model.moe.ExpertDispatch`, e.g. split over a mesh's `ep` axis; None: the local `routed_experts` op).
+
+    The choices in force are the innermost `tracing(...)` block's, else the process's (`set_implementation`)."""
+
+    kernels: str | None = None
+    wrappers: tuple[tuple[str, Callable[[Callable], Callable]], ...] = ()
+    experts: Callable | None = None
+
+
+_active: list[TraceChoices] = [TraceChoices()]  # [the process's, then one per open `tracing` block, innermost last]
+
+
+def choices() -> TraceChoices:
+    """The choices functions traced now are traced with."""
+    return _active[-1]
+
+
+@contextlib.contextmanager
+def tracing(**changes):
+    """Trace the functions traced inside this block with `choices()` changed by `changes` (TraceChoices
+    fields)."""
+    _active.append(dataclasses.replace(choices(), **changes))
+    try:
+        yield _active[-1]
+    finally:
+        _active.pop()
 
 
 def ops() -> dict[str, tuple[Callable, Callable]]:
@@ -36,7 +70,7 @@ def default_implementation() -> str:
 
 def implementation() -> str:
     """The implementation that functions traced now will use."""
-    return _chosen[-1] if _chosen else default_implementation()
+    return choices().kernels or default_implementation()
 
 
 def _check(impl: str) -> str:
@@ -46,32 +80,20 @@ def _check(impl: str) -> str:
 
 
 def set_implementation(impl: str | None) -> None:
-    """Force `reference` or `pallas` from now on (None: back to the platform default)."""
-    _chosen.clear()
-    if impl is not None:
-        _chosen.append(_check(impl))
+    """Force `reference` or `pallas` for this process from now on (None: back to the platform default)."""
+    _active[0] = dataclasses.replace(_active[0], kernels=None if impl is None else _check(impl))
 
 
-@contextlib.contextmanager
 def use(impl: str):
-    """Force `reference` or `pallas` for functions traced inside this block."""
-    _chosen.append(_check(impl))
-    try:
-        yield
-    finally:
-        _chosen.pop()
+    """Force `reference` or `pallas` for functions traced inside this block (a `tracing` block)."""
+    return tracing(kernels=_check(impl))
 
 
-@contextlib.contextmanager
 def wrap(name: str, wrapper: Callable[[Callable], Callable]):
-    """Functions traced inside this block call `wrapper(implementation)` for operation `name` (e.g. the
-    implementation run per device of a mesh, `sharding.context_parallel`)."""
+    """Functions traced inside this block call `wrapper(implementation)` for operation `name` (a `tracing`
+    block)."""
     op(name)  # an unknown name fails here
-    _wrappers.append((name, wrapper))
-    try:
-        yield
-    finally:
-        _wrappers.pop()
+    return tracing(wrappers=choices().wrappers + ((name, wrapper),))
 
 
 def op(name: str) -> Callable:
@@ -80,7 +102,7 @@ def op(name: str) -> Callable:
     if name not in table:
         raise KeyError(f"no kernel operation {name!r}; known: {sorted(table)}")
     chosen = table[name][IMPLEMENTATIONS.index(implementation())]
-    for wrapped, wrapper in _wrappers:
+    for wrapped, wrapper in choices().wrappers:
         if wrapped == name:
             chosen = wrapper(chosen)
     return chosen

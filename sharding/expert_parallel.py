@@ -1,6 +1,6 @@
 """Expert parallelism: routed experts split over the mesh's `ep` axis, tokens sent to them by all-to-all.
 
-`ep_routed_experts(mesh)` has the signature of `pallas_kernels.moe.routed_experts_reference` (with
+`ExpertParallel(mesh)` has the signature of `pallas_kernels.moe.routed_experts_reference` (with
 `op="routed_experts_fp4"`, of `routed_experts_fp4`: stored FP4 codes and scales split alike). Inside `jax.shard_map` every
 device holds its own tokens and E/ep experts: each (token, expert) pair is written into the bucket of the
 shard owning that expert (buckets sized for the worst case, so nothing is ever dropped), one all-to-all
@@ -92,33 +92,34 @@ def local_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[A
     return out
 
 
-def ep_routed_experts(mesh: Mesh):
-    """`pallas_kernels.moe.routed_experts_reference` (or the registry's `op`) with experts split over `mesh`'s `ep`
-    axis (see the module docstring).
+class ExpertParallel(moe.ExpertDispatch):
+    """`pallas_kernels.moe.routed_experts_reference` (or the registry's `op`) with experts split over `mesh`'s
+    `ep` axis (see the module docstring), called from outside a shard_map.
 
     Weights are stacked per expert, or per physical slot with ids already mapped to slots (EPLB)."""
-    n_shards = mesh.shape["ep"]
-    n_token_shards = n_shards * mesh.shape["dp"]
 
-    def routed(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], *stacks_and_limit,
-               op: str = "routed_experts") -> Float[Array, "t d"]:
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.n_shards = mesh.shape["ep"]
+        self.n_token_shards = self.n_shards * mesh.shape["dp"]
+
+    def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
+                 *stacks_and_limit, op: str = "routed_experts") -> Float[Array, "t d"]:
         *stacks, limit = stacks_and_limit
-        if stacks[0].shape[0] % n_shards:
-            raise ValueError(f"{stacks[0].shape[0]} expert slots do not divide over ep={n_shards}")
+        if stacks[0].shape[0] % self.n_shards:
+            raise ValueError(f"{stacks[0].shape[0]} expert slots do not divide over ep={self.n_shards}")
         t = x.shape[0]
-        pad = -t % n_token_shards  # padding pairs carry weight 0 and go to expert 0
+        pad = -t % self.n_token_shards  # padding pairs carry weight 0 and go to expert 0
         x, ids, weights = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, ids, weights))
-        body = functools.partial(local_pairs, limit=limit, axis="ep", n_shards=n_shards, op=op)
+        body = functools.partial(local_pairs, limit=limit, axis="ep", n_shards=self.n_shards, op=op)
         tokens, experts = P(TOKEN_AXES), P("ep")
-        out = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens) + (experts,) * len(stacks),
+        out = jax.shard_map(body, mesh=self.mesh, in_specs=(tokens, tokens, tokens) + (experts,) * len(stacks),
                             out_specs=tokens)(x, ids, weights.astype(jnp.float32), *stacks)
         return out[:t]
-
-    return routed
 
 
 @contextlib.contextmanager
 def expert_parallel(mesh: Mesh):
     """Run every MoE layer traced inside this block with its experts split over `mesh`'s `ep` axis."""
-    with moe.expert_dispatch(ep_routed_experts(mesh)):
+    with moe.expert_dispatch(ExpertParallel(mesh)):
         yield

@@ -25,7 +25,7 @@ from serving.kv_cache import CacheLayout, init_engine_cache
 from sharding.context_parallel import BATCH
 from sharding.engram_shards import ShardedEngramTable, shard_engram
 from sharding.eplb import ExpertLoadWindow, rebalance_experts
-from sharding.expert_parallel import TOKEN_AXES, ExpertPlacement, ep_routed_experts
+from sharding.expert_parallel import TOKEN_AXES, ExpertParallel, ExpertPlacement
 from sharding.mesh import (MeshSpec, MeshSpecError, batch_sharded, logical_spec, logits_on_mesh, make_mesh,
                            param_shardings, shard_model)
 from sharding.reshard import restore_params, save_params
@@ -72,7 +72,7 @@ def test_sharded_engram_fp8_rows_equal_host_rows():
 @pytest.mark.parametrize("spec", ["ep=8", "dp=4,ep=2"])
 def test_ep_dispatch_equals_single_device(pairs, spec):
     mesh = make_mesh(MeshSpec.parse(spec))
-    routed = jax.jit(ep_routed_experts(mesh), static_argnums=6).lower(*pairs, 10.0).compile()
+    routed = jax.jit(ExpertParallel(mesh), static_argnums=6).lower(*pairs, 10.0).compile()
     expected = routed_experts(*pairs, 10.0)
     np.testing.assert_allclose(routed(*pairs), expected, atol=1e-5, rtol=0)
     assert "all-to-all" in routed.as_text()
@@ -82,7 +82,7 @@ def test_eplb_replicas_and_rebalancing_change_no_output(pairs):
     """Two placements from different loads (16 slots: 8 redundant) serve every token with its experts."""
     x, ids, weights, w1, w2, w3 = pairs
     mesh = make_mesh(MeshSpec.parse("ep=8"))
-    routed = jax.jit(ep_routed_experts(mesh), static_argnums=6)  # one compile serves both placements
+    routed = jax.jit(ExpertParallel(mesh), static_argnums=6)  # one compile serves both placements
     expected = routed_experts(x, ids, weights, w1, w2, w3, 10.0)
     outputs = []
     for load in ([[90, 1, 1, 1, 1, 1, 1, 1]], [[1, 2, 3, 4, 40, 30, 20, 10]]):
