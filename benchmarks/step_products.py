@@ -21,7 +21,7 @@ from jaxtyping import Array, Float
 from benchmarks.roofline import call_seconds
 from model.api import Model
 from model.step_cost import weight_role
-from pallas_kernels.quant_linear import dot_f32
+from xla_cpu.linear import dot_f32
 
 
 def step_weights(model: Model, rows: int) -> tuple[list, tuple[int, ...]]:

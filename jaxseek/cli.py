@@ -200,13 +200,13 @@ def _add_platform_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pjrt-plugin", metavar="PATH",
                    help="the Ascend PJRT plugin: its shared library or a Python module with initialize() "
                         "(default: $JAXSEEK_PJRT_PLUGIN)")
-    g.add_argument("--kernels", choices=["reference", "pallas"],
-                   help="force the pure-jnp references or the Pallas kernels (interpret mode off GPU); default: "
-                        "Pallas on NVIDIA GPUs, references elsewhere")
+    g.add_argument("--kernels", choices=["reference", "pallas", "xla_cpu"],
+                   help="force the pure-jnp references, the Pallas kernels (interpret mode off GPU) or the XLA:CPU "
+                        "forms; default: Pallas on NVIDIA GPUs, the XLA:CPU forms on the CPU, references elsewhere")
 
 
 def _setup_platform(args) -> None:
-    from pallas_kernels import registry
+    from model import registry
     from sharding.platform import setup
 
     setup(args.device, args.pjrt_plugin)

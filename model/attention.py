@@ -18,7 +18,7 @@ from model.linear import GroupedLinear, Linear
 from model.norms import RMSNorm, rms_normalize
 from model.paged import per_row, store_windows
 from model.rope import apply_rope, layer_frequencies
-from pallas_kernels import registry
+from model import registry
 
 
 def window_ids(

@@ -20,7 +20,7 @@ from model.linear import Linear
 from model.norms import RMSNorm
 from model.paged import Paged, row_pages
 from model.rope import apply_rope
-from pallas_kernels import registry
+from model import registry
 
 
 class Compressor(nnx.Module):

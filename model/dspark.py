@@ -30,7 +30,7 @@ from model.norms import RMSNorm, rms_normalize
 from model.rope import apply_rope, inv_frequencies
 from model.transformer import Embedding, HyperBlock
 from model.sampling_keys import GREEDY_BELOW, PURPOSE_DRAFT, first_argmax, request_key
-from pallas_kernels import registry
+from model import registry
 
 _JSON_KEYS = {  # DSparkConfig field -> its key in a checkpoint's config.json / dspark.json
     "num_layers": "num_nextn_predict_layers", "block_size": "dspark_block_size",

@@ -2,7 +2,7 @@
 
 On XLA:CPU a batched decode step spends most of its time multiplying several rows through [out, in] weights:
 the routed experts' and the linear maps'. The same products through the transposed weights [in, out] run 1.4-2x
-as fast (`pallas_kernels.transposed_weights`). `host_layout` holds a model's fp32 linear maps and routed-expert
+as fast (`xla_cpu.transposed_weights`). `host_layout` holds a model's fp32 linear maps and routed-expert
 stacks transposed, in place; the model computes the same function (`dot_f32` and the expert ops read either
 layout). `checkpoint_layout` gives the model back in the checkpoint's layout, for what stores, quantizes or
 shards the weights.
@@ -11,10 +11,10 @@ shards the weights.
 import jax
 from flax import nnx
 
+from model import registry
 from model.api import Model
 from model.linear import Linear
-from pallas_kernels import registry
-from pallas_kernels.transposed_weights import TransposedWeight, logical, transposed
+from xla_cpu.transposed_weights import TransposedWeight, logical, transposed
 
 EXPERT_STACKS = frozenset({"w1", "w2", "w3"})
 KEPT = frozenset({"head"})  # linear maps others read directly (a DSpark drafter reads the vocabulary head)
@@ -22,8 +22,8 @@ KEPT = frozenset({"head"})  # linear maps others read directly (a DSpark drafter
 
 def unsupported_here() -> str | None:
     """Why this process cannot run a model in the host layout (None: it can): the layout is the CPU backend's,
-    read by the reference kernels."""
-    if jax.default_backend() != "cpu" or registry.implementation() != "reference":
+    read by its XLA:CPU forms (`xla_cpu`)."""
+    if jax.default_backend() != "cpu" or registry.implementation() != "xla_cpu":
         return f"this process runs {jax.default_backend()} with {registry.implementation()} kernels"
     return None
 

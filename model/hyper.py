@@ -7,7 +7,7 @@ from jaxtyping import Array, Float
 
 from model.axes import param
 from model.norms import rms_normalize
-from pallas_kernels import registry
+from model import registry
 from pallas_kernels.hyper import collapse
 
 

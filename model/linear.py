@@ -5,9 +5,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from model import registry
 from model.axes import param
-from pallas_kernels import registry
-from pallas_kernels.quant_linear import dot_f32
 
 
 def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, std: float = 0.02) -> jax.Array:
@@ -25,7 +24,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: Float[Array, "... i"]) -> Float[Array, "... o"]:
         w = self.weight[...]
-        return dot_f32(x, w, round_inputs=self.compute_dtype is None).astype(self.compute_dtype or w.dtype)
+        return registry.op("dot_f32")(x, w, round_inputs=self.compute_dtype is None).astype(self.compute_dtype or w.dtype)
 
 
 class Fp8Linear(Linear):
@@ -50,4 +49,4 @@ class GroupedLinear(nnx.Module):
 
     def __call__(self, x: Float[Array, "... g i"]) -> Float[Array, "... g o"]:
         w = self.weight[...]
-        return dot_f32(x, w.reshape(self.groups, -1, w.shape[-1])).astype(w.dtype)
+        return registry.op("dot_f32")(x, w.reshape(self.groups, -1, w.shape[-1])).astype(w.dtype)

@@ -9,7 +9,7 @@ from model.axes import param
 from model.config import ModelConfig
 from model.config_v41 import V41Config
 from model.linear import Linear, normal_init
-from pallas_kernels import registry
+from model import registry
 from pallas_kernels.moe import clamped_swiglu
 
 

@@ -27,7 +27,7 @@ from model.paged import Paged, row_pages, store_windows
 from model.replay import Replay, key_positions, kept_span, put_rows, take_positions, take_rows
 from model.rope import apply_rope, layer_frequencies
 from model.transformer import Embedding, HyperBlock, empty_cache, input_streams
-from pallas_kernels import registry
+from model import registry
 
 
 def candidate_pool(

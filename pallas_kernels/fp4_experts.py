@@ -1,9 +1,9 @@
 """Routed experts whose weights stay packed FP4 as DeepSeek stores them: E2M1 codes two per byte (input 2j in
 the low nibble of byte j, 2j+1 in the high one) with one UE8M0 scale per `group` (32) inputs of a row.
 
-Reference (`routed_experts_fp4`): decodes inside the computation only the experts it needs (the chosen
-experts' weights when a call has fewer (token, expert) pairs than experts, else each expert tile's) and
-computes the clamped SwiGLU experts in fp32, as DeepSeek's reference does. Pallas
+Reference (`routed_experts_fp4`): decodes inside the computation each pair's expert and computes the clamped
+SwiGLU experts in fp32, as DeepSeek's reference does (the XLA:CPU form, `xla_cpu.fp4_experts`, decodes each
+expert tile's weights once). Pallas
 (`routed_experts_fp4_pallas`): the grouped matmuls of `pallas_kernels.moe` (pairs sorted into expert-aligned
 tiles, rows gathered inside the kernel, SwiGLU and routing weight fused) with the weight tile decoded in
 registers one scale group per K step: the even and odd inputs multiply the low and high nibbles' values, each
@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Float32, Int, Shaped
 
 from pallas_kernels import tuning
-from pallas_kernels.moe import expert_tiles, sort_pairs, unpermute
+from pallas_kernels.moe import clamped_swiglu, sort_pairs, unpermute
 from pallas_kernels.quant_linear import after
 
 
@@ -57,25 +57,17 @@ def routed_experts_fp4(
     w3: Shaped[Array, "e i hd"], s3: Shaped[Array, "e i gd"], limit: float, pairs: int | None = None,
 ) -> Float32[Array, "t d"]:
     """Sum over each token's chosen experts of weight * w2 (silu(min(w1 x, limit)) * clip(w3 x, +-limit)),
-    in fp32, the weights decoded from packed FP4 inside the computation. With fewer pairs than experts (decode)
-    the chosen experts' weights are decoded per pair; else the pairs run in expert-aligned tiles, each decoding
-    its expert (`pallas_kernels.moe.expert_tiles`, `pairs` as there): the pairs' FLOPs, not every token
-    through every decoded expert."""
-    x32, n_exp = x.astype(jnp.float32), w1.shape[0]
+    in fp32, each pair's expert decoded from packed FP4 inside the computation (after x exists: `after`).
+    `pairs` changes nothing here (the fast forms size their tiles by it)."""
+    del pairs
+    x32 = x.astype(jnp.float32)
     x32, w1, s1, w3, s3 = after(x32, w1, s1, w3, s3)  # decoded when needed, not all at the step's start
-    swiglu = lambda g, u: jax.nn.silu(jnp.minimum(g, limit)) * jnp.clip(u, -limit, limit)  # noqa: E731
-    if ids.size < n_exp:  # decode: only the chosen experts' weights are decoded
-        chosen = lambda w, s: dequant_fp4(w[ids], s[ids])  # noqa: E731  [t, k, out, in]
-        h = swiglu(jnp.einsum("td,tkid->tki", x32, chosen(w1, s1)), jnp.einsum("td,tkid->tki", x32, chosen(w3, s3)))
-        h, w2, s2 = after(h, w2, s2)
-        y = jnp.einsum("tki,tkdi->tkd", h, chosen(w2, s2))
-        return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), y)
-
-    def expert(v, e):
-        h = swiglu(v @ dequant_fp4(w1[e], s1[e]).T, v @ dequant_fp4(w3[e], s3[e]).T)
-        return h @ dequant_fp4(w2[e], s2[e]).T
-
-    return expert_tiles(x32, ids, weights.astype(jnp.float32), n_exp, expert, pairs)
+    chosen = lambda w, s: dequant_fp4(w[ids], s[ids])  # noqa: E731  [t, k, out, in]
+    h = clamped_swiglu(jnp.einsum("td,tkid->tki", x32, chosen(w1, s1)), jnp.einsum("td,tkid->tki", x32, chosen(w3, s3)),
+                       limit)
+    h, w2, s2 = after(h, w2, s2)
+    y = jnp.einsum("tki,tkdi->tkd", h, chosen(w2, s2))
+    return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), y)
 
 
 def routed_experts_fp4_pallas(

@@ -12,6 +12,7 @@ Glossary: m rows of activations, i inputs, o outputs, kb scale blocks along i.
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,66 +20,23 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Float32, Shaped
 
 from pallas_kernels import tuning
-from pallas_kernels.transposed_weights import TransposedWeight
 
 
-SPLIT_GEMV_BYTES = 2**22
-"""Below this many bytes of fp32 weight, XLA:CPU runs a one-row product x W^T on one thread (measured on 2 cores:
-about 10 GB/s for weights of 0.25 to 2 MB, about 20 GB/s from 4 MB up, where it uses both)."""
-
-
-def gemv_groups(w: Float[Array, "*g o i"]) -> int:
-    """Into how many groups of rows `dot_f32` splits fp32 weight `w` for a one-row product: one per core this
-    process may use (the largest such count dividing W's rows) for a small 2-D weight on the CPU backend, where
-    XLA:CPU spreads a batched product over its threads (about 20 GB/s at 1 MB on 2 cores); 1 otherwise."""
-    if jax.default_backend() != "cpu" or w.ndim != 2 or w.size * 4 >= SPLIT_GEMV_BYTES:
-        return 1
-    return max(g for g in range(1, min(tuning.host_cores(), w.shape[0]) + 1) if w.shape[0] % g == 0)
-
-
-def dot_f32(x: Float[Array, "... i"], w: Float[Array, "*g o i"] | TransposedWeight, round_inputs: bool = True
+def dot_f32(x: Float[Array, "... i"], w: Float[Array, "*g o i"], round_inputs: bool = True
             ) -> Float32[Array, "... o"]:
     """x W^T accumulated in fp32 for a float weight [o, i], or a grouped one [g, o, i] applied to x's group axis.
-    A narrower weight (bf16) takes the forms XLA:CPU fuses (reference/quantized-weights.md (d)): one row is a
+    A narrower weight (bf16) takes the forms XLA fuses (reference/quantized-weights.md (d)): one row is a
     reduction over the weight upcast in the same fusion, more rows a dot in the weight's dtype accumulating in
     fp32, the activations rounded to it (unless `round_inputs` is False: then an fp32 dot of the upcast
-    weight). One row through a small fp32 weight is a product batched over groups of W's rows
-    (`gemv_groups`); each output is the same dot product either way. A `TransposedWeight` is contracted in its
-    own layout (`transposed_dot`)."""
-    if isinstance(w, TransposedWeight):
-        return transposed_dot(x, w)
+    weight)."""
     spec = "...i,oi->...o" if w.ndim == 2 else "...gi,goi->...go"
     rows = math.prod(x.shape[:x.ndim - w.ndim + 1])
     if w.dtype == jnp.float32 or (not round_inputs and rows > 1):
-        groups = gemv_groups(w) if rows == 1 and w.dtype == jnp.float32 else 1
-        if groups > 1:
-            one = jnp.broadcast_to(x.reshape(1, 1, -1).astype(jnp.float32), (groups, 1, x.shape[-1]))
-            y = jnp.einsum("gti,goi->tgo", one, w.reshape(groups, -1, w.shape[-1]))
-            return y.reshape(*x.shape[:-1], w.shape[0])
         return jnp.einsum(spec, x.astype(jnp.float32), w.astype(jnp.float32))
-    if rows == 1:  # the weight first: XLA:CPU runs `x * w` several times slower (measured, 4096 x 4096)
+    if rows == 1:  # the weight first: `x * w` runs several times slower on XLA:CPU
         lead, one = x.shape[:x.ndim - w.ndim + 1], x.reshape(x.shape[x.ndim - w.ndim + 1:]).astype(jnp.float32)
         return (w.astype(jnp.float32) * one[..., None, :]).sum(-1).reshape(*lead, *w.shape[:-1])
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-
-
-def transposed_dot(x: Float[Array, "... i"], w: TransposedWeight) -> Float32[Array, "... o"]:
-    """x W^T for W held as W^T [i, o] (or [g, i, o], applied to x's group axis), in fp32. A grouped weight's
-    group axis is moved in front of the rows, so each group is one product with its rows (the form XLA:CPU runs
-    fast: with the group axis left among the rows, a `small` batch-16 decode step took 3x as long). One row
-    through a small 2-D weight is split along i into one group per core, the groups' partial products summed
-    (`gemv_groups` of W^T: the reshape is free in this layout, the batched product uses every core)."""
-    t = w.t.astype(jnp.float32)
-    x = x.astype(jnp.float32)
-    if t.ndim == 3:
-        y = jnp.einsum("g...i,gio->g...o", jnp.moveaxis(x, -2, 0), t)
-        return jnp.moveaxis(y, 0, -2)
-    groups = gemv_groups(t) if math.prod(x.shape[:-1]) == 1 else 1
-    if groups > 1:
-        parts = x.reshape(groups, 1, -1)
-        y = jnp.einsum("gti,gio->gto", parts, t.reshape(groups, -1, t.shape[-1])).sum(0)
-        return y.reshape(*x.shape[:-1], t.shape[-1])
-    return jnp.einsum("...i,io->...o", x, t)
 
 
 def block_scales(scale: Shaped[Array, "rb cb"], block: tuple[int, int], shape: tuple[int, int]
@@ -89,11 +47,12 @@ def block_scales(scale: Shaped[Array, "rb cb"], block: tuple[int, int], shape: t
 
 
 def fp8_linear(x: Float[Array, "... i"], w: Shaped[Array, "o i"], scale: Shaped[Array, "ob ib"],
-               block: tuple[int, int]) -> Float32[Array, "... o"]:
-    """x W^T for an FP8 weight with block scales, decoded inside the computation; fp32 out. The decoding waits
-    for x (`after`), so a step holds the decodings of the weights it is using, never the whole model's."""
+               block: tuple[int, int], dot: Callable = dot_f32) -> Float32[Array, "... o"]:
+    """x W^T for an FP8 weight with block scales, decoded inside the computation; fp32 out (`dot`: the fp32
+    product of x and the decoded weight). The decoding waits for x (`after`), so a step holds the decodings of
+    the weights it is using, never the whole model's."""
     x, w, scale = after(x, w, scale)
-    return dot_f32(x, w.astype(jnp.float32) * block_scales(scale, block, w.shape))
+    return dot(x, w.astype(jnp.float32) * block_scales(scale, block, w.shape))
 
 
 def after(x: Array, *weights: Array) -> tuple[Array, ...]:
@@ -140,4 +99,4 @@ def _fp8_kernel(x_ref, w_ref, s_ref, o_ref, *, block_k: int, scale_block: int):
     o_ref[...] = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, jnp.zeros(o_ref.shape, jnp.float32))
 
 
-OPS = {"fp8_linear": (fp8_linear, fp8_linear_pallas)}
+OPS = {"fp8_linear": (fp8_linear, fp8_linear_pallas), "dot_f32": (dot_f32, dot_f32)}

@@ -329,7 +329,7 @@ def _in_order(outputs: StepOutput, order: Int[Array, " rows"]) -> StepOutput:
 
 
 class _RankExperts(moe.ExpertDispatch):
-    """`pallas_kernels.moe.routed_experts_reference` (or the registry's `op`: FP4 experts) inside the step's
+    """The registry's routed-experts op (`op`: float or FP4 experts) inside the step's
     shard_map: this rank's pairs go to their expert shards by all-to-all over `ep` (`sharding.expert_parallel`)
     and the target's MoE layers add their count of pairs per physical slot to `loads` [layers, slots], the i-th
     layer traced to row i (a drafter's MoE layers, traced after the target's, are not counted). `loads` is a

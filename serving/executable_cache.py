@@ -33,7 +33,8 @@ import jax
 import jaxlib
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
-from pallas_kernels import registry, tuning
+from model import registry
+from pallas_kernels import tuning
 
 LOG = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def jaxlib_build() -> tuple:
 def _environment() -> tuple:
     """What a trace and its executable depend on beyond their inputs: versions and the jaxlib build, backend and
     devices, XLA flags, the host CPU's features, source, kernels, host cores (one-row products split by them on
-    the CPU: `quant_linear.gemv_groups`)."""
+    the CPU: `xla_cpu.linear.gemv_groups`)."""
     return (jax.__version__, jaxlib_build(), jax.default_backend(), jax.devices()[0].client.platform_version,
             tuple(d.device_kind for d in jax.devices()), os.environ.get("XLA_FLAGS", ""), cpu_features(),
             jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision), _source_digest(),

@@ -16,7 +16,7 @@ half is the whole step's. Each piece runs the code the whole step traces, so tok
 (tests/test_layer_programs.py).
 
 On the CPU backend, a bucket of fewer (token, expert) pairs than experts (decode of a token or two) passes each
-layer's float expert stacks as per-expert views (`pallas_kernels.expert_views`: aliases of the stack, made once),
+layer's float expert stacks as per-expert views (`xla_cpu.expert_views`: aliases of the stack, made once),
 so the chosen experts are multiplied where they lie instead of being copied out of the stack first.
 
 V4.1 layers read other layers' state: a KV / index source's page pools (its own state, donated to its program and
@@ -42,18 +42,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from model import registry
 from model.paged import is_paged, unbound
 from model.pytree import replace
 from model.replay import Replay, kept_span, take_positions
 from model.transformer import Block, input_streams, project_logits
 from model.v41 import BlockV41, first_streams, kept_run, masked_rows, mixed_logits, put_kept, replays, run_layer, tap
-from pallas_kernels import registry
-from pallas_kernels.expert_views import ExpertViews, expert_views
-from pallas_kernels.moe import VIEWED_BRANCHES, few_pairs
-from pallas_kernels.transposed_weights import HELD_KEY
 from serving.kv_cache import EngineCache, layer_rows, put_rows
 from serving.step import (CompiledHalves, Forwarded, RowInputs, StepBatch, StepHalves, abstract_shapes, compile_decide,
                           forwarded, prompt_logprobs, replay_prompt_end, row_inputs, split_cache)
+from xla_cpu.expert_views import ExpertViews, expert_views
+from xla_cpu.moe import viewed
+from xla_cpu.transposed_weights import HELD_KEY
 
 
 def layer_key(block) -> tuple:
@@ -219,11 +219,10 @@ class LayerPlan:
 
     def viewed(self, rows: int, width: int) -> bool:
         """Whether a bucket of `rows` x `width` tokens passes the float expert stacks as per-expert views: on the
-        CPU backend with the reference kernels, when the step's pairs are few enough to run one by one and their
-        switches over the experts stay within `VIEWED_BRANCHES`."""
-        pairs = rows * width * self.top_k
-        return (bool(self.experts) and jax.default_backend() == "cpu" and registry.implementation() == "reference"
-                and few_pairs(pairs, self.n_experts) and pairs * self.n_experts <= VIEWED_BRANCHES)
+        CPU backend with its XLA:CPU forms, when the step's pairs are few enough to run one by one and their
+        switches over the experts stay few (`xla_cpu.moe.viewed`)."""
+        return (bool(self.experts) and jax.default_backend() == "cpu" and registry.implementation() == "xla_cpu"
+                and viewed(rows * width * self.top_k, self.n_experts))
 
     def with_views(self, leaves: list, views) -> list:
         """`leaves` with each float expert stack replaced by `views(stack)`, a tuple with one entry per expert."""

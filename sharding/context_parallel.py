@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels.sparse_attention import sink_attention_reference as sink_attention
-from pallas_kernels import registry
+from model import registry
 
 BATCH = ("dp", "ep")  # the mesh axes requests are split over (sharding.mesh.RULES["batch"])
 # each core's arguments after (q, pool, ids, valid, sink): per-query arrays [c] (QUERY) or [b, c, m] (QUERIES),

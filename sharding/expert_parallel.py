@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from model import moe
-from pallas_kernels import registry
+from model import registry
 
 TOKEN_AXES = ("dp", "ep")  # the mesh axes tokens are split over (sharding.mesh.RULES["batch"])
 
@@ -93,7 +93,7 @@ def local_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[A
 
 
 class ExpertParallel(moe.ExpertDispatch):
-    """`pallas_kernels.moe.routed_experts_reference` (or the registry's `op`) with experts split over `mesh`'s
+    """The registry's routed-experts op (`op`) with experts split over `mesh`'s
     `ep` axis (see the module docstring), called from outside a shard_map.
 
     Weights are stacked per expert, or per physical slot with ids already mapped to slots (EPLB)."""

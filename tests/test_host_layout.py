@@ -11,7 +11,7 @@ import pytest
 from model.checkpoint import to_native
 from model.config import preset
 from model.host_layout import checkpoint_layout, has_host_layout, host_layout
-from pallas_kernels import registry
+from model import registry
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
 from serving.sampling import SamplingParams

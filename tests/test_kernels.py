@@ -19,9 +19,11 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jax_core
 
 from model.quant import dequant_fp4_packed, dequant_fp8_blocks, quantize_fp4_packed, quantize_fp8_blocks
-from pallas_kernels import fp4_experts, hyper, moe, paged_attention, quant_linear, registry, sparse_attention, tuning
-from pallas_kernels.expert_views import ExpertViews, expert_views
-from pallas_kernels.transposed_weights import TransposedWeight, logical, transposed
+from model import registry
+from pallas_kernels import fp4_experts, hyper, moe, paged_attention, quant_linear, sparse_attention, tuning
+from xla_cpu import fp4_experts as cpu_fp4_experts, linear as cpu_linear, moe as cpu_moe
+from xla_cpu.expert_views import ExpertViews, expert_views
+from xla_cpu.transposed_weights import TransposedWeight, logical, transposed
 
 pytestmark = pytest.mark.kernels
 ON_GPU = jax.default_backend() == "gpu"
@@ -194,9 +196,11 @@ def test_routed_experts_equal_reference(t, k, e):
     rng = np.random.default_rng(t)
     x, ids, weights, ws = moe_case(rng, t, k, e, unused=(e - 1,))  # one expert gets no token
     expected = moe.routed_experts_reference(x, ids, weights, *map(jnp.asarray, ws), 10.0)
+    close(expected, _experts_numpy(x, ids, weights, *ws, 10.0), 1e-5)
     unchosen = ~np.isin(np.arange(e), np.asarray(ids))
     ws_nan = [np.where(unchosen.reshape(-1, 1, 1), np.nan, w) for w in ws]  # experts nobody chose: never read
-    close(moe.routed_experts(x, ids, weights, *map(jnp.asarray, ws_nan), 10.0), expected)
+    for implementation in (moe.routed_experts, cpu_moe.routed_experts):  # Pallas, the XLA:CPU forms
+        close(implementation(x, ids, weights, *map(jnp.asarray, ws_nan), 10.0), expected)
 
 
 @pytest.mark.skipif(ON_GPU, reason="expert views alias host memory (the CPU backend's)")
@@ -212,7 +216,7 @@ def test_expert_views_read_only_the_chosen_experts(t, k, e):
     for stack, parts in zip(stacks, views):
         assert [p.unsafe_buffer_pointer() - stack.unsafe_buffer_pointer() for p in parts] == \
             [j * stack[0].nbytes for j in range(e)]
-    got = jax.jit(lambda *v: moe.routed_experts_reference(x, ids, weights, *map(ExpertViews, v), 10.0))(*views)
+    got = jax.jit(lambda *v: cpu_moe.routed_experts(x, ids, weights, *map(ExpertViews, v), 10.0))(*views)
     close(got, _experts_numpy(x, ids, weights, *ws, 10.0), 1e-5)
 
 
@@ -225,8 +229,10 @@ def test_one_row_dot_splits_small_weights_by_core(lead, out, inp):
     x, w = rng.normal(size=(*lead, inp)).astype(np.float32), (rng.normal(size=(out, inp)) / inp**0.5).astype(np.float32)
     cores = len(os.sched_getaffinity(0))  # the machine's, as XLA:CPU's thread pool sees it
     expected_groups = 1 if out * inp * 4 >= 2**22 else max(g for g in range(1, cores + 1) if out % g == 0)
-    assert quant_linear.gemv_groups(jnp.asarray(w)) == expected_groups
-    close(jax.jit(quant_linear.dot_f32)(jnp.asarray(x), jnp.asarray(w)), x.astype(np.float64) @ w.T, 1e-5)
+    assert cpu_linear.gemv_groups(jnp.asarray(w)) == expected_groups
+    got = jax.jit(cpu_linear.dot_f32)(jnp.asarray(x), jnp.asarray(w))
+    close(got, x.astype(np.float64) @ w.T, 1e-5)
+    close(got, quant_linear.dot_f32(jnp.asarray(x), jnp.asarray(w)), 1e-5)
 
 
 @pytest.mark.parametrize("lead,out,inp", [((1,), 512, 512), ((16,), 512, 512), ((1, 1), 96, 40), ((3, 5), 7, 16)])
@@ -240,7 +246,7 @@ def test_transposed_weight_dot_equals_float64(lead, out, inp):
     np.testing.assert_array_equal(logical(held), w)
     with pytest.raises(TypeError, match="indices of its leading"):
         held[0]  # a matrix has no stack axis to index
-    close(jax.jit(quant_linear.dot_f32)(jnp.asarray(x), held), x.astype(np.float64) @ w.T, 1e-5)
+    close(jax.jit(cpu_linear.dot_f32)(jnp.asarray(x), held), x.astype(np.float64) @ w.T, 1e-5)
 
 
 def test_transposed_grouped_weight_dot_equals_float64():
@@ -248,26 +254,28 @@ def test_transposed_grouped_weight_dot_equals_float64():
     rng = np.random.default_rng(3)
     x, w = rng.normal(size=(5, 4, 24)).astype(np.float32), rng.normal(size=(4, 16, 24)).astype(np.float32) / 5
     expected = np.einsum("rgi,goi->rgo", x.astype(np.float64), w.astype(np.float64))
-    close(jax.jit(quant_linear.dot_f32)(jnp.asarray(x), transposed(jnp.asarray(w))), expected, 1e-5)
+    close(jax.jit(cpu_linear.dot_f32)(jnp.asarray(x), transposed(jnp.asarray(w))), expected, 1e-5)
 
 
 @pytest.mark.skipif(ON_GPU, reason="expert views alias host memory (the CPU backend's)")
 @pytest.mark.parametrize("t,k,e,form", [(1, 2, 8, "views"), (1, 2, 8, "pairs"), (4, 2, 8, "dense"),
                                         (16, 2, 8, "passes"), (40, 2, 8, "tiles")])
-def test_routed_experts_reference_reads_transposed_stacks(t, k, e, form):
-    """Expert stacks held transposed (`model.host_layout`), in each form of the reference (per-expert views, pairs
-    one by one, every token through every expert, passes over the stacks, sorted tiles): float64 numpy."""
+def test_xla_cpu_routed_experts_read_transposed_stacks(t, k, e, form):
+    """Expert stacks held transposed (`model.host_layout`), in each XLA:CPU form (per-expert views, pairs one by
+    one, every token through every expert, passes over the stacks, sorted tiles): float64 numpy, and the
+    reference on the stacks as stored."""
     rng = np.random.default_rng(t + 17)
     x, ids, weights, ws = moe_case(rng, t, k, e)
     held = [transposed(jnp.asarray(w)) for w in ws]
     if form == "views":
         parts = [expert_views(h.t) for h in held]
-        run = lambda *v: moe.routed_experts_reference(  # noqa: E731
+        run = lambda *v: cpu_moe.routed_experts(  # noqa: E731
             x, ids, weights, *(TransposedWeight(ExpertViews(p)) for p in v), 10.0)
         got = jax.jit(run)(*parts)
     else:
-        got = jax.jit(lambda *h: moe.routed_experts_reference(x, ids, weights, *h, 10.0))(*held)
+        got = jax.jit(lambda *h: cpu_moe.routed_experts(x, ids, weights, *h, 10.0))(*held)
     close(got, _experts_numpy(x, ids, weights, *ws, 10.0), 1e-5)
+    close(got, moe.routed_experts_reference(x, ids, weights, *map(jnp.asarray, ws), 10.0), 1e-5)
 
 
 def test_routed_experts_all_tokens_on_one_expert(in_bounds):
@@ -300,7 +308,7 @@ def test_sort_pairs_gives_pairs_that_are_not_valid_no_row():
 def test_expert_shard_buffer_with_expected_pairs_equals_the_real_pairs():
     """An expert shard's receive buffer: a few real pairs among many of weight 0 sent to expert 0. Told how many
     are real, the reference sizes its tiles for them and gives weight-0 pairs no row: the real tokens' outputs
-    equal those of the real pairs alone, and an expert that only padding names is never read."""
+    equal the reference's on the real pairs alone, and an expert that only padding names is never read."""
     rng = np.random.default_rng(7)
     x, ids, weights, ws = moe_case(rng, 6, 1, 6, unused=(0,))
     buffer = 64
@@ -308,9 +316,8 @@ def test_expert_shard_buffer_with_expected_pairs_equals_the_real_pairs():
     idsb = jnp.concatenate([ids, jnp.zeros((buffer - 6, 1), jnp.int32)])
     wb = jnp.concatenate([weights, jnp.zeros((buffer - 6, 1), jnp.float32)])
     ws_nan = [jnp.asarray(w).at[0].set(jnp.nan) for w in ws]  # expert 0: only padding names it
-    got = moe.routed_experts_reference(xb, idsb, wb, *ws_nan, 10.0, pairs=6)
-    expected = np.stack([np.asarray(moe.routed_experts_reference(x[j:j + 1], ids[j:j + 1], weights[j:j + 1],
-                                                                 *map(jnp.asarray, ws), 10.0))[0] for j in range(6)])
+    got = cpu_moe.routed_experts(xb, idsb, wb, *ws_nan, 10.0, pairs=6)
+    expected = np.asarray(moe.routed_experts_reference(x, ids, weights, *map(jnp.asarray, ws), 10.0))
     np.testing.assert_allclose(np.asarray(got[:6]), expected, rtol=1e-5, atol=1e-6)
     assert not np.asarray(got[6:]).any()
 
@@ -332,14 +339,18 @@ def test_hc_site_equals_reference(shape, given_pre):
 def test_registry_picks_and_forces_implementations():
     from pallas_kernels.sparse_attention import sink_attention_reference as model_sink_attention
 
-    assert registry.default_implementation() == ("pallas" if ON_GPU else "reference")
+    assert registry.default_implementation() == ("pallas" if ON_GPU else "xla_cpu")
     with registry.use("reference"):
         assert registry.op("sink_attention") is model_sink_attention
+        assert registry.op("routed_experts") is moe.routed_experts_reference
         with registry.use("pallas"):
             assert registry.op("sink_attention") is sparse_attention.sink_attention
+            with registry.use("xla_cpu"):  # its own forms where it has them, else the reference
+                assert registry.op("routed_experts") is cpu_moe.routed_experts
+                assert registry.op("sink_attention") is model_sink_attention
         assert registry.implementation() == "reference"
     assert set(registry.ops()) == {"sink_attention", "routed_experts", "hc_site", "fp8_linear", "routed_experts_fp4",
-                                   "paged_sink_attention", "paged_hca_attention", "paged_index_scores"}
+                                   "paged_sink_attention", "paged_hca_attention", "paged_index_scores", "dot_f32"}
     with pytest.raises(ValueError, match="reference"):
         registry.set_implementation("triton")
     with pytest.raises(KeyError, match="no kernel operation"):
@@ -440,10 +451,10 @@ def test_kernels_lower_to_triton_for_nvidia(device_kind, variant):
         assert "__gpu$xla.gpu.triton" in _lower_for(device_kind, variant, fn, *args), name
 
 
-def test_v41_model_with_pallas_kernels_equals_reference():
+def test_v41_model_with_each_implementation_equals_reference():
     """V4.1 (shared KV, two-level selection, single-pass mHC) through the registry: one 6-token step (the
-    decode form, as MTP verification runs it), Pallas in interpret mode == reference; and the same step traced
-    for SM90 has no `triton_problems` (on the H200, 12 tokens in 16-token mHC tiles wrote past the outputs).
+    decode form, as MTP verification runs it), Pallas in interpret mode and the XLA:CPU forms == reference; and
+    the same step traced for SM90 has no `triton_problems` (on the H200, 12 tokens in 16-token mHC tiles wrote past the outputs).
     The prefill form runs in the V4 oracle test with `pallas` (tests/test_parity.py)."""
     import dataclasses
 
@@ -462,6 +473,7 @@ def test_v41_model_with_pallas_kernels_equals_reference():
             model = init_model(config, seed=1)
             logits[impl] = model.step(tokens, model.init_cache(2, 16))[0]
     close(logits["pallas"], logits["reference"], 1e-4)
+    close(logits["xla_cpu"], logits["reference"], 1e-4)
 
     model = init_model(config, seed=1)  # a fresh jit: traced for SM90, never run
     cache = model.init_cache(2, 16)
@@ -505,7 +517,7 @@ def _experts_numpy(x, ids, weights, w1, w2, w3, limit):
 
 
 def test_fp4_expert_shard_buffer_with_expected_pairs_equals_float64():
-    """The FP4 reference on an expert shard's buffer (6 real pairs, 58 of weight 0 sent to expert 0, which only
+    """The FP4 XLA:CPU form on an expert shard's buffer (6 real pairs, 58 of weight 0 sent to expert 0, which only
     padding names and whose scales decode to inf): the real pairs' float64 experts, nothing for the padding."""
     rng = np.random.default_rng(9)
     x, ids, weights, ((p1, s1), (p2, s2), (p3, s3)), (w1, w2, w3) = _fp4_experts_case(rng, 6, 1, 6, unused=(0,))
@@ -516,7 +528,7 @@ def test_fp4_expert_shard_buffer_with_expected_pairs_equals_float64():
     inf_scales = [np.where(np.arange(6)[:, None, None] == 0, np.uint8(0xFF), s.view(np.uint8)).view(s.dtype)
                   for s in (s1, s2, s3)]
     stacks = map(jnp.asarray, (p1, inf_scales[0], p2, inf_scales[1], p3, inf_scales[2]))
-    got = np.asarray(fp4_experts.routed_experts_fp4(xb, idsb, wb, *stacks, 1.0, pairs=6))
+    got = np.asarray(cpu_fp4_experts.routed_experts_fp4(xb, idsb, wb, *stacks, 1.0, pairs=6))
     close(got[:6], expected, 1e-4)
     assert not got[6:].any()
 
@@ -528,6 +540,7 @@ def test_routed_experts_fp4_equal_reference(t, k, e):
     expected = _experts_numpy(x, np.asarray(ids), np.asarray(weights), w1, w2, w3, 1.0)  # the clamp bites
     args = (x, ids, weights, *map(jnp.asarray, (p1, s1, p2, s2, p3, s3)))
     close(fp4_experts.routed_experts_fp4(*args, 1.0), expected, 1e-4)
+    close(cpu_fp4_experts.routed_experts_fp4(*args, 1.0), expected, 1e-4)
     nan_scales = [np.where(np.arange(e)[:, None, None] == e - 1, np.uint8(0xFF), s.view(np.uint8))
                   .view(s.dtype) for s in (s1, s2, s3)]  # the expert nobody chose decodes to inf: never read
     close(fp4_experts.routed_experts_fp4_pallas(x, ids, weights, jnp.asarray(p1), jnp.asarray(nan_scales[0]),

@@ -1,4 +1,4 @@
-"""Imports point one way (DESIGN.md): pallas_kernels < model < sharding < serving < training < benchmarks < jaxseek
+"""Imports point one way (DESIGN.md): pallas_kernels < xla_cpu < model < sharding < serving < training < benchmarks < jaxseek
 < scripts.
 
 Every import counts, lazy ones inside functions and `importlib.import_module("...")` calls included, and no
@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = ("pallas_kernels", "model", "sharding", "serving", "training", "benchmarks", "jaxseek", "scripts")
+LAYERS = ("pallas_kernels", "xla_cpu", "model", "sharding", "serving", "training", "benchmarks", "jaxseek", "scripts")
 
 
 def imported_modules(path: pathlib.Path) -> list[str]:
@@ -66,3 +66,43 @@ def test_no_import_cycles():
 def test_the_check_sees_upward_imports(source, bad, tmp_path):
     (tmp_path / "m.py").write_text(source)
     assert bad in imported_modules(tmp_path / "m.py")
+
+
+API_FRONT = {"serving.server", "serving.openai_api", "serving.batch", "serving.router", "serving.disagg",
+             "serving.loadgen", "serving.metrics"}
+STEP_PROGRAMS = {"serving.step", "serving.layer_programs", "serving.engine_dp", "serving.kv_cache",
+                 "serving.placement", "serving.executable_cache"}
+KERNEL_FORMS = {"xla_cpu.moe", "xla_cpu.linear", "xla_cpu.fp4_experts"}
+
+
+def inner_rule_breaks(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that break the rules inside packages: the API front (server, OpenAI bodies, batch job, router,
+    P/D, load generator, metrics) never imports the step programs or the kernel registry; in `serving` only the
+    step programs import the registry; the operations' XLA:CPU forms are reached through the registry alone
+    (benchmarks time them directly; `serving.layer_programs` may ask `xla_cpu.moe.viewed` whether a bucket takes
+    expert views)."""
+    breaks = []
+    for module, deps in graph.items():
+        for dep in deps:
+            if module in API_FRONT and (dep in STEP_PROGRAMS or dep == "model.registry"):
+                breaks.append(f"the API front's {module} imports {dep}")
+            if module.startswith("serving.") and dep == "model.registry" and module not in STEP_PROGRAMS:
+                breaks.append(f"{module} imports the kernel registry outside the step programs")
+            if dep in KERNEL_FORMS and module != "model.registry" and not module.startswith(("xla_cpu.", "benchmarks.")) and not (
+                    module == "serving.layer_programs" and dep == "xla_cpu.moe"):
+                breaks.append(f"{module} imports the XLA:CPU forms {dep} past the registry")
+    return breaks
+
+
+def test_rules_inside_packages():
+    breaks = inner_rule_breaks(project_graph())
+    assert not breaks, "imports breaking the rules inside packages:\n" + "\n".join(sorted(breaks))
+
+
+def test_the_inner_rules_see_breaks():
+    graph = {"serving.server": {"serving.step"}, "serving.scheduler": {"model.registry"},
+             "model.moe": {"xla_cpu.moe"}, "serving.layer_programs": {"xla_cpu.moe", "model.registry"}}
+    assert sorted(inner_rule_breaks(graph)) == [
+        "model.moe imports the XLA:CPU forms xla_cpu.moe past the registry",
+        "serving.scheduler imports the kernel registry outside the step programs",
+        "the API front's serving.server imports serving.step"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_attention as paged
-from pallas_kernels import registry
+from model import registry
 from tests.test_kernels import close, in_bounds, triton_problems  # noqa: F401  (in_bounds: a fixture)
 
 pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("in_bounds")]  # no index outside an array

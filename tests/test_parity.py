@@ -16,7 +16,7 @@ from model.api import Model
 from model.checkpoint import load_model, save_checkpoint
 from model.config import ModelConfig, YarnScaling, preset
 from model.safetensors_io import read_tensors, write_tensors
-from pallas_kernels import registry
+from model import registry
 from tests.oracle_client import OracleBatch
 
 TOL = 1e-4

@@ -27,7 +27,7 @@ def test_fake_ascend_plugin_registers_and_is_selected(tmp_path):
     script = textwrap.dedent("""
         import json, jax
         from jax._src import xla_bridge
-        from pallas_kernels import registry
+        from model import registry
         from sharding.platform import setup
 
         p = setup("ascend", "fake_ascend_plugin")
@@ -85,7 +85,7 @@ def test_device_profiles():
 
 
 def test_cli_flags_select_kernels_and_report_missing_plugins(capsys, monkeypatch):
-    from pallas_kernels import registry
+    from model import registry
 
     monkeypatch.delenv(platform.PLUGIN_ENV, raising=False)
     assert cli.main(["forward", "--config", "tiny", "--device", "ascend", "--tokens", "1,2"]) == 2

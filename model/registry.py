@@ -1,10 +1,12 @@
-"""Operations the model calls by name, each with a pure-jnp reference and a Pallas kernel of the same signature,
-and the one value that says how functions traced now compute them (`TraceChoices`).
+"""Operations the model calls by name, each with three implementations of one signature: the pure-jnp reference
+(the math, `pallas_kernels`), the Pallas kernel (`pallas_kernels`) and the XLA:CPU form (`xla_cpu`: the reference
+where XLA:CPU needs no other), and the one value that says how functions traced now compute them
+(`TraceChoices`).
 
-The kernel choice is made when a function is traced: `use(...)` forces `reference` or `pallas` (the `--kernels`
-flag), otherwise the environment variable `JAXSEEK_KERNELS` if set (e.g. for the benchmark scripts), otherwise
-the platform decides: NVIDIA GPUs run the Pallas kernels, CPU and Ascend the references.
-Pallas on CPU runs in interpret mode (tests). Set the choice before compiling: jitted functions keep what
+The implementation is chosen when a function is traced: `use(...)` forces one (the `--kernels` flag), otherwise
+the environment variable `JAXSEEK_KERNELS` if set (e.g. for the benchmark scripts), otherwise the platform
+decides: NVIDIA GPUs run the Pallas kernels, the CPU the XLA:CPU forms, other platforms (Ascend) the references.
+Pallas off a GPU runs in interpret mode (tests). Set the choice before compiling: jitted functions keep what
 they were traced with.
 """
 
@@ -16,8 +18,9 @@ from collections.abc import Callable
 import jax
 
 from pallas_kernels import fp4_experts, hyper, moe, paged_attention, quant_linear, sparse_attention
+from xla_cpu import fp4_experts as cpu_fp4_experts, linear as cpu_linear, moe as cpu_moe
 
-IMPLEMENTATIONS = ("reference", "pallas")
+IMPLEMENTATIONS = ("reference", "pallas", "xla_cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,18 +57,21 @@ def tracing(**changes):
         _active.pop()
 
 
-def ops() -> dict[str, tuple[Callable, Callable]]:
-    """Every operation: name -> (reference, pallas)."""
-    return {**sparse_attention.OPS, **paged_attention.OPS, **moe.OPS, **hyper.OPS, **quant_linear.OPS,
-            **fp4_experts.OPS}
+def ops() -> dict[str, tuple[Callable, Callable, Callable]]:
+    """Every operation: name -> (reference, pallas, xla_cpu)."""
+    paired = {**sparse_attention.OPS, **paged_attention.OPS, **moe.OPS, **hyper.OPS, **quant_linear.OPS,
+              **fp4_experts.OPS}
+    cpu = {**cpu_moe.OPS, **cpu_linear.OPS, **cpu_fp4_experts.OPS}
+    return {name: (reference, pallas, cpu.get(name, reference)) for name, (reference, pallas) in paired.items()}
 
 
 def default_implementation() -> str:
     """What runs when nothing is forced: `JAXSEEK_KERNELS` if set, else what the platform runs (Pallas on an
-    NVIDIA GPU, the references elsewhere)."""
+    NVIDIA GPU, the XLA:CPU forms on the CPU, the references elsewhere)."""
     if os.environ.get("JAXSEEK_KERNELS"):
         return _check(os.environ["JAXSEEK_KERNELS"])
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    platform = (jax.config.jax_platforms or jax.default_backend()).split(",")[0]  # as chosen, e.g. a plugin's
+    return {"gpu": "pallas", "cuda": "pallas", "cpu": "xla_cpu"}.get(platform, "reference")
 
 
 def implementation() -> str:
@@ -80,12 +86,12 @@ def _check(impl: str) -> str:
 
 
 def set_implementation(impl: str | None) -> None:
-    """Force `reference` or `pallas` for this process from now on (None: back to the platform default)."""
+    """Force an implementation (`IMPLEMENTATIONS`) for this process from now on (None: back to the platform default)."""
     _active[0] = dataclasses.replace(_active[0], kernels=None if impl is None else _check(impl))
 
 
 def use(impl: str):
-    """Force `reference` or `pallas` for functions traced inside this block (a `tracing` block)."""
+    """Force an implementation for functions traced inside this block (a `tracing` block)."""
     return tracing(kernels=_check(impl))
 
 

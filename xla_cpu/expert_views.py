@@ -1,8 +1,8 @@
 """Per-expert views of a stacked expert weight, for decode on the CPU backend.
 
 A decode step of a token or two reads only its chosen experts. With the experts stacked as one [E, ...] array,
-taking expert `e` is a dynamic slice, and XLA:CPU copies it before the matmul reads it (measured on the `small`
-preset, batch 1: 48 copies of 1 MB, about 5.4 of a 17 ms step). `ExpertViews` holds one array per expert instead,
+taking expert `e` is a dynamic slice, and XLA:CPU copies it before the matmul reads it (docs/benchmarks.md, "The
+XLA:CPU forms"). `ExpertViews` holds one array per expert instead,
 each an alias of its slice of the stack (`expert_views`: no copy, no second home for the weights), so a switch
 over the experts multiplies by the chosen one where it lies.
 """

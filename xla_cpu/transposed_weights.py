@@ -1,10 +1,9 @@
 """Float weights held as their transpose, the layout XLA:CPU multiplies fastest.
 
 A checkpoint stores a linear map as W [out, in] (and a routed-expert stack as [E, out, in]); the model computes
-x W^T. On the CPU backend, XLA runs a product of several rows through W^T [in, out] about twice as fast as through
-W [out, in] (`small` preset, fp32, 16 rows through 1 MB weights: 17-20 against 8-10 GB/s; 8 rows per expert
-through a stack: 22-28 against 16-19 GB/s). `TransposedWeight` holds W^T and says it is W: its `shape` is W's,
-so code that reads shapes is unchanged, and `dot_f32` / the routed experts contract it in its own layout
+x W^T. On the CPU backend, XLA runs a product of several rows through W^T [in, out] up to twice as fast as through
+W [out, in] (docs/benchmarks.md, "The XLA:CPU forms"). `TransposedWeight` holds W^T and says it is W: its `shape` is W's,
+so code that reads shapes is unchanged, and the XLA:CPU forms of `dot_f32` and the routed experts contract it in its own layout
 (`model.host_layout` puts a model's weights in this form; the checkpoint layout comes back with `logical`).
 """
 
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from pallas_kernels.expert_views import ExpertViews
+from xla_cpu.expert_views import ExpertViews
 
 
 HELD_KEY = "t"  # the key path entry of a TransposedWeight's array in a pytree (`GetAttrKey` of its field)
