@@ -23,7 +23,7 @@ KEPT = frozenset({"head"})  # linear maps others read directly (a DSpark drafter
 def unsupported_here() -> str | None:
     """Why this process cannot run a model in the host layout (None: it can): the layout is the CPU backend's,
     read by its XLA:CPU forms (`xla_cpu`)."""
-    if jax.default_backend() != "cpu" or registry.implementation() != "xla_cpu":
+    if not registry.runs_host_forms():
         return f"this process runs {jax.default_backend()} with {registry.implementation()} kernels"
     return None
 

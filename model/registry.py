@@ -79,6 +79,12 @@ def implementation() -> str:
     return choices().kernels or default_implementation()
 
 
+def runs_host_forms() -> bool:
+    """Whether functions traced now run the XLA:CPU forms on the CPU backend: the forms that read weights held in
+    host memory as `xla_cpu` holds them (transposed, per-expert views)."""
+    return jax.default_backend() == "cpu" and implementation() == "xla_cpu"
+
+
 def _check(impl: str) -> str:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"kernels must be one of {IMPLEMENTATIONS}, got {impl!r}")

@@ -221,8 +221,8 @@ class LayerPlan:
         """Whether a bucket of `rows` x `width` tokens passes the float expert stacks as per-expert views: on the
         CPU backend with its XLA:CPU forms, when the step's pairs are few enough to run one by one and their
         switches over the experts stay few (`xla_cpu.moe.viewed`)."""
-        return (bool(self.experts) and jax.default_backend() == "cpu" and registry.implementation() == "xla_cpu"
-                and viewed(rows * width * self.top_k, self.n_experts))
+        return bool(self.experts) and registry.runs_host_forms() and viewed(rows * width * self.top_k,
+                                                                             self.n_experts)
 
     def with_views(self, leaves: list, views) -> list:
         """`leaves` with each float expert stack replaced by `views(stack)`, a tuple with one entry per expert."""

@@ -93,8 +93,8 @@ def local_pairs(x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[A
 
 
 class ExpertParallel(moe.ExpertDispatch):
-    """The registry's routed-experts op (`op`) with experts split over `mesh`'s
-    `ep` axis (see the module docstring), called from outside a shard_map.
+    """The registry's routed-experts op (`op`) with experts split over `mesh`'s `ep` axis (see the module
+    docstring), called from outside a shard_map.
 
     Weights are stacked per expert, or per physical slot with ids already mapped to slots (EPLB)."""
 

@@ -1,6 +1,6 @@
 """Linear maps y = x W^T in the forms XLA:CPU runs fastest: one row through a small weight split over the cores,
 and weights held transposed (`xla_cpu.transposed_weights`). Each computes `pallas_kernels.quant_linear.dot_f32`'s
-numbers (figures: docs/benchmarks.md, "The linear maps on XLA:CPU")."""
+numbers (figures: docs/benchmarks.md, "The XLA:CPU forms")."""
 
 import functools
 import math

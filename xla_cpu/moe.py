@@ -55,7 +55,7 @@ def routed_experts(
       expert once; empty tiles skipped. `pairs` (how many are real, the others weighing 0: an expert shard's
       receive buffer) sizes the tiles, and the weight-0 pairs take no row.
 
-    Figures behind the thresholds: docs/benchmarks.md, "The routed experts on XLA:CPU"."""
+    Figures behind the thresholds: docs/benchmarks.md, "The XLA:CPU forms"."""
     n_exp, inter, dim = w1.shape
 
     def mlp(v, w1, w2, w3):  # v [..., d] through one expert's weights, or v [..., g, d] through stacked ones [g, ...]
