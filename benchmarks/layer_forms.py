@@ -12,8 +12,9 @@ The model: `small` widths with V4-Flash's layer pattern (two sliding layers, (CS
 
 - `one_program`: the whole step as one program, every layer unrolled in it (`--no-layer-programs`);
 - `layer_programs`: one program per kind of layer, launched per layer (`serving.layer_programs`, the default);
-- `mesh_one_program` (with `--mesh SPEC`): the mesh engine's step, one `shard_map` program over the mesh (a mesh
-  step does not run as layer programs), one slot per attention rank.
+- `mesh_one_program` and `mesh_layer_programs` (with `--mesh SPEC`): the mesh engine's step as one `shard_map`
+  program over the mesh, and as layer programs, each a `shard_map` program; one slot per attention rank for the
+  compile figure.
 
 Figures per form:
 
@@ -22,7 +23,8 @@ Figures per form:
   `compile_ratio_{last}_over_{first}_{form}`, the most layers' figure over the fewest's;
 - `decode_tok_s_b1_{form}` / `_b16_{form}`: greedy decode tokens per second of an engine with 16 slots
   (`--decode-layers` layers, 16-token prompts, 64 new tokens per row), median of `--repeats` runs alternating the
-  forms; `{form}_over_one_program_decode_b1` / `_b16`; `outputs_match`: every form gave the same tokens.
+  forms; `{form}_over_one_program_decode_b1` / `_b16` (and `mesh_layer_programs_over_mesh_one_program_decode_b1` /
+  `_b16`); `outputs_match`: every form gave the same tokens.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ FORMS = {"one_program": {"layer_programs": False}, "layer_programs": {}}  # form
 
 def forms(mesh: str | None) -> dict[str, dict]:
     """The forms measured: `FORMS`, and with a mesh spec the mesh engine's one program."""
-    return FORMS | ({} if mesh is None else {"mesh_one_program": {"mesh": mesh}})
+    if mesh is None:
+        return FORMS
+    return FORMS | {"mesh_one_program": {"mesh": mesh, "layer_programs": False},
+                    "mesh_layer_programs": {"mesh": mesh, "layer_programs": True}}
 
 
 def decode_rates(layers: int, repeats: int, mesh: str | None = None) -> tuple[dict, bool]:
@@ -91,6 +96,9 @@ def summary(compile_s: dict[str, dict[int, float]], rates: dict, match: bool) ->
         out |= {f"decode_tok_s_b{rows}_{name}": round(rate, 1) for rows, rate in by.items()}
     out |= {f"{name}_over_one_program_decode_b{rows}": round(by[rows] / rates["one_program"][rows], 3)
             for name, by in rates.items() if name != "one_program" for rows in by}
+    if "mesh_layer_programs" in rates:
+        out |= {f"mesh_layer_programs_over_mesh_one_program_decode_b{rows}":
+                round(rate / rates["mesh_one_program"][rows], 3) for rows, rate in rates["mesh_layer_programs"].items()}
     return out | {"outputs_match": match}
 
 

@@ -289,7 +289,7 @@ class Engine:
         if why is not None and config.layer_programs:
             raise ValueError(f"layer_programs=True: this model cannot run as layer programs: {why}")
         if why is None and config.layer_programs is None:
-            why = LayerPlan.unpaid(model)
+            why = LayerPlan.unpaid(model, self.placement.ranks)
         return None if why else LayerPlan.for_model(model, empty_layers, spec.target_layers if spec else (),
                                                     self.replay)
 

@@ -76,9 +76,9 @@ class EngineConfig:
     context_tokens: int = 1024  # the smallest context bucket: a step reads the power-of-two multiple covering its longest row
     layer_programs: bool | None = _flag(
         None, "--layer-programs", kind="toggle",
-        help="on one device: run the step's layers as one compiled program per kind of layer, so compile time does "
-             "not grow with depth (default: V4 models, and V4.1 models of 16 layers or more; shallower V4.1 models "
-             "compile and decode faster as one program)")
+        help="run the step's layers as one compiled program per kind of layer, so compile time does not grow "
+             "with depth (default: on one device V4 models, and V4.1 models of 16 layers or more; on a mesh models "
+             "of 16 layers or more; shallower ones compile about as fast and decode faster as one program)")
     host_layout: bool | None = _flag(
         None, "--host-layout", kind="toggle",
         help="on the CPU backend: hold the fp32 linear maps and routed-expert weights transposed, in place, the "
@@ -156,9 +156,6 @@ class EngineConfig:
             raise ValueError(f"constraint_close must be a ClosePolicy or None, got {self.constraint_close!r}")
         if self.layer_programs is not None and not isinstance(self.layer_programs, bool):
             raise ValueError(f"layer_programs must be True, False or None, got {self.layer_programs!r}")
-        if self.mesh is not None and self.layer_programs:
-            raise ValueError("a data-parallel engine (mesh=...) runs its step as one program: layer_programs=True "
-                             "is single-device")
         if self.host_layout is not None and not isinstance(self.host_layout, bool):
             raise ValueError(f"host_layout must be True, False or None, got {self.host_layout!r}")
         if self.mesh is not None and self.host_layout:

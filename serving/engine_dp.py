@@ -1,13 +1,15 @@
 """Attention data parallelism inside the serving engine, with expert parallelism and EPLB over the same mesh.
 
 `Engine(model, mesh="dp=4,ep=2")` splits the request slots and the page pool over the attention ranks, each with
-a cache of its own, and runs the single-device step inside one `jax.shard_map`; the routed experts are split
-over `ep` and rebalanced by EPLB. See docs/sharding.md.
+a cache of its own, and runs the single-device step inside `jax.shard_map`: as one program, or as layer programs
+(`serving.layer_programs`), each a `shard_map` program; the routed experts are split over `ep` and rebalanced by
+EPLB. See docs/sharding.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -18,16 +20,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from model import moe
+from model import moe, registry
 from model.api import Model
 from model.dspark import Drafter
 from model.host_layout import checkpoint_layout
 from serving.kv_cache import CacheLayout, EngineCache, PageAllocator, init_engine_cache
+from serving.layer_programs import LayeredHalves, LayerPlan, Lowering, compile_layered, layer_program_names
 from serving.prefix_admission import PrefixAdmission
 from serving.prefix_ranks import RankedPrefix, RankPages
 from serving.request import Request
 from serving.scheduler import Scheduler
-from serving.step import StepBatch, StepHalves, StepOutput, empty_batch
+from serving.step import StepBatch, StepHalves, StepOutput, decide_batch, decide_weights, empty_batch, split_cache
 from sharding.expert_balance import ExpertSlots, shard_balancedness
 from sharding.expert_parallel import TOKEN_AXES, local_pairs
 from sharding.mesh import MeshSpec, logical_spec, make_mesh, param_shardings, place, shard_model
@@ -106,7 +109,7 @@ class DataParallel:
     """The engine's data-parallel layout on a mesh (see the module docstring): a placement
     (`serving.placement`), built by `Engine(mesh=...)`."""
 
-    layer_programs = False  # a mesh step is one shard_map program
+    layer_programs = True  # a forward half may run as a chain of layer programs, each a shard_map program
     masks_during_forward = False  # one program: constrained rows' masks are filled before the step
 
     def __init__(self, mesh: Mesh | MeshSpec | str, model: Model, layout: CacheLayout, *,
@@ -146,9 +149,10 @@ class DataParallel:
         if model.drafter is not None:  # a DSpark drafter, placed by the same rules (its experts over `ep`)
             self.model.drafter = Drafter(nnx.merge(model.drafter.graphdef, place(
                 model.drafter.params, param_shardings(model.drafter.params, mesh))))
-        # pairs per slot of each step, per rank [ranks, layers, slots]: dispatched this iteration, and before it
-        self._loads: list[jax.Array] = []
-        self._previous: list[jax.Array] = []
+        # pairs per slot of each step, per rank (arrays [ranks, layers, slots] in layer order): dispatched this
+        # iteration, and before it
+        self._loads: list[list[jax.Array]] = []
+        self._previous: list[list[jax.Array]] = []
         self._static_load: np.ndarray | None = None  # without EPLB: pairs per expert since the start
         self._steps_since = 0  # steps recorded since the last rebalance
 
@@ -177,45 +181,66 @@ class DataParallel:
         return jax.jit(stacked, out_shardings=jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs))()
 
     # ---- compilation --------------------------------------------------------------------------------------
-    def compile(self, halves: StepHalves, plan: None, weights: tuple, cache: EngineCache,
+    def compile(self, halves: StepHalves, plan: LayerPlan | None, weights: tuple, cache: EngineCache,
                 bucket: tuple[int, int, int, int], engram_shapes=()) -> list:
-        """The step of `bucket` (rows per rank, width, verify length, context pages) as one shard_map over the
-        mesh, ahead of time (`plan`: None, a mesh step is one program), and the gather of its outputs
-        (`wrap` makes them a step called as the single-device one is)."""
+        """The step of `bucket` (rows per rank, width, verify length, context pages) over the mesh, ahead of time:
+        one `shard_map` program, or under `plan` each layer program and the decide half a `shard_map` program of
+        its own (`_sharded`); then the gather of its outputs (`wrap` makes them a step called as the
+        single-device one is)."""
         rows, width, verify_len, pages = bucket
-        step_fn = halves.step
         batch = empty_batch(self.layout, rows * self.ranks, width, engram_shapes, verify_len, pages)
         batch = batch._replace(budget=np.zeros(self.ranks, np.int32))  # each rank's verify budget
-        specs = jax.tree.map(lambda leaf: leaf.sharding.spec, weights), _cache_specs(cache), _batch_specs(batch)
-        counting = self.ep > 1
+        if plan is None:
+            def step(weights, cache, batch):
+                return halves.step(weights, cache, batch._replace(budget=batch.budget[0]), verify_len)
+
+            counted = self.model.config.num_hidden_layers if self.ep > 1 else None
+            executables = [self._sharded(step, (1,), (weights, cache, batch), counted)]
+        else:
+            executables = compile_layered(halves, plan, weights, cache, batch, verify_len, _MeshLowering(self),
+                                          viewed=False)
+        outputs = executables[-1].out_info[0]
+        gather = jax.jit(_in_order).lower(outputs, jax.ShapeDtypeStruct((rows * self.ranks,), jnp.int32))
+        return executables + [gather.compile()]
+
+    def _sharded(self, fn: Callable, donated: tuple[int, ...], args: tuple, counted: int | None):
+        """`fn`, a program of one rank's arrays, compiled over the mesh for `args` (arrays or their shapes) inside
+        one `shard_map`: each leaf split as `_spec_of` says, its MoE layers run by `_RankExperts`. `counted`: how
+        many MoE layers it counts the pairs per expert slot of, returned as a last output [ranks, counted, slots]
+        (None: no count). A scalar output is one decision for every rank: it comes out replicated."""
+        specs = jax.tree.map(_spec_of, args)
         slots = self.model.config.n_routed_experts if self.experts is None else self.experts.slots
+        structure: list = []
 
-        def body(weights, cache, batch):
-            batch = batch._replace(budget=batch.budget[0])
-            if not counting:
-                out, cache = step_fn(weights, cache, batch, verify_len)
-                return out, cache, jnp.zeros((1, 0, 0), jnp.int32)
-            experts = _RankExperts(self.ep, self.model.config.num_hidden_layers, slots)
+        def body(*local):
+            experts = _RankExperts(self.ep, counted or 0, slots)
             with moe.expert_dispatch(experts):
-                out, cache = step_fn(weights, cache, batch, verify_len)
-            return out, cache, experts.loads[...][None]
+                out = fn(*local)
+            if counted is not None:
+                out = (*out, experts.loads[...][None])
+            leaves, tree = jax.tree.flatten(out)
+            structure[:] = [tree, [np.ndim(x) == 0 for x in leaves]]
+            return [x for x in leaves if np.ndim(x)], [x for x in leaves if not np.ndim(x)]
 
-        out_specs = (_output_specs(), specs[1], RANKS)
-        sharded = jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
+        # split outputs over the ranks, scalars (the same on every rank) replicated: nothing is gathered
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=(RANKS, P()), check_vma=False)
 
-        def shaped(x, spec):
-            return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(self.mesh, spec))
+        def program(*args):
+            split, scalar = (iter(part) for part in mapped(*args))
+            tree, scalars = structure
+            return jax.tree.unflatten(tree, [next(scalar) if is_scalar else next(split) for is_scalar in scalars])
 
-        args = jax.tree.map(shaped, (weights, cache, batch), specs)
-        step = jax.jit(sharded, donate_argnums=1).lower(*args).compile()
-        gather = jax.jit(_in_order).lower(step.out_info[0], jax.ShapeDtypeStruct((rows * self.ranks,), jnp.int32))
-        return [step, gather.compile()]
+        shaped = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                                   sharding=NamedSharding(self.mesh, spec)), args, specs)
+        return jax.jit(program, donate_argnums=donated).lower(*shaped).compile()
 
-    def wrap(self, executables: list, halves: StepHalves, plan: None, bucket: tuple[int, int, int, int]):
-        """The step of `bucket` from what `compile` returned (or the executable cache loaded): the sharded step
-        and the gather of its outputs into the batch's row order, called as a single-device step is."""
-        step, gather = executables
-        return _Executable(self, bucket[0], step, gather, step.input_shardings[0][2])
+    def wrap(self, executables: list, halves: StepHalves, plan: LayerPlan | None, bucket: tuple[int, int, int, int]):
+        """The step of `bucket` from what `compile` returned (or the executable cache loaded), called as a
+        single-device step is: the batch laid out over the ranks, the outputs gathered into its row order."""
+        *programs, gather = executables
+        if plan is None:
+            return _Executable(self, bucket[0], programs[0], gather)
+        return _LayeredExecutable(self, bucket[0], programs, gather, plan, halves.head_leaves)
 
     # ---- batches ------------------------------------------------------------------------------------------
     def place(self, built: StepBatch, per_rank: int) -> tuple[StepBatch, Int[np.ndarray, " rows"]]:
@@ -260,10 +285,11 @@ class DataParallel:
         return out, order
 
     # ---- EPLB ---------------------------------------------------------------------------------------------
-    def _record(self, steps: list[jax.Array]) -> None:
-        """Move the pair counts of dispatched steps to the host: into EPLB's window, or summed for the metric."""
-        for per_rank in steps:
-            loads = np.asarray(per_rank).sum(axis=0)
+    def _record(self, steps: list[list[jax.Array]]) -> None:
+        """Move the pair counts of dispatched steps (each step's: arrays [ranks, layers, slots] in layer order) to
+        the host: into EPLB's window, or summed for the metric."""
+        for parts in steps:
+            loads = np.concatenate([np.asarray(part) for part in parts], axis=1).sum(axis=0)
             if self.experts is not None:
                 self.experts.record(loads)
             else:
@@ -308,20 +334,96 @@ class DataParallel:
 
 
 class _Executable:
-    """One compiled bucket of `rows` rows per rank: called as a single-device step is, with the batch the engine
-    built (`DataParallel.place` lays it out over the ranks); returns the outputs in the batch's row order."""
+    """One compiled bucket of `rows` rows per rank, as one program: called as a single-device step is, with the
+    batch the engine built (`DataParallel.place` lays it out over the ranks); returns the outputs in the batch's
+    row order."""
 
-    def __init__(self, owner: DataParallel, rows: int, step, gather, batch_shardings):
-        self.owner, self.rows, self.step, self.gather, self.batch_shardings = owner, rows, step, gather, batch_shardings
+    def __init__(self, owner: DataParallel, rows: int, step, gather):
+        self.owner, self.rows, self.step, self.gather = owner, rows, step, gather
+        self.batch_shardings = step.input_shardings[0][2]
+
+    def run(self, weights: tuple, cache: EngineCache, batch: StepBatch) -> tuple[StepOutput, EngineCache, list]:
+        """(outputs, cache, the expert loads counted: arrays [ranks, layers, slots]) of the placed `batch`."""
+        if self.owner.ep == 1:
+            return *self.step(weights, cache, batch), []
+        outputs, cache, loads = self.step(weights, cache, batch)
+        return outputs, cache, [loads]
 
     def __call__(self, weights: tuple, cache: EngineCache, batch: StepBatch):
         placed, placed_rows = self.owner.place(batch, self.rows)
-        outputs, cache, loads = self.step(weights, cache, jax.device_put(placed, self.batch_shardings))
-        if self.owner.ep > 1:
+        outputs, cache, loads = self.run(weights, cache, jax.device_put(placed, self.batch_shardings))
+        if loads:
             self.owner._loads.append(loads)
         order = np.zeros(self.rows * self.owner.ranks, np.int32)
         order[:len(placed_rows)] = placed_rows
         return self.gather(outputs, order), cache
+
+
+class _LayeredExecutable(_Executable):
+    """One compiled bucket as layer programs (`serving.layer_programs`), each a `shard_map` program over the
+    mesh: with experts over `ep`, each layer program returns its layer's expert loads as well, which the chain
+    does not see."""
+
+    def __init__(self, owner: DataParallel, rows: int, programs: list, gather, plan: LayerPlan,
+                 head_leaves: tuple[int, ...]):
+        self.loads: list[jax.Array] = []
+        if owner.ep > 1:
+            programs = [_Counted(p, self.loads) if isinstance(name, int) else p
+                        for name, p in zip([*layer_program_names(plan), "decide"], programs, strict=True)]
+        self.halves = LayeredHalves(programs, plan, head_leaves, viewed=False)
+        self.owner, self.rows, self.gather = owner, rows, gather
+        self.batch_shardings = programs[0].input_shardings[0][2]  # the embed program's batch
+
+    def run(self, weights: tuple, cache: EngineCache, batch: StepBatch) -> tuple[StepOutput, EngineCache, list]:
+        outputs, cache = self.halves(weights, cache, batch)
+        loads, self.loads[:] = list(self.loads), []
+        return outputs, cache, loads
+
+
+class _Counted:
+    """A layer program over the mesh called as the chain calls it: its last output, the layer's expert loads,
+    goes to `loads`."""
+
+    def __init__(self, program, loads: list):
+        self.program, self.loads = program, loads
+        self.input_shardings = program.input_shardings
+
+    def __call__(self, *args):
+        *out, loads = self.program(*args)
+        self.loads.append(loads)
+        return tuple(out)
+
+
+class _MeshLowering(Lowering):
+    """Layer programs and the decide half compiled over the mesh (`DataParallel._sharded`): the layer programs
+    count their layer's expert loads (experts over `ep`), the embed program takes its rank's verify budget."""
+
+    def __init__(self, owner: DataParallel):
+        self.owner = owner
+
+    def abstract(self, tree):
+        mesh = self.owner.mesh
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                           sharding=NamedSharding(mesh, _spec_of(x))), tree)
+
+    def counts(self, name) -> bool:
+        return isinstance(name, int) and self.owner.ep > 1
+
+    def compile(self, name, fn: Callable, donated: tuple[int, ...], args: tuple):
+        if name == "embed":
+            embed = fn
+            fn = lambda leaves, cache, batch: embed(leaves, cache, batch._replace(budget=batch.budget[0]))  # noqa: E731
+        return self.owner._sharded(fn, donated, args, 1 if self.counts(name) else None)
+
+    def out_info(self, name, compiled):
+        info = compiled.out_info
+        return info[:-1] if self.counts(name) else info
+
+    def decide(self, halves: StepHalves, weights: tuple, cache: EngineCache, batch: StepBatch, fwd_info,
+               verify_len: int):
+        args = (*self.abstract((decide_weights(weights, halves.head_leaves), split_cache(cache)[0],
+                                decide_batch(batch))), fwd_info)
+        return self.owner._sharded(functools.partial(halves.decide, verify_len=verify_len), (1,), args, None)
 
 
 def _in_order(outputs: StepOutput, order: Int[Array, " rows"]) -> StepOutput:
@@ -329,13 +431,15 @@ def _in_order(outputs: StepOutput, order: Int[Array, " rows"]) -> StepOutput:
 
 
 class _RankExperts(moe.ExpertDispatch):
-    """The registry's routed-experts op (`op`: float or FP4 experts) inside the step's
-    shard_map: this rank's pairs go to their expert shards by all-to-all over `ep` (`sharding.expert_parallel`)
-    and the target's MoE layers add their count of pairs per physical slot to `loads` [layers, slots], the i-th
-    layer traced to row i (a drafter's MoE layers, traced after the target's, are not counted). `loads` is a
-    mutable array, so a layer traced inside control flow (V4.1's compact replay runs under `lax.cond`) counts
-    its pairs from there. Every rank runs the same number of tokens, so its first token's index in the whole
-    batch is rank x tokens: replicas share a busy expert's tokens across the ranks as in one batch."""
+    """The registry's routed-experts op (`op`: float or FP4 experts) inside a mesh step's shard_map: with experts
+    over `ep` (`n_shards` > 1), this rank's pairs go to their expert shards by all-to-all over `ep`
+    (`sharding.expert_parallel`) and the first `layers` MoE layers traced add their count of pairs per physical
+    slot to `loads` [layers, slots], the i-th traced to row i (a drafter's, traced after the target's, are not
+    counted); with `ep` = 1 each rank runs its pairs on its own experts. `loads` is a mutable array, so a layer
+    traced inside control flow (V4.1's compact replay runs under `lax.cond`) counts its pairs from there. A
+    decision one rank's data makes for a `lax.cond` is taken for every rank (`any_rank`). Every rank runs the
+    same number of tokens, so its first token's index in the whole batch is rank x tokens: replicas share a busy
+    expert's tokens across the ranks as in one batch."""
 
     def __init__(self, n_shards: int, layers: int, slots: int):
         self.n_shards, self.traced = n_shards, 0
@@ -351,6 +455,8 @@ class _RankExperts(moe.ExpertDispatch):
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
                  *stacks_and_limit, op: str = "routed_experts") -> Float[Array, "t d"]:
         *stacks, limit = stacks_and_limit
+        if self.n_shards == 1:
+            return registry.op(op)(x, ids, weights, *stacks, limit)
         layer, self.traced = self.traced, self.traced + 1
         if layer < self.loads.shape[0]:
             self.loads[layer] = self.loads[layer] + jnp.zeros(self.loads.shape[1], jnp.int32).at[ids.reshape(-1)].add(1)
@@ -358,16 +464,16 @@ class _RankExperts(moe.ExpertDispatch):
                            n_shards=self.n_shards, op=op)
 
 
+def _spec_of(leaf) -> P:
+    """How a step program's argument leaf splits over the mesh: a placed array (weights, cache) or a program's
+    output as it is placed, a scalar replicated, any other leaf (the host's batch) on its leading axis over the
+    attention ranks. Every leaf of an engine cache and a batch leads with its slot, row or page."""
+    if np.ndim(leaf) == 0:
+        return P()
+    sharding = getattr(leaf, "sharding", None)
+    return sharding.spec if isinstance(sharding, NamedSharding) else RANKS
+
+
 def _cache_specs(cache: EngineCache) -> EngineCache:
     """PartitionSpecs of an engine cache's leaves from their logical axes (slots and pages over the ranks)."""
     return jax.tree.map(lambda axes: logical_spec(*axes), cache.axes(), is_leaf=lambda x: isinstance(x, tuple))
-
-
-def _batch_specs(batch: StepBatch) -> StepBatch:
-    """Row-leading leaves (and the verify budget, one per rank) split over the ranks, the draft flag replicated."""
-    return jax.tree.map(lambda leaf: RANKS if np.ndim(leaf) else P(), batch)
-
-
-def _output_specs() -> StepOutput:
-    return StepOutput(*[RANKS] * (len(StepOutput._fields) - 1), P())
-

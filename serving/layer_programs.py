@@ -27,7 +27,8 @@ positions updated; `compact`: each row's kept tail gathered) and, for `compact`,
 back); each `compact` replay layer skips itself under a `lax.cond` when no row keeps a token, as the whole step
 skips them all.
 
-Used by a single-device engine.
+The engine runs them on one device and on a mesh, where `serving.engine_dp` lowers each program (and the decide
+half) inside a `shard_map` of its own (`Lowering`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def layer_key(block) -> tuple:
     return graphdef, jax.tree.structure(state), tuple((x.shape, x.dtype) for x in jax.tree.leaves(state))
 
 
-V41_FROM_LAYERS = 16  # the depth from which a V4.1 model runs as layer programs by default (`LayerPlan.unpaid`)
+# the depth from which a V4.1 model, and any model on a mesh, runs as layer programs by default (`LayerPlan.unpaid`)
+FROM_LAYERS = 16
 
 
 class LayerBatch(NamedTuple):
@@ -178,13 +180,17 @@ class LayerPlan:
         return None
 
     @classmethod
-    def unpaid(cls, model) -> str | None:
-        """Why `model`, which can run as layer programs, runs as one program unless asked (None: layer programs
-        pay): a V4.1 model below `V41_FROM_LAYERS` layers compiles and decodes faster as one program
-        (docs/benchmarks.md)."""
+    def unpaid(cls, model, ranks: int = 1) -> str | None:
+        """Why `model`, which can run as layer programs on `ranks` attention ranks, runs as one program unless
+        asked (None: layer programs pay): below `FROM_LAYERS` layers a V4.1 model on one device, and any model on
+        a mesh, compiles about as fast and decodes faster as one program (docs/benchmarks.md)."""
         depth = len(model.module().layers)
-        if isinstance(model.module().layers[0], BlockV41) and depth < V41_FROM_LAYERS:
-            return f"a V4.1 model of {depth} layers (< {V41_FROM_LAYERS}) compiles and decodes faster as one program"
+        if depth >= FROM_LAYERS:
+            return None
+        if ranks > 1:
+            return f"on a mesh, a model of {depth} layers (< {FROM_LAYERS}) compiles and decodes faster as one program"
+        if isinstance(model.module().layers[0], BlockV41):
+            return f"a V4.1 model of {depth} layers (< {FROM_LAYERS}) compiles and decodes faster as one program"
         return None
 
     @classmethod
@@ -367,7 +373,7 @@ class LayeredForward:
         return fwd, cache.replace(layers=states)
 
 
-def _names(plan: LayerPlan) -> list:
+def layer_program_names(plan: LayerPlan) -> list:
     """The programs of a plan in `LayeredHalves.executables` order: embed, the layer kinds, the replay programs,
     head."""
     return ["embed", *sorted(set(plan.kinds)), *plan.extra, "head"]
@@ -379,7 +385,7 @@ class LayeredHalves(CompiledHalves):
 
     def __init__(self, executables: list, plan: LayerPlan, head_leaves: tuple[int, ...], viewed: bool):
         *programs, decide = executables
-        names = _names(plan)
+        names = layer_program_names(plan)
         if len(programs) != len(names):
             raise ValueError(f"{len(executables)} executables do not fit a plan of {len(names) + 1} programs")
         super().__init__([LayeredForward(plan, dict(zip(names, programs)), viewed), decide], head_leaves)
@@ -395,25 +401,49 @@ class LayeredHalves(CompiledHalves):
         return self._forward
 
 
+class Lowering:
+    """How `compile_layered` compiles a plan's programs: here, for the default device. A placement over a mesh
+    lowers each inside a `shard_map` (`serving.engine_dp`)."""
+
+    def abstract(self, tree):
+        """The shapes the programs are compiled for, of a tree of arrays."""
+        return abstract_shapes(tree)
+
+    def compile(self, name, fn: Callable, donated: tuple[int, ...], args: tuple):
+        """Program `name` (`LayerPlan.program`) compiled for the abstract `args`."""
+        return jax.jit(fn, donate_argnums=donated).lower(*args).compile()
+
+    def out_info(self, name, compiled):
+        """What the chain hands on of program `name`'s outputs (their shapes)."""
+        return compiled.out_info
+
+    def decide(self, halves: StepHalves, weights: tuple, cache: EngineCache, batch: StepBatch, fwd_info,
+               verify_len: int):
+        """The decide half compiled for a head whose `Forwarded` has the shapes `fwd_info`."""
+        return compile_decide(halves, weights, cache, batch, fwd_info, verify_len)
+
+
 def compile_layered(halves: StepHalves, plan: LayerPlan, weights: tuple, cache: EngineCache, batch: StepBatch,
-                    verify_len: int) -> LayeredHalves:
+                    verify_len: int, lowering: Lowering | None = None, viewed: bool | None = None) -> list:
     """Ahead-of-time compile one bucket as layer programs plus the decide half (each layer program donating its
     state, the decide half its cache): the chain (`LayerPlan.chain`) walked on shapes, each program compiled
-    where it is first called."""
+    where it is first called (by `lowering`: default, for the default device). Returns the executables in
+    `LayeredHalves` order; `viewed`: whether the layers take expert views (default `LayerPlan.viewed`)."""
+    lowering = lowering or Lowering()
     leaves = weights[0]
-    viewed = plan.viewed(*batch.tokens.shape)
+    viewed = plan.viewed(*batch.tokens.shape) if viewed is None else viewed
     programs = {}
 
     def compiling(name, *args):
         if name not in programs:
             fn, donated = plan.program(name, verify_len, halves.num_top)
-            programs[name] = jax.jit(fn, donate_argnums=donated).lower(*args).compile()
-        return programs[name].out_info
+            programs[name] = lowering.compile(name, fn, donated, args)
+        return lowering.out_info(name, programs[name])
 
-    fwd, _ = plan.chain(compiling, abstract_shapes(plan.with_views(leaves, _abstract_views) if viewed else leaves),
-                        abstract_shapes(cache), abstract_shapes(batch))
-    decide = compile_decide(halves, weights, cache, batch, fwd, verify_len)
-    return LayeredHalves([programs[name] for name in _names(plan)] + [decide], plan, halves.head_leaves, viewed)
+    fwd, _ = plan.chain(compiling, lowering.abstract(plan.with_views(leaves, _abstract_views) if viewed else leaves),
+                        lowering.abstract(cache), lowering.abstract(batch))
+    decide = lowering.decide(halves, weights, cache, batch, fwd, verify_len)
+    return [programs[name] for name in layer_program_names(plan)] + [decide]
 
 
 def _abstract_views(stack) -> tuple:

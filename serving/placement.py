@@ -52,7 +52,7 @@ class OneDevice:
         rows, width, verify_len, pages = bucket
         batch = empty_batch(self.layout, rows, width, engram_shapes, verify_len, pages)
         if plan is not None:
-            return compile_layered(halves, plan, weights, cache, batch, verify_len).executables
+            return compile_layered(halves, plan, weights, cache, batch, verify_len)
         if width == verify_len:  # in halves, for masks filled during the forward
             return compile_halves(halves, weights, cache, batch, verify_len).executables
         return [compile_step(halves.step, weights, cache, batch, verify_len)]

@@ -13,6 +13,7 @@ from model.config import preset
 from model.replay import Replay
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
+from serving.layer_programs import LayerPlan
 from serving.sampling import SamplingParams
 from tests.helpers import assert_full_forward_tokens, assert_views_alias_their_stacks, random_model
 from tests.typecheck import unchecked
@@ -90,7 +91,9 @@ def test_models_it_does_not_cover_run_as_one_program(model):
                                                index_source_layer_ids=(1, 3, 5), candidate_source_layer_id=3))
     assert Engine(shallow, max_slots=2, max_len=64).layer_plan is None  # where layer programs do not pay
     assert Engine(shallow, max_slots=2, max_len=64, layer_programs=True).layer_plan is not None
-    with pytest.raises(ValueError, match="layer_programs=True is single-device"):
-        EngineConfig(mesh="dp=2", layer_programs=True)
+    # on a mesh below 16 layers, V4 too; from 16 layers they pay there (docs/benchmarks.md)
+    assert Engine(model, max_slots=2, max_len=64, mesh="dp=2").layer_plan is None
+    deep = random_model(dataclasses.replace(CONFIG, num_hidden_layers=16, compress_ratios=(0,) + (4, 16) * 7 + (0, 0)))
+    assert LayerPlan.unpaid(deep, ranks=2) is None and LayerPlan.unpaid(model, ranks=2) is not None
     with unchecked(), pytest.raises(ValueError, match="layer_programs must be"):
         EngineConfig(layer_programs="yes")
