@@ -31,8 +31,8 @@ from benchmarks.bench_json import json_line
 from model.initialize import init_model
 from model.config import preset
 from model.step_cost import decode_step_cost, roofline_seconds
-from serving.engine import Engine
-from serving.sampling import SamplingParams
+from serving.core.engine import Engine
+from serving.base.sampling import SamplingParams
 
 SHORT, LONG = 900, 16000  # prompt tokens of the context-ratio runs: with up to 96 new tokens each stays in one
 # context bucket (1,024 and 16,384 tokens)

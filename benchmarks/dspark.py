@@ -46,10 +46,10 @@ from benchmarks.bench_json import json_line
 from model.calibration import sts_confidence
 from model.checkpoint import load_model
 from model.dspark import Drafter
-from serving.engine import Engine
-from serving.engine_config import EngineConfig
-from serving.sampling import SamplingParams
-from serving.verify_plan import prefix_survival
+from serving.core.engine import Engine
+from serving.base.engine_config import EngineConfig
+from serving.base.sampling import SamplingParams
+from serving.speculation.verify_plan import prefix_survival
 from training.drafter import TargetPass, generate, kept_at_budget, sample_anchors, verify_offline
 
 PROMPTS = ["ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow", "The sea is calm", "What say you, my lord?",

@@ -107,9 +107,9 @@ from model.checkpoint import load_model, save_checkpoint
 from model.config import preset
 from model.initialize import init_model
 from model.step_cost import decode_step_cost, roofline_seconds
-from serving.engine import Engine
-from serving.engine_config import EngineConfig
-from serving.sampling import SamplingParams
+from serving.core.engine import Engine
+from serving.base.engine_config import EngineConfig
+from serving.base.sampling import SamplingParams
 
 HF_SCRIPT = REPO_ROOT / "scripts" / "hf_bench.py"  # runs in the oracle venv, from a source checkout
 MAX_SLOTS, PREFILL_CHUNK, MAX_PREFILL_ROWS = 16, 256, 2

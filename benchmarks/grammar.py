@@ -62,8 +62,8 @@ import llguidance as llg
 import numpy as np
 
 from model.tokenizer import TextTokenizer
-from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer
-from serving.grammar_mask import (RequestGrammar, apply_token_bitmask, bitmask_width, fill_masks,
+from serving.structured.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer
+from serving.structured.grammar_mask import (RequestGrammar, apply_token_bitmask, bitmask_width, fill_masks,
                                   speculate_masks)
 from benchmarks.bench_json import json_line
 
@@ -183,9 +183,9 @@ def time_apply(batch: int, vocab: int, words: int) -> float:
 def decode_step_ms(new_tokens: int) -> float:
     """The bundled model's decode step at batch 16 through the serving engine (greedy, EOS ignored)."""
     from model import load_model
-    from serving.engine import Engine
-    from serving.engine_config import EngineConfig
-    from serving.sampling import SamplingParams
+    from serving.core.engine import Engine
+    from serving.base.engine_config import EngineConfig
+    from serving.base.sampling import SamplingParams
     m = load_model()
     engine = Engine(m, EngineConfig(max_slots=16, max_len=64 + 2 * new_tokens))
     engine.warmup()
@@ -204,10 +204,10 @@ def engine_overhead(schemas: list[dict], requests: int, max_tokens: int, specula
                     repeats: int) -> dict:
     """The engine's mask work per step and its end-to-end slowdown at batch 16 (see the module docstring)."""
     from model import load_model
-    from serving.engine import Engine
-    from serving.engine_config import EngineConfig
-    from serving.grammar_budget import ClosePolicy
-    from serving.sampling import SamplingParams
+    from serving.core.engine import Engine
+    from serving.base.engine_config import EngineConfig
+    from serving.base.engine_config import ClosePolicy
+    from serving.base.sampling import SamplingParams
     m = load_model()
     engine = Engine(m, EngineConfig(max_slots=16, max_len=64 + max_tokens, prefill_chunk=32, speculation=speculation,
                                     constraint_close=ClosePolicy() if close else None))

@@ -11,7 +11,7 @@ The model: `small` widths with V4-Flash's layer pattern (two sliding layers, (CS
 `benchmarks.startup.flash_pattern`), random weights, fp32. The forms:
 
 - `one_program`: the whole step as one program, every layer unrolled in it (`--no-layer-programs`);
-- `layer_programs`: one program per kind of layer, launched per layer (`serving.layer_programs`, the default);
+- `layer_programs`: one program per kind of layer, launched per layer (`serving.core.layer_programs`, the default);
 - `mesh_one_program` and `mesh_layer_programs` (with `--mesh SPEC`): the mesh engine's step as one `shard_map`
   program over the mesh, and as layer programs, each a `shard_map` program; one slot per attention rank for the
   compile figure.
@@ -61,8 +61,8 @@ def decode_rates(layers: int, repeats: int, mesh: str | None = None) -> tuple[di
 
     from model.config import preset
     from model.initialize import init_model
-    from serving.engine import Engine
-    from serving.sampling import SamplingParams
+    from serving.core.engine import Engine
+    from serving.base.sampling import SamplingParams
 
     model = init_model(flash_pattern(preset("small"), layers), seed=0)
     engines = {name: Engine(model, max_slots=16, max_len=1024, prefill_chunk=16, **settings)

@@ -27,11 +27,11 @@ compile-and-warm-up run per mode, the two modes' runs alternating (off, on, then
 them. `load_avg_1m_before` / `_after` come from `os.getloadavg()`:
 a shared machine's other work slows both modes alike only if it is steady, so compare runs with low load.
 
-Time to first token with the engine's prefix cache (`serving.prefix_admission`), same model, one slot, chunks of
+Time to first token with the engine's prefix cache (`serving.prefix.prefix_admission`), same model, one slot, chunks of
 `--ttft-chunk` tokens, bounded replay as above (compact, `--keep`; the engine's default): `ttft_cold_s` for a
 `--ttft-len`-token prompt A with nothing cached (this run then caches A's pages and snapshots its window state
 at every chunk end), `ttft_hit_s` for a prompt B sharing its first 90 % with A in the engine's default mode
-(exact: B starts from A's deepest usable window-state snapshot, `serving.window_snapshots`, a chunk end at most
+(exact: B starts from A's deepest usable window-state snapshot, `serving.prefix.window_snapshots`, a chunk end at most
 P - keep, and prefills only the rest), `ttft_hit_replay_s` with snapshots off (the exact replay instead:
 ring + 39 x 127 = 5081 tokens on this 40-layer model, so most of B is recomputed), each with a fresh B suffix,
 the median of `--runs` rounds (the cache cleared before each); `ttft_*_over_cold` are their ratios to cold.
@@ -81,9 +81,9 @@ def prefill_seconds(model: Model, tokens: np.ndarray, chunk: int, replay: Replay
 
 def ttft_seconds(model: Model, prompt_len: int, chunk: int, runs: int, rng, keep: int) -> dict:
     """TTFT figures of the engine's prefix cache (see the module docstring)."""
-    from serving.engine import Engine
-    from serving.engine_config import EngineConfig
-    from serving.sampling import SamplingParams
+    from serving.core.engine import Engine
+    from serving.base.engine_config import EngineConfig
+    from serving.base.sampling import SamplingParams
 
     # one prefill bucket, compiled in round 0 (a request of one token never decodes)
     engine = Engine(model, EngineConfig(max_slots=1, max_len=prompt_len + 8, prefill_chunk=chunk, max_prefill_rows=1,

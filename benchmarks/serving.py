@@ -6,7 +6,7 @@ Two sources of load:
   one stage per `--concurrency` (1, 4, 16 by default) of streaming /v1/completions requests with fixed prompt and
   output lengths; the line holds, per concurrency, the tool's own figures read from its result files: TTFT, ITL
   and TPOT p50 / p90 / p99, output tokens/s, requests completed / failed, and the tool's name and version.
-- `--loadgen`: the project's own load generator (serving/loadgen.py), kept because the tool sends no faults:
+- `--loadgen`: the project's own load generator (serving/api/loadgen.py), kept because the tool sends no faults:
   Poisson arrivals under a concurrency cap, streaming chat clients of which some hang up mid-stream and some send
   bad requests, with vLLM bench-serve's figures and the checks (bad requests refused with a 4xx, no leaked KV
   pages, server up); docs/benchmarks.md's earlier "Serving" figures come from it.
@@ -174,8 +174,8 @@ def run_tool(args, executable: Path, base_url: str, pid: int | None, work_dir: P
 
 
 def run_loadgen(args, base_url: str, pid: int | None) -> tuple[dict, int]:
-    """The own load generator (serving/loadgen.py), after a warm-up without faults; returns (summary, status)."""
-    from serving.loadgen import run_load
+    """The own load generator (serving/api/loadgen.py), after a warm-up without faults; returns (summary, status)."""
+    from serving.api.loadgen import run_load
 
     common = dict(max_tokens=args.max_tokens, max_len=args.max_len, api_key=args.api_key)
     if args.warmup_requests != 0:
@@ -189,7 +189,7 @@ def run_loadgen(args, base_url: str, pid: int | None) -> tuple[dict, int]:
         seed=args.seed, **common))
     ok = (summary["failed"] == 0 and summary["bad_requests_refused_4xx"] == summary["bad_requests"]
           and summary["leaked_pages"] == 0 and summary["server_up"])
-    return {"benchmark": "serving", "tool": "serving.loadgen", **summary}, 0 if ok else 1
+    return {"benchmark": "serving", "tool": "serving.api.loadgen", **summary}, 0 if ok else 1
 
 
 def main(argv=None) -> int:
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     t.add_argument("--output-tokens", type=int, default=32)
     t.add_argument("--tool-timeout", type=float, default=1800.0, help="seconds for one run of the tool")
     g = p.add_argument_group("the own load generator (--loadgen)")
-    g.add_argument("--loadgen", action="store_true", help="serving/loadgen.py's load with faults instead of the "
+    g.add_argument("--loadgen", action="store_true", help="serving/api/loadgen.py's load with faults instead of the "
                                                           "tool")
     g.add_argument("--num-requests", type=int, default=64)
     g.add_argument("--max-concurrency", type=int, default=64)

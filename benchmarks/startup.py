@@ -12,7 +12,7 @@ Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite
 - `compile_s_by_layers`: seconds to compile one step bucket of a `small`-width model (V4-Flash's layer pattern,
   random weights) with 4, 8 and 16 layers: a one-slot batch-invariant engine's two buckets (decode and a
   16-token prefill), no persistent cache, halved.
-  The engine runs its layers as one program per kind of layer (`serving.layer_programs`).
+  The engine runs its layers as one program per kind of layer (`serving.core.layer_programs`).
 - `compile_s_by_layers_one_program`: the same with the whole step as one program (`--no-layer-programs`).
 - `serve_health_cold_s` / `serve_first_completion_s`: `jaxseek serve` (the bundled model) started with an empty
   compile cache: seconds from starting the process to `/health` answering 200, then the seconds of a first
@@ -106,7 +106,7 @@ def compile_seconds(layers: int, slots: int = 1, **settings) -> float:
     engine: one per rank, `slots`); `settings` go to the engine."""
     from model.config import preset
     from model.initialize import init_model
-    from serving.engine import Engine
+    from serving.core.engine import Engine
 
     model = init_model(flash_pattern(preset("small"), layers), seed=0)
     engine = Engine(model, max_slots=slots, max_len=256, prefill_chunk=16, batch_invariant=True, **settings)
@@ -118,7 +118,7 @@ def compile_seconds(layers: int, slots: int = 1, **settings) -> float:
 def dspark_warmup_seconds(slots: int) -> tuple[float, int]:
     """(seconds, buckets): the bundled model's DSpark engine from construction through `warmup()`."""
     from model.checkpoint import load_model
-    from serving.engine import Engine
+    from serving.core.engine import Engine
 
     model = load_model()
     start = time.perf_counter()

@@ -70,12 +70,12 @@ def cmd_forward(args) -> int:
 
 def cmd_generate(args) -> int:
     """Offline batch inference: prompts in, one JSON result per request out (in input order)."""
-    from serving.batch import (compact_record, fitted_config, from_prompts, openai_record, prepare, read_input,
+    from serving.api.batch import (compact_record, fitted_config, from_prompts, openai_record, prepare, read_input,
                                run_batch, submit, summary_lines)
-    from serving.compile_progress import CompileProgress
-    from serving.engine import Engine
-    from serving.openai_api import OpenAIRequests, model_name
-    from serving.sampling import SamplingParams
+    from serving.api.compile_progress import CompileProgress
+    from serving.core.engine import Engine
+    from serving.api.openai_api import OpenAIRequests, model_name
+    from serving.base.sampling import SamplingParams
 
     start = time.perf_counter()
     if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:  # a configured cache wins
@@ -132,7 +132,7 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     """The OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
-    from serving.server import serve
+    from serving.api.server import serve
 
     if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
@@ -214,7 +214,7 @@ def _setup_platform(args) -> None:
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
-    from serving.batch import OUTPUT_FORMATS
+    from serving.api.batch import OUTPUT_FORMATS
 
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
@@ -256,7 +256,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from serving.server import add_arguments
+    from serving.api.server import add_arguments
 
     p.add_argument("--model", help="checkpoint directory (default: the bundled model)")
     p.add_argument("--config", help="instead of a checkpoint, a randomly initialised preset (e.g. tiny)")

@@ -1,7 +1,7 @@
 """Flags `generate` and `serve` share under vLLM's names (`--max-model-len`, `--max-num-seqs`,
 `--enable-prefix-caching`, `--chat-template`, `--dtype auto`, `--kv-cache-memory`, `--max-num-batched-tokens`,
 `--log-level`, `--version`): their value types, and the settings they turn into. The engine's flags are built
-from `serving.engine_config.EngineConfig`, where each is declared with its setting."""
+from `serving.base.engine_config.EngineConfig`, where each is declared with its setting."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import logging
 import re
 from pathlib import Path
 
-from serving.engine_config import EngineConfig, Flag
-from serving.openai_api import package_version
+from serving.base.engine_config import EngineConfig, Flag
+from serving.api.openai_api import package_version
 
 CHAT_FORMAT_NAMES = ("auto", "deepseek-v4", "jinja", "plain")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -88,7 +88,7 @@ def _dest(field: dataclasses.Field, flags: tuple[Flag, ...], flag: Flag) -> str:
 
 def add_engine_flags(group) -> None:
     """The engine flags `generate` and `serve` share: one per `EngineConfig` field that declares one
-    (`serving.engine_config.Flag`), its default the field's (a field of several flags: unset, None)."""
+    (`serving.base.engine_config.Flag`), its default the field's (a field of several flags: unset, None)."""
     for field, flags in _declared():
         default = field.default if len(flags) == 1 else None
         for flag in flags:

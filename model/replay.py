@@ -45,7 +45,7 @@ class Replay:
                              "ring slots prefill never wrote")
 
 
-ENGINE_DEFAULT = Replay("compact")  # `serving.engine.Engine`'s default (`for_engine` adapts its keep)
+ENGINE_DEFAULT = Replay("compact")  # `serving.core.engine.Engine`'s default (`for_engine` adapts its keep)
 
 
 def for_engine(config, replay: Replay | None, ring: int, drafter_ring: int = 0, tapped: tuple[int, ...] = ()

@@ -12,7 +12,7 @@ verify rows (one per request and step: jump-forward takes forced tokens in prefi
 generated and the drafts verified / accepted per step. Requests are sampled (temperature 1, seeds 0..) with
 `--max-tokens` (256): a request that stops at the length limit before its constraint is complete counts as a
 failure, so 100% means every output finished by its grammar and validated. The engine's close mode
-(`serving.grammar_budget`, on by default) ends outputs whose strings or numbers would otherwise run past the
+(`serving.structured.grammar_budget`, on by default) ends outputs whose strings or numbers would otherwise run past the
 limit.
 """
 
@@ -32,11 +32,11 @@ import jsonschema  # noqa: E402
 import lark  # noqa: E402
 
 from model.checkpoint import load_model  # noqa: E402
-from serving.constraints import ConstraintSpec  # noqa: E402
-from serving.engine import Engine  # noqa: E402
-from serving.engine_config import EngineConfig  # noqa: E402
-from serving.grammar_budget import ClosePolicy  # noqa: E402
-from serving.sampling import SamplingParams  # noqa: E402
+from serving.structured.constraints import ConstraintSpec  # noqa: E402
+from serving.core.engine import Engine  # noqa: E402
+from serving.base.engine_config import EngineConfig  # noqa: E402
+from serving.base.engine_config import ClosePolicy  # noqa: E402
+from serving.base.sampling import SamplingParams  # noqa: E402
 
 REGEXES = [r"(Ay|Nay), my lord[.!]", r"[A-Z][a-z]{2,8} (and|or) [A-Z][a-z]{2,8}", r"\d{1,3}(,\d{3})* ducats",
            r"(ROMEO|JULIET|HAMLET): [a-z ]{5,30}\.", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"]

@@ -25,7 +25,7 @@ def engine(cache: str):
     jax.config.update("jax_compilation_cache_dir", cache)
     from jaxseek import cli
     from jaxseek.flags import engine_config
-    from serving.engine import Engine
+    from serving.core.engine import Engine
 
     args = cli.build_parser().parse_args(["serve", "--max-model-len", "4096", "--max-num-seqs", "8"])
     cli._setup_platform(args)
@@ -49,8 +49,8 @@ def exported(cache: str) -> dict:
     import jax
     from jax import export
 
-    from serving.sampling import SamplingBatch
-    from serving.step import StepBatch, StepOutput, abstract_shapes, empty_batch
+    from serving.base.sampling import SamplingBatch
+    from serving.core.step import StepBatch, StepOutput, abstract_shapes, empty_batch
 
     for kind in (StepBatch, StepOutput, SamplingBatch):
         export.register_namedtuple_serialization(kind, serialized_name=kind.__name__)

@@ -2,7 +2,7 @@
 
 `ExpertSlots` gives a model `redundant_slots` extra physical expert slots per MoE layer on a mesh. Each layer
 gets its own maps (`model.moe.ExpertMap`: each expert's slots and replica count) and its routed-expert weights
-(float, or stored FP4 codes and their scales) stacked per physical slot, split over `ep`. The data-parallel engine (`serving.engine_dp`) runs it: its
+(float, or stored FP4 codes and their scales) stacked per physical slot, split over `ep`. The data-parallel engine (`serving.core.engine_dp`) runs it: its
 compiled step counts the (token, expert) pairs each slot served and `record` takes them; `rebalance` feeds
 the window's per-expert load to `sharding.eplb.rebalance_experts` and moves the weights into the new slots (a
 gather from the slots that hold each expert now, which XLA turns into transfers between the `ep` shards).

@@ -9,7 +9,7 @@ cp, dp/ep, ep: attention's batch is sharded over (`dp`, `ep`) together, experts 
 
 Every array carries logical axis names: a parameter in the NNX metadata the model gives it where it creates
 it (`model.axes.param`), a cache or batch leaf by its layout (`model.axes.batch_axes`; an engine cache's pages
-by `serving.kv_cache.EngineCache.axes`), an Engram table by `EngramTable.axes`. `RULES`, the one table, maps them
+by `serving.base.kv_cache.EngineCache.axes`), an Engram table by `EngramTable.axes`. `RULES`, the one table, maps them
 to mesh axes.
 """
 

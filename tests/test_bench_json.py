@@ -9,7 +9,7 @@ import pytest
 
 from model.initialize import init_model
 from model.config import preset
-from serving.engine import Engine
+from serving.core.engine import Engine
 
 from benchmarks.bench_json import json_line
 

@@ -9,8 +9,8 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from serving.chat_format import DeepSeekV4Format, PlainFormat, normalize_messages, normalize_tools
-from serving.detokenize import ChoiceStream, IncrementalDetokenizer
+from serving.api.chat_format import DeepSeekV4Format, PlainFormat, normalize_messages, normalize_tools
+from serving.base.detokenize import ChoiceStream, IncrementalDetokenizer
 
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"
@@ -167,7 +167,7 @@ def checkpoint_with(tmp_path, template):
 def test_jinja_template_of_a_checkpoint(tmp_path, v4_tokenizer):
     from model.checkpoint import BUNDLED
     from model.tokenizer import TextTokenizer
-    from serving.chat_format import JinjaFormat, format_for
+    from serving.api.chat_format import JinjaFormat, format_for
 
     fmt = format_for(TextTokenizer.from_file(BUNDLED / "tokenizer.json"), "auto", checkpoint_with(tmp_path, V3_STYLE))
     assert isinstance(fmt, JinjaFormat)
@@ -182,7 +182,7 @@ def test_jinja_template_of_a_checkpoint(tmp_path, v4_tokenizer):
 
 
 def test_jinja_sees_tools_and_calls_as_objects(tmp_path):
-    from serving.chat_format import jinja_format
+    from serving.api.chat_format import jinja_format
 
     fmt = jinja_format(checkpoint_with(tmp_path, "{{ tools | tojson }}|{% for m in messages %}{% if m.tool_calls %}"
                                                  "{{ m.tool_calls[0].function.arguments | tojson }}{% endif %}"
@@ -202,7 +202,7 @@ def test_jinja_sees_tools_and_calls_as_objects(tmp_path):
     ("{{ messages.append(1) }}", "unsafe"),
 ])
 def test_jinja_errors_and_sandbox(tmp_path, template, message):
-    from serving.chat_format import jinja_format
+    from serving.api.chat_format import jinja_format
 
     with pytest.raises(ValueError, match=message):
         jinja_format(checkpoint_with(tmp_path, template)).render(normalize_messages([{"role": "user", "content": "x"}]))

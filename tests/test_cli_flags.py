@@ -52,7 +52,7 @@ def engine_options(command: list[str]) -> dict[str, str]:
 def test_generate_and_serve_list_the_engine_flags_of_one_declaration():
     import dataclasses
 
-    from serving.engine_config import EngineConfig
+    from serving.base.engine_config import EngineConfig
 
     declared = {name for field in dataclasses.fields(EngineConfig) for flag in field.metadata.get("flags", ())
                 for name in flag.names}
@@ -74,7 +74,7 @@ def test_generate_and_serve_list_the_engine_flags_of_one_declaration():
      {"mesh": "dp=2,ep=2", "eplb_every": 5, "eplb_window": 20}),
 ])
 def test_flags_become_the_declared_settings(argv, expected):
-    from serving.engine_config import EngineConfig
+    from serving.base.engine_config import EngineConfig
 
     for command in (["generate", "--prompt", "x"], ["serve"]):
         config = engine_config(settings(command + argv)[1])
@@ -86,7 +86,7 @@ def test_flags_become_the_declared_settings(argv, expected):
 
 
 def test_host_layout_applies_on_one_cpu_device_by_default():
-    from serving.engine_config import EngineConfig
+    from serving.base.engine_config import EngineConfig
 
     assert EngineConfig().uses_host_layout and not EngineConfig(host_layout=False).uses_host_layout
     assert not EngineConfig(mesh="dp=2").uses_host_layout  # a mesh places the checkpoint layout
@@ -125,8 +125,8 @@ def test_dtype_is_the_resident_weights_flag(command):
 
 
 def test_chat_template_file_renders_messages(tmp_path):
-    from serving.chat_format import format_for
-    from serving.tokenizer import ByteTokenizer
+    from serving.api.chat_format import format_for
+    from serving.base.tokenizer import ByteTokenizer
 
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"

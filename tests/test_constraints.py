@@ -19,8 +19,8 @@ from llguidance.numpy import apply_token_bitmask_inplace
 
 from model.checkpoint import BUNDLED
 from model.tokenizer import TextTokenizer
-from serving.constraints import ConstraintCompiler, ConstraintSpec, constraint_from_body, grammar_tokenizer
-from serving.grammar_mask import (MaskFill, RequestGrammar, apply_token_bitmask, bitmask_width, fill_masks,
+from serving.structured.constraints import ConstraintCompiler, ConstraintSpec, constraint_from_body, grammar_tokenizer
+from serving.structured.grammar_mask import (MaskFill, RequestGrammar, apply_token_bitmask, bitmask_width, fill_masks,
                                   speculate_masks)
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
@@ -390,7 +390,7 @@ def sample_until(grammar: RequestGrammar, logits_bias: np.ndarray, seed: int) ->
 def test_closing_paths_complete_outputs_from_any_state(compiler, tokenizer):
     """From states along random outputs (no bias toward ending: strings and numbers run on), the closing path
     completes the output, as the independent parsers confirm, and leaves the matcher as it was."""
-    from serving.grammar_budget import closing_path
+    from serving.structured.grammar_budget import closing_path
 
     table, vocab = compiler.token_bytes, tokenizer.vocab_size
     for c, (kind, target) in enumerate(CLOSE_CASES):
@@ -419,7 +419,7 @@ def test_a_closing_path_reconnects_after_tokens_that_leave_it(compiler, tokenize
     """The last closing path, checked again after the model left it: where it still completes the output (the
     independent parsers agree) it is kept, and equals a new search there; where it does not, None. The matcher
     is left as it was."""
-    from serving.grammar_budget import closing_path, reconnect
+    from serving.structured.grammar_budget import closing_path, reconnect
 
     table = compiler.token_bytes
     compiled = compiler.compile(spec_of("json", SCHEMAS["nested_objects"]))
@@ -455,7 +455,8 @@ def test_a_closing_path_reconnects_after_tokens_that_leave_it(compiler, tokenize
 def test_close_mode_ends_every_output_within_max_tokens(compiler, tokenizer):
     """Unbiased random outputs of unbounded strings / numbers / lists: without close mode the limit cuts most
     of them; with it every one ends with EOS (or the grammar's own end) within max_tokens and validates."""
-    from serving.grammar_budget import ClosePolicy, closing_path
+    from serving.base.engine_config import ClosePolicy
+    from serving.structured.grammar_budget import closing_path
 
     vocab, cut_without = tokenizer.vocab_size, 0
     for c, (kind, target) in enumerate(CLOSE_CASES):
@@ -475,7 +476,7 @@ def test_close_mode_ends_every_output_within_max_tokens(compiler, tokenizer):
 
 def test_close_mode_leaves_outputs_that_end_early_alone(compiler, tokenizer, bias):
     """Outputs that end with more than window + margin tokens to spare are those of the plain masks."""
-    from serving.grammar_budget import ClosePolicy
+    from serving.base.engine_config import ClosePolicy
 
     for c, (kind, target) in enumerate(CLOSE_CASES[:6]):
         compiled = compiler.compile(spec_of(kind, target))
@@ -487,7 +488,8 @@ def test_close_mode_leaves_outputs_that_end_early_alone(compiler, tokenizer, bia
 def test_close_mode_under_speculation_matches_one_token_at_a_time(compiler, tokenizer):
     """Verify masks near the limit: each position's mask is the one the request would get with the drafts
     before it committed (the limit counts them), and a draft off the closing path is cut."""
-    from serving.grammar_budget import ClosePolicy, closing_path
+    from serving.base.engine_config import ClosePolicy
+    from serving.structured.grammar_budget import closing_path
 
     compiled = compiler.compile(ConstraintSpec.json_schema(SCHEMAS["nested_objects"]))
     committed = tokenizer.encode('{"user":{"id":12')

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from model.config import preset
-from serving.engine import Engine, context_buckets
-from serving.kv_cache import CacheLayout, page_bytes
-from serving.sampling import SamplingParams
-from serving.step import compile_step, empty_batch
+from serving.core.engine import Engine, context_buckets
+from serving.base.kv_cache import CacheLayout, page_bytes
+from serving.base.sampling import SamplingParams
+from serving.core.step import compile_step, empty_batch
 from tests.helpers import random_model
 
 CONFIG = dataclasses.replace(preset("tiny"), max_position_embeddings=65536)

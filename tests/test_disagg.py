@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import pytest
 
 from model import load_model
-from serving.constraints import ConstraintSpec
-from serving.engine import Engine
-from serving.sampling import SamplingParams
+from serving.structured.constraints import ConstraintSpec
+from serving.core.engine import Engine
+from serving.base.sampling import SamplingParams
 
 # the engine tests/test_server.py and the router's replicas run, so the persistent compile cache serves all three
 ENGINE = dict(max_slots=2, max_len=96, prefill_chunk=8, batch_invariant=True, num_top_logprobs=5)
@@ -81,7 +81,7 @@ def test_handoff_within_a_process_continues_exactly(setup):
 @pytest.fixture(scope="module")
 def pd_server(setup):
     """A server whose engine prefills in a spawned process (its HTTP app not started yet)."""
-    from serving.server import Server, ServerConfig
+    from serving.api.server import Server, ServerConfig
 
     with pytest.MonkeyPatch.context() as env:  # conftest's JAX settings, for the spawned prefill process
         for name, value in (("JAX_NUM_CPU_DEVICES", "8"), ("JAX_DEFAULT_MATMUL_PRECISION", "highest"),
@@ -136,7 +136,7 @@ def test_server_with_a_prefill_process(setup, pd_server):
 
     import openai
 
-    from serving.server import serve_in_thread
+    from serving.api.server import serve_in_thread
 
     _, _, prompts, reference = setup
     url, stop = serve_in_thread(pd_server.app)

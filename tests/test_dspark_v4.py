@@ -18,9 +18,9 @@ from model.dspark import DSparkConfig, init_drafter
 from pallas_kernels.hyper import hc_site_reference as hc_site
 from model.rope import apply_rope, inv_frequencies
 from model.safetensors_io import read_tensors, write_tensors
-from serving.engine import Engine
-from serving.sampling import SamplingParams
-from serving.verify_plan import CostTable
+from serving.core.engine import Engine
+from serving.base.sampling import SamplingParams
+from serving.speculation.verify_plan import CostTable
 from tests.helpers import greedy_full_forward, random_model
 from training.drafter import DrafterSettings, DrafterTrainer, train_drafter
 

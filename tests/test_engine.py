@@ -9,9 +9,9 @@ import pytest
 from jax import monitoring
 
 from model.config import preset
-from serving.engine import Engine
-from serving.engine_config import EngineConfig
-from serving.sampling import SamplingParams
+from serving.core.engine import Engine
+from serving.base.engine_config import EngineConfig
+from serving.base.sampling import SamplingParams
 from tests.helpers import greedy_full_forward, random_model
 
 CONFIG = preset("tiny")
@@ -161,7 +161,7 @@ def test_bad_requests_are_refused_and_others_keep_running(engine, reference, pro
 
 def test_a_config_and_keywords_give_the_same_engine(model, engine):
     """`Engine(model, config)` and `Engine(model, **fields)` build the same settings; keywords given with a config
-    replace its fields; a config pickles with its defaults intact (the prefill process of `serving.disagg`)."""
+    replace its fields; a config pickles with its defaults intact (the prefill process of `serving.api.disagg`)."""
     import dataclasses
     import pickle
 

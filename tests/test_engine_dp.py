@@ -11,12 +11,12 @@ from model.checkpoint import load_model, save_checkpoint
 from model.moe import Fp4Experts
 from model.config import preset
 from model.convert import convert
-from serving.engine import Engine
-from serving.kv_cache import CacheLayout
-from serving.metrics import ServerMetrics
-from serving.request import Request
-from serving.sampling import SamplingParams
-from serving.engine_dp import DataParallelScheduler
+from serving.core.engine import Engine
+from serving.base.kv_cache import CacheLayout
+from serving.api.metrics import ServerMetrics
+from serving.base.request import Request
+from serving.base.sampling import SamplingParams
+from serving.core.engine_dp import DataParallelScheduler
 from tests.helpers import greedy_full_forward, random_model, widened_to_f32
 
 CONFIG = preset("tiny")

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from model.config import preset
-from serving.engine import Engine
-from serving.sampling import SamplingParams
+from serving.core.engine import Engine
+from serving.base.sampling import SamplingParams
 from tests.helpers import random_model
 from tests.test_disagg import handed_off
 from tests.test_structured_engine import tiny  # noqa: F401  (a fixture: V4.1 with a character tokenizer)
@@ -138,8 +138,8 @@ def test_structured_outputs_under_dspark_on_a_mesh_equal_one_device(tiny):
     regex-constrained rows beside an unconstrained one (the masks need the tokens in flight, which the mesh step
     reads first): drafts are verified, the tokens are the single-device DSpark engine's (itself lossless against
     plain decoding, tests/test_spec_engine.py), and each constrained output matches its pattern."""
-    from serving.constraints import ConstraintSpec
-    from serving.verify_plan import CostTable
+    from serving.structured.constraints import ConstraintSpec
+    from serving.speculation.verify_plan import CostTable
     from tests.test_structured_engine import chars_text
 
     patterns = [r"[a-c]{3,6}(,[0-9]{1,3}){2}\.", r"\((x|y|z){1,5}\)", r"[0-9]{2}:[0-9]{2}"]

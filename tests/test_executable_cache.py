@@ -1,4 +1,4 @@
-"""The executable cache (`serving/executable_cache.py`): a second engine over the same cache loads its buckets
+"""The executable cache (`serving/core/executable_cache.py`): a second engine over the same cache loads its buckets
 without tracing its step and decodes the same tokens; another engine's key misses; an unreadable entry is
 compiled again and overwritten."""
 
@@ -10,10 +10,10 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from model.config import preset
-from serving import engine as engine_module
-from serving.engine import Engine
-from serving.sampling import SamplingParams
-from serving.step import build_step_halves
+from serving.core import engine as engine_module
+from serving.core.engine import Engine
+from serving.base.sampling import SamplingParams
+from serving.core.step import build_step_halves
 from tests.helpers import random_model
 from tests.test_structured_engine import tiny  # noqa: F401  (a fixture: V4.1 with a character tokenizer)
 
@@ -107,7 +107,7 @@ def test_constrained_rows_of_a_loaded_bucket_get_their_masks_after_the_tokens_in
     fills their token masks after the tokens in flight are read (zero-overhead), so an engine loading its buckets
     gives the regex outputs of the engine that compiled them (before, that first step masked from the grammar
     state one token behind: outputs such as "((" for a parenthesised pattern)."""
-    from serving.constraints import ConstraintSpec
+    from serving.structured.constraints import ConstraintSpec
     from tests.test_structured_engine import chars_text
 
     patterns = [r"\((x|y|z){1,5}\)", r"[0-9]{2}:[0-9]{2}", r"[a-c]{3,6}(,[0-9]{1,3}){2}\."]

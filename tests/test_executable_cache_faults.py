@@ -1,4 +1,4 @@
-"""The executable cache with JAX's persistent cache on (`serving/executable_cache.py`): what JAX's cache serves, in
+"""The executable cache with JAX's persistent cache on (`serving/core/executable_cache.py`): what JAX's cache serves, in
 the compiling thread, in another, or through JAX's in-process cache (a decode step's decide half, the same at every
 context bucket), is never stored; an entry that loads but fails when run (stored the way that bad path stored one)
 costs one recompile, the request completes with the tokens of an engine without the cache, and a later engine
@@ -13,10 +13,10 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from model.config import preset
-from serving import executable_cache
-from serving.engine import Engine
-from serving.sampling import SamplingParams
-from serving.server import Server, ServerConfig, serve_in_thread
+from serving.core import executable_cache
+from serving.core.engine import Engine
+from serving.base.sampling import SamplingParams
+from serving.api.server import Server, ServerConfig, serve_in_thread
 from tests.helpers import random_model
 
 SETTINGS = {"max_slots": 2, "max_len": 64, "prefill_chunk": 16, "max_prefill_rows": 1, "context_tokens": 16,

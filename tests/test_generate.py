@@ -13,10 +13,10 @@ import pytest
 from model.initialize import init_model
 from jaxseek.cli import main
 from model.config import preset
-from serving.batch import merge_sampling, prepare, read_jsonl, read_txt, request_seed
-from serving.chat_format import DeepSeekV4Format, PlainFormat
-from serving.openai_api import OpenAIRequests
-from serving.tokenizer import ByteTokenizer, tokenizer_for
+from serving.api.batch import merge_sampling, prepare, read_jsonl, read_txt, request_seed
+from serving.api.chat_format import DeepSeekV4Format, PlainFormat
+from serving.api.openai_api import OpenAIRequests
+from serving.base.tokenizer import ByteTokenizer, tokenizer_for
 from tests.helpers import greedy_full_forward
 
 SEED = 3  # the CLI's --seed: the random model's seed
@@ -312,11 +312,11 @@ def test_tokenizer_choice():
 def test_a_known_batch_compiles_only_the_shapes_it_can_use():
     """No more slots than requests, and a prefill chunk no wider than the longest prompt's bucket; batch-invariant
     configs keep their shapes."""
-    from serving.batch import BatchRequest, fitted_config
-    from serving.engine_config import EngineConfig
-    from serving.engine_loop import Submission
-    from serving.openai_api import Prepared
-    from serving.sampling import SamplingParams
+    from serving.api.batch import BatchRequest, fitted_config
+    from serving.base.engine_config import EngineConfig
+    from serving.api.engine_loop import Submission
+    from serving.api.openai_api import Prepared
+    from serving.base.sampling import SamplingParams
 
     def shape(requests, **settings):
         config = fitted_config(requests, EngineConfig(**settings))

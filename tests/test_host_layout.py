@@ -12,9 +12,9 @@ from model.checkpoint import to_native
 from model.config import preset
 from model.host_layout import checkpoint_layout, has_host_layout, host_layout
 from model import registry
-from serving.engine import Engine
-from serving.engine_config import EngineConfig
-from serving.sampling import SamplingParams
+from serving.core.engine import Engine
+from serving.base.engine_config import EngineConfig
+from serving.base.sampling import SamplingParams
 from tests.helpers import assert_full_forward_tokens, assert_views_alias_their_stacks, random_model
 from tests.typecheck import unchecked
 

@@ -1,4 +1,4 @@
-"""Layer programs (`serving.layer_programs`): layers of one structure share a compiled program (kinds as by hand),
+"""Layer programs (`serving.core.layer_programs`): layers of one structure share a compiled program (kinds as by hand),
 a bucket compiles the embedding, one program per kind, the head and the decide half whatever the depth, and the
 engine's tokens and logits equal the model's full forward (the reference; tests/test_engine.py checks the same
 for the tiny model's default engine, which runs layer programs). Models and settings it does not cover run as one
@@ -11,10 +11,10 @@ import pytest
 
 from model.config import preset
 from model.replay import Replay
-from serving.engine import Engine
-from serving.engine_config import EngineConfig
-from serving.layer_programs import LayerPlan
-from serving.sampling import SamplingParams
+from serving.core.engine import Engine
+from serving.base.engine_config import EngineConfig
+from serving.core.layer_programs import LayerPlan
+from serving.base.sampling import SamplingParams
 from tests.helpers import assert_full_forward_tokens, assert_views_alias_their_stacks, random_model
 from tests.typecheck import unchecked
 

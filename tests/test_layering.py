@@ -1,5 +1,5 @@
 """Imports point one way (DESIGN.md): pallas_kernels < xla_cpu < model < sharding < serving < training < benchmarks < jaxseek
-< scripts.
+< scripts; inside `serving`, base < (structured, speculation, prefix) < core < api.
 
 Every import counts, lazy ones inside functions and `importlib.import_module("...")` calls included, and no
 files import each other in a circle."""
@@ -61,35 +61,50 @@ def test_no_import_cycles():
     assert not cycles, "files importing each other in a circle:\n" + "\n".join(cycles)
 
 
-@pytest.mark.parametrize("source, bad", [("from serving.engine import Engine\n", "serving.engine"),
+@pytest.mark.parametrize("source, bad", [("from serving.core.engine import Engine\n", "serving.core.engine"),
                                           ("importlib.import_module('training.train')\n", "training.train")])
 def test_the_check_sees_upward_imports(source, bad, tmp_path):
     (tmp_path / "m.py").write_text(source)
     assert bad in imported_modules(tmp_path / "m.py")
 
 
-API_FRONT = {"serving.server", "serving.openai_api", "serving.batch", "serving.router", "serving.disagg",
-             "serving.loadgen", "serving.metrics"}
-STEP_PROGRAMS = {"serving.step", "serving.layer_programs", "serving.engine_dp", "serving.kv_cache",
-                 "serving.placement", "serving.executable_cache"}
+# serving's sub-packages, in order: each imports only the ones before it (those of one rank not each other), and
+# none imports the short import paths kept at the top of `serving` (`serving.engine`, `serving.sampling`,
+# `serving.router`)
+SERVING = (("base",), ("structured", "speculation", "prefix"), ("core",), ("api",))
+STEP_PROGRAMS = {"serving.core.step", "serving.core.layer_programs", "serving.core.engine_dp", "serving.core.placement",
+                 "serving.core.executable_cache"}
 KERNEL_FORMS = {"xla_cpu.moe", "xla_cpu.linear", "xla_cpu.fp4_experts"}
 
 
+def serving_rank(module: str) -> tuple[int, str] | None:
+    """(rank, sub-package) of a serving sub-package or a module of one (None: neither)."""
+    parts = module.split(".")
+    if parts[0] != "serving" or len(parts) < 2:
+        return None
+    return next(((i, parts[1]) for i, names in enumerate(SERVING) if parts[1] in names), None)
+
+
 def inner_rule_breaks(graph: dict[str, set[str]]) -> list[str]:
-    """Imports that break the rules inside packages: the API front (server, OpenAI bodies, batch job, router,
-    P/D, load generator, metrics) never imports the step programs or the kernel registry; in `serving` only the
-    step programs import the registry; the operations' XLA:CPU forms are reached through the registry alone
-    (benchmarks time them directly; `serving.layer_programs` may ask `xla_cpu.moe.viewed` whether a bucket takes
-    expert views)."""
+    """Imports that break the rules inside packages: serving's sub-packages import down their order (`SERVING`)
+    and never the short paths; the API front (`serving.api`) never imports the step programs or the kernel
+    registry; in `serving` only the step programs import the registry; the operations' XLA:CPU forms are reached
+    through the registry alone (benchmarks time them directly; `serving.core.layer_programs` may ask
+    `xla_cpu.moe.viewed` whether a bucket takes expert views)."""
     breaks = []
     for module, deps in graph.items():
         for dep in deps:
-            if module in API_FRONT and (dep in STEP_PROGRAMS or dep == "model.registry"):
+            here, there = serving_rank(module), serving_rank(dep)
+            if here is not None and dep.startswith("serving.") and there is None:
+                breaks.append(f"{module} imports the short path {dep}")
+            if here is not None and there is not None and here[1] != there[1] and here[0] <= there[0]:
+                breaks.append(f"serving.{here[1]}'s {module} imports {dep}, not below it")
+            if module.startswith("serving.api.") and (dep in STEP_PROGRAMS or dep == "model.registry"):
                 breaks.append(f"the API front's {module} imports {dep}")
             if module.startswith("serving.") and dep == "model.registry" and module not in STEP_PROGRAMS:
                 breaks.append(f"{module} imports the kernel registry outside the step programs")
             if dep in KERNEL_FORMS and module != "model.registry" and not module.startswith(("xla_cpu.", "benchmarks.")) and not (
-                    module == "serving.layer_programs" and dep == "xla_cpu.moe"):
+                    module == "serving.core.layer_programs" and dep == "xla_cpu.moe"):
                 breaks.append(f"{module} imports the XLA:CPU forms {dep} past the registry")
     return breaks
 
@@ -100,9 +115,29 @@ def test_rules_inside_packages():
 
 
 def test_the_inner_rules_see_breaks():
-    graph = {"serving.server": {"serving.step"}, "serving.scheduler": {"model.registry"},
-             "model.moe": {"xla_cpu.moe"}, "serving.layer_programs": {"xla_cpu.moe", "model.registry"}}
+    graph = {"serving.api.server": {"serving.core.step"}, "serving.core.scheduler": {"model.registry"},
+             "model.moe": {"xla_cpu.moe"}, "serving.core.layer_programs": {"xla_cpu.moe", "model.registry"},
+             "serving.base.request": {"serving.core.scheduler"}, "serving.prefix.prefix_cache": {
+                 "serving.structured.constraints", "serving.base.request"}, "serving.api.batch": {"serving.engine"}}
     assert sorted(inner_rule_breaks(graph)) == [
         "model.moe imports the XLA:CPU forms xla_cpu.moe past the registry",
-        "serving.scheduler imports the kernel registry outside the step programs",
-        "the API front's serving.server imports serving.step"]
+        "serving.api.batch imports the short path serving.engine",
+        "serving.base's serving.base.request imports serving.core.scheduler, not below it",
+        "serving.core.scheduler imports the kernel registry outside the step programs",
+        "serving.prefix's serving.prefix.prefix_cache imports serving.structured.constraints, not below it",
+        "the API front's serving.api.server imports serving.core.step"]
+
+
+def test_the_short_import_paths_are_the_moved_modules():
+    import subprocess
+    import sys
+
+    from serving.base.sampling import SamplingParams as moved_params
+    from serving.core.engine import Engine as moved_engine
+    from serving.engine import Engine
+    from serving.sampling import SamplingParams
+
+    assert Engine is moved_engine and SamplingParams is moved_params
+    usage = subprocess.run([sys.executable, "-m", "serving.router", "--help"], capture_output=True, text=True,
+                           timeout=60, cwd=ROOT)
+    assert usage.returncode == 0 and "--replica" in usage.stdout

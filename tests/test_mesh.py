@@ -21,7 +21,7 @@ from model.dspark import DSparkConfig, DSparkDrafter
 from model.engram import HostEngramTable
 from pallas_kernels.moe import routed_experts_reference as routed_experts
 from model.paged import is_paged
-from serving.kv_cache import CacheLayout, init_engine_cache
+from serving.base.kv_cache import CacheLayout, init_engine_cache
 from sharding.context_parallel import BATCH
 from sharding.engram_shards import ShardedEngramTable, shard_engram
 from sharding.eplb import ExpertLoadWindow, rebalance_experts

@@ -1,4 +1,4 @@
-"""Layer programs on a mesh (`serving.layer_programs` lowered by `serving.engine_dp`: each program and the decide half
+"""Layer programs on a mesh (`serving.core.layer_programs` lowered by `serving.core.engine_dp`: each program and the decide half
 a `shard_map` program of its own) against the single-device engine, on emulated CPU devices (tests/conftest.py):
 V4.1 with compact replay, prompt logprobs and EPLB over `ep`; V4 with the prefix cache, a host tier and MTP
 speculation, its expert loads counted layer by layer; DSpark with structured outputs on `dp` alone. Greedy tokens
@@ -12,9 +12,9 @@ import pytest
 
 from model.config import preset
 from model.replay import Replay
-from serving.engine import Engine
-from serving.layer_programs import layer_program_names
-from serving.sampling import SamplingParams
+from serving.core.engine import Engine
+from serving.core.layer_programs import layer_program_names
+from serving.base.sampling import SamplingParams
 from tests.helpers import random_model
 from tests.test_engine_mesh import ENGINE, GREEDY, V41, same_outputs
 from tests.test_structured_engine import tiny  # noqa: F401  (a fixture: V4.1 with a DSpark drafter)
@@ -74,8 +74,8 @@ def test_dspark_and_structured_outputs_as_layer_programs_on_dp_equal_one_device(
     """dp=2 (experts whole on each rank) with DSpark under a cost table where verifying pays and regex-constrained
     rows beside an unconstrained one: the tokens are the single-device DSpark engine's, drafts are verified and
     each constrained output matches its pattern."""
-    from serving.constraints import ConstraintSpec
-    from serving.verify_plan import CostTable
+    from serving.structured.constraints import ConstraintSpec
+    from serving.speculation.verify_plan import CostTable
     from tests.test_structured_engine import chars_text
 
     patterns = [r"[a-c]{3,6}(,[0-9]{1,3}){2}\.", r"[0-9]{2}:[0-9]{2}"]

@@ -55,6 +55,6 @@ def test_clean_install_imports_every_module(tmp_path):
     # the console command and a module run as a program
     version = subprocess.run([env / "bin" / "jaxseek", "--version"], capture_output=True, text=True, cwd=tmp_path)
     assert version.stdout.startswith("jaxseek ") and version.returncode == 0
-    router = subprocess.run([python, "-m", "serving.router", "--help"], capture_output=True, text=True, cwd=tmp_path)
+    router = subprocess.run([python, "-m", "serving.api.router", "--help"], capture_output=True, text=True, cwd=tmp_path)
     assert router.returncode == 0 and "usage" in router.stdout, router.stderr[-2000:]
     assert any(env.glob("lib/python3.*/site-packages/jaxseek-*.dist-info/**/LICENSE"))

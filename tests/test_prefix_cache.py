@@ -1,4 +1,4 @@
-"""The prefix cache's radix tree (`serving.prefix_cache`): matching, splitting, locks, LRU eviction, metrics.
+"""The prefix cache's radix tree (`serving.prefix.prefix_cache`): matching, splitting, locks, LRU eviction, metrics.
 
 Random operation sequences are checked against a brute-force reference: a dict from every cached block prefix
 to its page (a prefix is cached iff all its shorter prefixes are).
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from serving.prefix_cache import PrefixCache
+from serving.prefix.prefix_cache import PrefixCache
 
 B = 4  # tokens per block
 

@@ -1,4 +1,4 @@
-"""Prefix caching in the engine (`serving.prefix_admission`, `serving.window_snapshots`): a hit gives the tokens
+"""Prefix caching in the engine (`serving.prefix.prefix_admission`, `serving.prefix.window_snapshots`): a hit gives the tokens
 and logits of a cold run of the same prompt (tiny V4; a 6-layer tiny V4.1 with bounded replay) while prefilling
 fewer tokens, whether it starts from a window-state snapshot or replays; concurrent hits share pages; eviction,
 the snapshot LRU and the host-memory tier keep results correct; every page comes back once the cache is cleared;
@@ -21,9 +21,9 @@ from model.initialize import init_model
 from model.config import preset
 from model.dspark import init_drafter
 from model.replay import ENGINE_DEFAULT, Replay, exact_keep, for_engine
-from serving.engine import Engine
-from serving.sampling import SamplingParams
-from serving.window_snapshots import prefix_key
+from serving.core.engine import Engine
+from serving.base.sampling import SamplingParams
+from serving.prefix.window_snapshots import prefix_key
 from tests.helpers import prompt_logprobs_by_forward, random_model
 from tests.test_dspark import CONFIG as DRAFTER, TARGET as SPEC_TARGET
 from tests.typecheck import unchecked

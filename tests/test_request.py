@@ -3,8 +3,8 @@ min_tokens in the step's token masks and in the stop checks."""
 
 import collections
 
-from serving.request import Request
-from serving.sampling import SamplingParams
+from serving.base.request import Request
+from serving.base.sampling import SamplingParams
 
 
 def test_stop_string_split_across_tokens_and_characters_is_found_from_the_tail():
@@ -35,9 +35,9 @@ def test_min_tokens_masks_stops_at_the_positions_before_it():
 
     from model.api import abstract_model
     from model.config import preset
-    from serving.grammar_mask import ALL_ALLOWED
-    from serving.scheduler import Row
-    from serving.structured_outputs import StructuredOutputs
+    from serving.structured.grammar_mask import ALL_ALLOWED
+    from serving.base.request import Row
+    from serving.structured.structured_outputs import StructuredOutputs
 
     model = abstract_model(preset("tiny"))  # shapes only: the masks need its eos and vocabulary
     eos, vocab, verify = model.config.eos_token_id, model.config.vocab_size, 3

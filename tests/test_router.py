@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from model import load_model
-from serving.router import Router
-from serving.server import Server, ServerConfig, serve_in_thread
+from serving.api.router import Router
+from serving.api.server import Server, ServerConfig, serve_in_thread
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

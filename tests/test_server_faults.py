@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 
 from model import load_model
-from serving.kv_cache import CacheLayout, page_bytes
-from serving.request import Request, RequestOutput
-from serving.sampling import SamplingParams
-from serving.scheduler import NeedsFlush, Scheduler
-from serving.server import Server, ServerConfig, serve_in_thread
+from serving.base.kv_cache import CacheLayout, page_bytes
+from serving.base.request import Request, RequestOutput
+from serving.base.sampling import SamplingParams
+from serving.core.scheduler import NeedsFlush, Scheduler
+from serving.api.server import Server, ServerConfig, serve_in_thread
 
 MODEL = "bundled"
 MAX_LEN = 4096  # the bundled model's context (max_position_embeddings)

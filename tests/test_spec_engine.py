@@ -8,10 +8,10 @@ from scipy import stats
 
 from model.initialize import init_model
 from model.dspark import init_drafter
-from serving.engine import Engine
-from serving.sampling import SamplingParams
-from serving.speculative import admit
-from serving.verify_plan import CostTable, interpolated, monotone_in_width, plan_verify, prefix_survival
+from serving.core.engine import Engine
+from serving.base.sampling import SamplingParams
+from serving.speculation.speculative import admit
+from serving.speculation.verify_plan import CostTable, interpolated, monotone_in_width, plan_verify, prefix_survival
 from tests.helpers import greedy_full_forward
 from tests.test_dspark import CONFIG, TARGET
 

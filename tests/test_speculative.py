@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.speculative import verify
+from serving.speculation.speculative import verify
 
 VOCAB, ROWS = 5, 20000
 TARGET = np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.1, 0.6, 0.1, 0.1], [0.3, 0.3, 0.2, 0.1, 0.1]]))

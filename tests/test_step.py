@@ -9,9 +9,9 @@ import pytest
 
 from model.initialize import init_model
 from model.dspark import init_drafter
-from serving.kv_cache import CacheLayout, PageAllocator, init_engine_cache
-from serving.sampling import SamplingBatch, SamplingParams
-from serving.step import COUNTED, PROMPT, DrafterSpec, build_step_halves, compile_halves, empty_batch
+from serving.base.kv_cache import CacheLayout, PageAllocator, init_engine_cache
+from serving.base.sampling import SamplingBatch, SamplingParams
+from serving.core.step import COUNTED, PROMPT, DrafterSpec, build_step_halves, compile_halves, empty_batch
 from tests.test_dspark import CONFIG, TARGET
 
 PENALTY = -2.0  # a frequency *bonus*: drafted tokens win the later positions, so miscounting shows

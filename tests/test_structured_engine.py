@@ -16,12 +16,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from model.initialize import init_model
 from model.dspark import init_drafter
-from serving.batch import prepare, read_jsonl, submit
-from serving.constraints import ConstraintSpec
-from serving.engine import Engine
-from serving.grammar_mask import RequestGrammar, fill_masks, speculate_masks
-from serving.openai_api import OpenAIRequests
-from serving.sampling import SamplingParams
+from serving.api.batch import prepare, read_jsonl, submit
+from serving.structured.constraints import ConstraintSpec
+from serving.core.engine import Engine
+from serving.structured.grammar_mask import RequestGrammar, fill_masks, speculate_masks
+from serving.api.openai_api import OpenAIRequests
+from serving.base.sampling import SamplingParams
 from tests.test_dspark import CONFIG, TARGET
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())

@@ -19,9 +19,9 @@ from pydantic import BaseModel  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from model.tokenizer import TextTokenizer  # noqa: E402
-from serving.chat_format import dsml_tool_call_grammar, dsml_tool_calls, parse_dsml_tool_calls  # noqa: E402
-from serving.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer  # noqa: E402
-from serving.server import Server, ServerConfig, serve_in_thread  # noqa: E402
+from serving.api.chat_format import dsml_tool_call_grammar, dsml_tool_calls, parse_dsml_tool_calls  # noqa: E402
+from serving.structured.constraints import ConstraintCompiler, ConstraintSpec, grammar_tokenizer  # noqa: E402
+from serving.api.server import Server, ServerConfig, serve_in_thread  # noqa: E402
 from tests.helpers import random_model  # noqa: E402
 from tests.test_dspark import TARGET  # noqa: E402
 
@@ -200,7 +200,7 @@ TEMPLATE = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}{% for m in m
 @pytest.fixture
 def jinja_server(v4_server):
     """The tiny model's server with a Jinja chat template, which has no tool-call syntax of its own."""
-    from serving.chat_format import JinjaFormat
+    from serving.api.chat_format import JinjaFormat
 
     server = v4_server[0]
     v4 = server.fmt

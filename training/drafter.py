@@ -26,8 +26,8 @@ from model.api import Model
 from model.dspark import Drafter, DSparkConfig, init_drafter, lm_head
 from model.v41 import DeepseekV41
 from model.sampling_keys import GREEDY_BELOW
-from serving.speculative import admit
-from serving.verify_plan import prefix_survival
+from serving.speculation.speculative import admit
+from serving.speculation.verify_plan import prefix_survival
 from training.train import TrainSettings, make_optimizer
 
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}

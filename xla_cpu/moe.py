@@ -45,7 +45,7 @@ def routed_experts(
     """`pallas_kernels.moe.routed_experts_reference` in one of five forms chosen by the shapes, fp32 accumulation
     (`dot_f32`); stacks held transposed (`TransposedWeight`) are contracted in that layout by every form.
 
-    - `ExpertViews` (the CPU engine's decode, `serving.layer_programs`): each pair runs its expert through a switch
+    - `ExpertViews` (the CPU engine's decode, `serving.core.layer_programs`): each pair runs its expert through a switch
       over the experts' own arrays, read where they lie (`pair_by_pair`).
     - Fewer pairs than experts (`few_pairs`): each pair indexes its expert's weights and reads only those.
     - At most `DENSE_PAIRS_PER_EXPERT` pairs per expert and `DENSE_FLOPS_RATIO` experts per chosen one: batched

@@ -1,0 +1,223 @@
+"""Prefill / decode disaggregation: a prefill engine in its own process computes a request's prompt state and first
+token, and hands the request's whole cache state to the decode engine, which generates the rest.
+
+The hand-off (`SlotState`) is everything the engine keeps for one request: its compressed-KV pages and indexer
+keys (the paged leaves, in block-table order), its slot leaves (the sliding-window ring, the compressors' open
+windows, ...), every other per-slot cache entry (last sampled token, penalty statistics, ...), the host-side
+Engram n-gram history, and the request itself (prompt, first token, seeded sampling parameters, output
+constraint). Sampling is keyed by (seed, position), so the decode engine continues exactly as the prefill engine
+would have: outputs equal a single engine's. A constrained request's grammar state is rebuilt on the decode side
+from its constraint (compiled there once per distinct spec) by taking the tokens already emitted.
+
+The hand-off is the engine's own: `Engine.export_slot` and `Engine.import_slot` (`serving.core.slot_state`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import multiprocessing
+import queue
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from serving.core.engine import Engine
+from serving.base.engine_config import EngineConfig
+from serving.structured.constraints import ConstraintSpec
+from serving.base.request import RequestOutput
+from serving.base.sampling import SamplingParams
+from serving.core.slot_state import SlotState
+
+# ---- the prefill process --------------------------------------------------------------------------------------
+def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cache: str | None,
+                    cpu_devices: int) -> None:
+    """The prefill process: load the model, then prefill what arrives and send back hand-offs (or results of
+    requests that finished at their first token). Each request is acknowledged ("accepted" or "error") as soon
+    as it arrives; a cancelled one is acknowledged ("cancelled") once the prefill engine has let it go.
+    `cpu_devices`: the parent's emulated CPU devices (`jax_num_cpu_devices`, -1: JAX's default), which a mesh
+    engine on CPU needs here too."""
+    jax.config.update("jax_num_cpu_devices", cpu_devices)  # before any JAX operation
+    if compile_cache:
+        jax.config.update("jax_compilation_cache_dir", compile_cache)
+    from model import load_model
+    from serving.base.tokenizer import tokenizer_for
+
+    model = load_model(model_path)
+    # zero_overhead off: each step is read before the next one is dispatched, so a request stops at its first token
+    engine = Engine(model, config, zero_overhead=False, detokenize=tokenizer_for(model).decode)
+    engine.warmup()
+    outbox.put(("ready", None))
+    pending: set[str] = set()
+    while True:
+        try:
+            message = inbox.get(block=not engine.has_work)
+        except queue.Empty:
+            message = None
+        while message is not None:
+            if message[0] == "stop":
+                return
+            if message[0] == "cancel":
+                if message[1] in pending:
+                    engine.cancel(message[1])
+                    pending.discard(message[1])
+                outbox.put(("cancelled", message[1]))
+            else:
+                _, request_id, prompt, params, constraint, trigger = message
+                try:
+                    engine.add_request(prompt, params, request_id, constraint=constraint, constraint_trigger=trigger)
+                    pending.add(request_id)
+                    outbox.put(("accepted", request_id))
+                except ValueError as e:
+                    outbox.put(("error", (request_id, str(e))))
+            try:
+                message = inbox.get_nowait()
+            except queue.Empty:
+                message = None
+        if not engine.has_work:
+            continue
+        for output in engine.step():
+            engine.requests.pop(output.request_id, None)
+            if output.request_id in pending:  # finished at its first token (eos, a stop, max_tokens 1)
+                pending.discard(output.request_id)
+                outbox.put(("finished", output))
+        ready = [r for r in pending if engine.requests[r].output]
+        for request_id in ready:
+            outbox.put(("handoff", engine.export_slot(request_id)))
+        for request_id in ready:  # its slot and pages are free again; the next step collects the cancellation
+            engine.cancel(request_id)
+            pending.discard(request_id)
+
+
+class DisaggregatedEngine:
+    """A decode `Engine` here, fed by a prefill engine in another process, behind the engine's own interface
+    (`add_request`, `step`, `cancel`, `has_work`, `requests`, `run`), so the server runs it as it runs an engine.
+
+    `add_request` hands the prompt to the prefill process (which validates it: a refusal raises ValueError
+    here); `step` installs the hand-offs that arrived and runs one decode-engine step. The prefill engine runs
+    the decode engine's settings (its mesh included: a hand-off leaves a rank of one and goes to the decode
+    engine's least loaded rank), on the model of `model_path`: the checkpoint the decode engine's model was
+    loaded from (None: the bundled model). A request without a seed gets one here, since both engines must draw
+    the same tokens; outputs then equal a single engine's.
+    """
+
+    def __init__(self, decode_engine, model_path=None, compile_cache: str | None = None,
+                 start_timeout: float = 600.0, seed: int = 0):
+        self.engine = decode_engine
+        self.layout, self.scheduler, self.requests = decode_engine.layout, decode_engine.scheduler, \
+            decode_engine.requests
+        context = multiprocessing.get_context("spawn")
+        self.inbox, self.outbox = context.Queue(), context.Queue()
+        self.process = context.Process(target=_prefill_worker, daemon=True, args=(
+            self.inbox, self.outbox, model_path, dataclasses.replace(decode_engine.config, detokenize=None),
+            compile_cache, jax.config.jax_num_cpu_devices))
+        self.process.start()
+        kind, _ = self.outbox.get(timeout=start_timeout)
+        if kind != "ready":
+            raise RuntimeError("the prefill process did not start")
+        self.waiting: list[SlotState] = []  # hand-offs waiting for a slot / pages here
+        self.finished: list[RequestOutput] = []
+        self.acks: dict[str, str | None] = {}  # request id -> None (accepted) or the refusal
+        self.in_prefill: set[str] = set()
+        self.cancelled: set[str] = set()  # cancelled while in the prefill process: its hand-off is dropped
+        self.stops: dict[str, tuple[str, ...]] = {}  # stop strings of requests in the prefill process
+        self.handoff_bytes = 0
+        self._ids = itertools.count()
+        self._seeds = np.random.default_rng(seed)
+
+    def warmup(self) -> None:
+        self.engine.warmup()
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, constraint: ConstraintSpec | None = None,
+                    constraint_trigger: int | None = None) -> str:
+        """Hand a request to the prefill process; raises ValueError (and keeps nothing) if it refuses it (an
+        invalid constraint included: the prefill engine compiles it first)."""
+        params = params or SamplingParams()
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
+        request_id = request_id or f"pd-{next(self._ids)}"
+        if request_id in self.in_prefill or request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.inbox.put(("add", request_id, [int(t) for t in prompt], params, constraint, constraint_trigger))
+        while request_id not in self.acks:
+            self._receive(block=True)
+        refusal = self.acks.pop(request_id)
+        if refusal is not None:
+            raise ValueError(refusal)
+        self.in_prefill.add(request_id)
+        self.stops[request_id] = params.stop
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request wherever it is (its result, if any, has finish_reason 'cancelled')."""
+        if request_id in self.in_prefill:
+            self.cancelled.add(request_id)
+            self.inbox.put(("cancel", request_id))
+        elif any(s.request_id == request_id for s in self.waiting):
+            self.waiting = [s for s in self.waiting if s.request_id != request_id]
+        elif request_id in self.engine.requests:
+            self.engine.cancel(request_id)
+
+    def abort(self) -> list[RequestOutput]:
+        """After a failed step: the decode engine's `abort`; requests still in prefill or waiting are dropped."""
+        for request_id in self.in_prefill:
+            self.inbox.put(("cancel", request_id))
+        self.in_prefill, self.waiting, self.finished = set(), [], []
+        return self.engine.abort()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.in_prefill or self.waiting or self.finished or self.engine.has_work)
+
+    def _receive(self, block: bool) -> None:
+        """Take the prefill process's messages (waiting for one if `block`)."""
+        while True:
+            try:
+                kind, payload = self.outbox.get(block=block, timeout=0.01 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if kind in ("accepted", "error"):
+                request_id, refusal = (payload, None) if kind == "accepted" else payload
+                self.acks[request_id] = refusal
+                continue
+            request_id = payload if kind == "cancelled" else payload.request_id
+            if request_id in self.cancelled:  # dropped; the prefill process acknowledges the cancel last
+                if kind == "cancelled":
+                    self.cancelled.discard(request_id)
+                    self.in_prefill.discard(request_id)
+                    self.stops.pop(request_id, None)
+                continue
+            self.in_prefill.discard(request_id)
+            stop = self.stops.pop(request_id, ())
+            if kind == "handoff":
+                self.waiting.append(payload)
+                self.handoff_bytes += payload.nbytes
+            elif kind == "finished":
+                self.finished.append(self._with_text(payload, stop))
+
+    def _with_text(self, output: RequestOutput, stop: tuple[str, ...]) -> RequestOutput:
+        """A result of the prefill process with its text decoded as the decode engine decodes, cut at the first
+        stop string as the engine cuts."""
+        detokenize = self.engine.config.detokenize
+        if detokenize is None:
+            return output
+        text = detokenize(output.token_ids)
+        hits = [text.find(s) for s in stop if s in text]
+        return dataclasses.replace(output, text=text[:min(hits)] if hits else text)
+
+    def step(self) -> list[RequestOutput]:
+        """Install arrived hand-offs, run one decode step; returns requests finished."""
+        self._receive(block=bool(self.in_prefill) and not (self.waiting or self.engine.has_work))
+        while self.waiting and self.engine.import_slot(self.waiting[0]):
+            self.waiting.pop(0)
+        finished, self.finished = self.finished, []
+        return finished + (self.engine.step() if self.engine.has_work else [])
+
+    run = Engine.run  # step until every request has finished; results by request id
+
+    def close(self) -> None:
+        self.inbox.put(("stop",))
+        self.process.join(30)

@@ -1,0 +1,1 @@
+"""What every part of the engine shares: requests, sampling, settings, the cache layout, tokenizers."""

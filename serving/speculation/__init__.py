@@ -1,0 +1,1 @@
+"""Speculative decoding: draft verification, and how many drafts each step verifies (fixed or DSpark)."""
