@@ -1,8 +1,9 @@
 """Prefill / decode disaggregation: a prefill engine in a separate process hands each request's cache state to the
 decode engine here; tokens, logprobs and finish reasons equal the single engine's, over prompts longer than the
 sliding window and a page, greedy and seeded sampling with penalties, and a request that ends at its first
-token."""
+token. A prefill process killed mid-prompt leaves its requests to the decode engine, which finishes them alike."""
 
+import contextlib
 import re
 
 import jax
@@ -83,13 +84,20 @@ def pd_server(setup):
     """A server whose engine prefills in a spawned process (its HTTP app not started yet)."""
     from serving.api.server import Server, ServerConfig
 
-    with pytest.MonkeyPatch.context() as env:  # conftest's JAX settings, for the spawned prefill process
-        for name, value in (("JAX_NUM_CPU_DEVICES", "8"), ("JAX_DEFAULT_MATMUL_PRECISION", "highest"),
-                            ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")):
-            env.setenv(name, value)
+    with spawn_env():
         server = Server(setup[0], ServerConfig(model_name="bundled", disaggregate=True), **ENGINE)
     yield server
     server.engine.close()
+
+
+@contextlib.contextmanager
+def spawn_env():
+    """conftest's JAX settings, for a spawned prefill process."""
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in (("JAX_NUM_CPU_DEVICES", "8"), ("JAX_DEFAULT_MATMUL_PRECISION", "highest"),
+                            ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")):
+            env.setenv(name, value)
+        yield
 
 
 def test_prefill_process_hands_off_to_decode_engine(setup, pd_server):
@@ -153,3 +161,28 @@ def test_server_with_a_prefill_process(setup, pd_server):
     finally:
         stop()  # the app's shutdown stops the engine loop and the prefill process
     assert not pd_server.engine.process.is_alive()
+
+
+def test_a_killed_prefill_process_leaves_its_requests_to_the_decode_engine(setup):
+    """The prefill process killed while it prefills the two long prompts (many chunks each, so no hand-off is on
+    its way): each still finishes with the single engine's tokens, logprobs and text, prefilled by the decode
+    engine instead, and so do the requests sent after; no page stays taken."""
+    from serving.api.disagg import DisaggregatedEngine
+
+    model, _, prompts, reference = setup
+    with spawn_env():
+        pd = DisaggregatedEngine(Engine(model, detokenize=model.tokenizer.decode, **ENGINE),
+                                 compile_cache=jax.config.jax_compilation_cache_dir)
+    try:
+        long = [1, 2]
+        ids = [pd.add_request(prompts[i], PARAMS[i]) for i in long]
+        pd.process.kill()
+        results = pd.run()
+        assert pd.failure.startswith("the prefill process exited") and pd.retried == 2
+        later = [pd.add_request(prompts[i], PARAMS[i]) for i in (0, 3)]
+        results |= pd.run()
+        for rid, i in zip(ids + later, long + [0, 3]):
+            same(results[rid], reference[i])
+        assert pd.scheduler.pages.idle() == pd.layout.num_pages and not pd.in_prefill
+    finally:
+        pd.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import multiprocessing
 import queue
 from collections.abc import Sequence
@@ -23,12 +24,15 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from serving.core.engine import Engine
 from serving.base.engine_config import EngineConfig
-from serving.structured.constraints import ConstraintSpec
 from serving.base.request import RequestOutput
 from serving.base.sampling import SamplingParams
+from serving.core.engine import Engine
 from serving.core.slot_state import SlotState
+from serving.structured.constraints import ConstraintSpec
+
+LOG = logging.getLogger(__name__)
+
 
 # ---- the prefill process --------------------------------------------------------------------------------------
 def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cache: str | None,
@@ -100,6 +104,10 @@ class DisaggregatedEngine:
     engine's least loaded rank), on the model of `model_path`: the checkpoint the decode engine's model was
     loaded from (None: the bundled model). A request without a seed gets one here, since both engines must draw
     the same tokens; outputs then equal a single engine's.
+
+    If the prefill process dies (killed, out of memory), the decode engine takes over: every request that was in
+    the prefill process prefills here from its prompt (seeded, so its output is the pair's), every later request
+    too, and `failure` says why (`retried` counts the requests taken over). Hand-offs that had arrived are kept.
     """
 
     def __init__(self, decode_engine, model_path=None, compile_cache: str | None = None,
@@ -122,6 +130,9 @@ class DisaggregatedEngine:
         self.in_prefill: set[str] = set()
         self.cancelled: set[str] = set()  # cancelled while in the prefill process: its hand-off is dropped
         self.stops: dict[str, tuple[str, ...]] = {}  # stop strings of requests in the prefill process
+        self.submitted: dict[str, tuple] = {}  # requests in the prefill process: their add_request arguments
+        self.failure: str | None = None  # why the prefill process is gone (the decode engine prefills since)
+        self.retried = 0  # requests taken over from a dead prefill process
         self.handoff_bytes = 0
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(seed)
@@ -140,15 +151,40 @@ class DisaggregatedEngine:
         request_id = request_id or f"pd-{next(self._ids)}"
         if request_id in self.in_prefill or request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.inbox.put(("add", request_id, [int(t) for t in prompt], params, constraint, constraint_trigger))
+        submission = ([int(t) for t in prompt], params, constraint, constraint_trigger)
+        if self.failure is None:
+            self.inbox.put(("add", request_id, *submission))
         while request_id not in self.acks:
+            if self.failure is not None:  # gone before it answered: prefill here
+                return self._prefill_here(request_id, submission)
             self._receive(block=True)
         refusal = self.acks.pop(request_id)
         if refusal is not None:
             raise ValueError(refusal)
         self.in_prefill.add(request_id)
+        self.submitted[request_id] = submission
         self.stops[request_id] = params.stop
         return request_id
+
+    def _prefill_here(self, request_id: str, submission: tuple) -> str:
+        prompt, params, constraint, trigger = submission
+        return self.engine.add_request(prompt, params, request_id, constraint=constraint, constraint_trigger=trigger)
+
+    def _take_over(self) -> None:
+        """The prefill process is gone: the decode engine prefills every request that was in it, in the order
+        they came, and every later one."""
+        self.failure = f"the prefill process exited (exit code {self.process.exitcode})"
+        LOG.warning("%s: the decode engine prefills from now on", self.failure)
+        for request_id, submission in self.submitted.items():
+            if request_id in self.cancelled:  # dropped, as a request cancelled in the prefill process is
+                continue
+            try:
+                self._prefill_here(request_id, submission)
+                self.retried += 1
+            except ValueError as e:  # the decode engine refuses what the prefill engine took: it fails, logged why
+                LOG.error("request %s could not be taken over from %s: %s", request_id, self.failure, e)
+                self.finished.append(RequestOutput(request_id, submission[0], [], "", "error", None, 0, None, 0.0))
+        self.submitted, self.in_prefill, self.cancelled, self.stops = {}, set(), set(), {}
 
     def cancel(self, request_id: str) -> None:
         """Stop a request wherever it is (its result, if any, has finish_reason 'cancelled')."""
@@ -176,7 +212,9 @@ class DisaggregatedEngine:
         while True:
             try:
                 kind, payload = self.outbox.get(block=block, timeout=0.01 if block else None)
-            except queue.Empty:
+            except queue.Empty:  # everything it sent is read: if it is gone, take its requests over
+                if self.failure is None and not self.process.is_alive():
+                    self._take_over()
                 return
             block = False
             if kind in ("accepted", "error"):
@@ -188,9 +226,11 @@ class DisaggregatedEngine:
                 if kind == "cancelled":
                     self.cancelled.discard(request_id)
                     self.in_prefill.discard(request_id)
+                    self.submitted.pop(request_id, None)
                     self.stops.pop(request_id, None)
                 continue
             self.in_prefill.discard(request_id)
+            self.submitted.pop(request_id, None)
             stop = self.stops.pop(request_id, ())
             if kind == "handoff":
                 self.waiting.append(payload)
