@@ -186,3 +186,27 @@ def test_a_killed_prefill_process_leaves_its_requests_to_the_decode_engine(setup
         assert pd.scheduler.pages.idle() == pd.layout.num_pages and not pd.in_prefill
     finally:
         pd.close()
+
+
+def test_prefill_and_decode_on_meshes_of_different_shapes(setup):
+    """Prefill on dp=2 (each rank holds every expert), decode on dp=2,ep=2 (experts split over the ranks): a
+    hand-off leaves a rank of the prefill mesh for the decode engine's least loaded rank; tokens, logprobs and text
+    are the single engine's, and a malformed prefill mesh is refused before any process starts."""
+    from serving.api.disagg import DisaggregatedEngine
+
+    model, _, prompts, reference = setup
+    decode = Engine(model, detokenize=model.tokenizer.decode, mesh="dp=2,ep=2", **ENGINE)
+    with pytest.raises(ValueError, match="unknown mesh axis 'dq'"):
+        DisaggregatedEngine(decode, prefill_mesh="dq=2")
+    with spawn_env():
+        pd = DisaggregatedEngine(decode, compile_cache=jax.config.jax_compilation_cache_dir, prefill_mesh="dp=2")
+    try:
+        ids = [pd.add_request(p, q) for p, q in zip(prompts, PARAMS)]
+        results = pd.run()
+        for rid, expected in zip(ids, reference):
+            same(results[rid], expected)
+        assert pd.prefill_layout == "2 attention rank(s), experts over 1 shard(s)"
+        assert pd.handoff_bytes > 0 and pd.failure is None
+        assert pd.scheduler.pages.idle() == pd.layout.num_pages
+    finally:
+        pd.close()

@@ -30,6 +30,7 @@ from serving.base.sampling import SamplingParams
 from serving.core.engine import Engine
 from serving.core.slot_state import SlotState
 from serving.structured.constraints import ConstraintSpec
+from sharding.mesh import MeshSpec
 
 LOG = logging.getLogger(__name__)
 
@@ -48,11 +49,17 @@ def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cac
     from model import load_model
     from serving.base.tokenizer import tokenizer_for
 
-    model = load_model(model_path)
-    # zero_overhead off: each step is read before the next one is dispatched, so a request stops at its first token
-    engine = Engine(model, config, zero_overhead=False, detokenize=tokenizer_for(model).decode)
-    engine.warmup()
-    outbox.put(("ready", None))
+    try:
+        model = load_model(model_path)
+        # zero_overhead off: each step is read before the next one is dispatched, so a request stops at its first
+        # token
+        engine = Engine(model, config, zero_overhead=False, detokenize=tokenizer_for(model).decode)
+        engine.warmup()
+    except Exception as e:  # the parent says why
+        outbox.put(("failed", f"{type(e).__name__}: {e}"))
+        return
+    placement = engine.placement
+    outbox.put(("ready", f"{placement.ranks} attention rank(s), experts over {getattr(placement, 'ep', 1)} shard(s)"))
     pending: set[str] = set()
     while True:
         try:
@@ -100,9 +107,10 @@ class DisaggregatedEngine:
 
     `add_request` hands the prompt to the prefill process (which validates it: a refusal raises ValueError
     here); `step` installs the hand-offs that arrived and runs one decode-engine step. The prefill engine runs
-    the decode engine's settings (its mesh included: a hand-off leaves a rank of one and goes to the decode
-    engine's least loaded rank), on the model of `model_path`: the checkpoint the decode engine's model was
-    loaded from (None: the bundled model). A request without a seed gets one here, since both engines must draw
+    the decode engine's settings, on its own mesh if `prefill_mesh` is given (a `MeshSpec` string: the two meshes
+    may differ in shape; EPLB stays on the decode side), else on the decode engine's, and on the model of
+    `model_path`: the checkpoint the decode engine's model was loaded from (None: the bundled model). A hand-off
+    leaves a rank of the prefill mesh and goes to the decode engine's least loaded rank. A request without a seed gets one here, since both engines must draw
     the same tokens; outputs then equal a single engine's.
 
     If the prefill process dies (killed, out of memory), the decode engine takes over: every request that was in
@@ -111,19 +119,29 @@ class DisaggregatedEngine:
     """
 
     def __init__(self, decode_engine, model_path=None, compile_cache: str | None = None,
-                 start_timeout: float = 600.0, seed: int = 0):
+                 start_timeout: float = 600.0, seed: int = 0, prefill_mesh: str | None = None):
         self.engine = decode_engine
         self.layout, self.scheduler, self.requests = decode_engine.layout, decode_engine.scheduler, \
             decode_engine.requests
+        config = dataclasses.replace(decode_engine.config, detokenize=None)
+        if prefill_mesh is not None:
+            if not isinstance(prefill_mesh, str):
+                raise ValueError(f"prefill_mesh must be a mesh spec like 'dp=2,ep=2', got {prefill_mesh!r}")
+            MeshSpec.parse(prefill_mesh)  # a bad spec is refused here, before a process starts
+            config = dataclasses.replace(config, mesh=prefill_mesh, redundant_experts=0, eplb_every=0)
         context = multiprocessing.get_context("spawn")
         self.inbox, self.outbox = context.Queue(), context.Queue()
         self.process = context.Process(target=_prefill_worker, daemon=True, args=(
-            self.inbox, self.outbox, model_path, dataclasses.replace(decode_engine.config, detokenize=None),
-            compile_cache, jax.config.jax_num_cpu_devices))
+            self.inbox, self.outbox, model_path, config, compile_cache, jax.config.jax_num_cpu_devices))
         self.process.start()
-        kind, _ = self.outbox.get(timeout=start_timeout)
+        try:
+            kind, why = self.outbox.get(timeout=start_timeout)
+        except queue.Empty:
+            kind, why = "failed", f"no answer within {start_timeout:g} s"
         if kind != "ready":
-            raise RuntimeError("the prefill process did not start")
+            self.process.kill()
+            raise RuntimeError(f"the prefill process did not start: {why}")
+        self.prefill_layout: str = why  # how the prefill engine is laid out, as it reported
         self.waiting: list[SlotState] = []  # hand-offs waiting for a slot / pages here
         self.finished: list[RequestOutput] = []
         self.acks: dict[str, str | None] = {}  # request id -> None (accepted) or the refusal

@@ -56,6 +56,7 @@ class ServerConfig:
     chat_format: str = "auto"
     checkpoint: str | None = None  # the checkpoint directory (its tokenizer_config.json may hold a chat template)
     disaggregate: bool = False  # prefill in a separate process (serving.api.disagg), loading `checkpoint`
+    prefill_mesh: str | None = None  # with `disaggregate`: the prefill engine's own mesh (None: the decode engine's)
 
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "tool_choice", "chat_template_kwargs", "thinking",
@@ -80,13 +81,16 @@ class Server:
 
     def __init__(self, model, config: ServerConfig = ServerConfig(), engine_config: EngineConfig | None = None,
                  **engine_settings):
+        if config.prefill_mesh is not None and not config.disaggregate:
+            raise ValueError("prefill_mesh (--prefill-mesh) is the prefill process's mesh: it needs --disaggregate")
         self.config, self.model = config, model
         self.api = OpenAIRequests.for_model(model, config.chat_format, config.checkpoint, 1024)
         self.tokenizer, self.fmt, self.decode = self.api.tokenizer, self.api.fmt, self.api.decode
         self.engine = self.decode_engine = Engine(model, engine_config, detokenize=self.decode, **engine_settings)
         self.api.max_len = self.engine.layout.max_len
         if config.disaggregate:
-            self.engine = DisaggregatedEngine(self.engine, config.checkpoint, jax.config.jax_compilation_cache_dir)
+            self.engine = DisaggregatedEngine(self.engine, config.checkpoint, jax.config.jax_compilation_cache_dir,
+                                              prefill_mesh=config.prefill_mesh)
         self.metrics = ServerMetrics(config.model_name, self.decode_engine.speculation.num_drafts)
         self.loop = EngineLoop(self.engine, self._observe, self.metrics.constraint_setup.observe)
         self.in_flight, self.max_concurrency = 0, config.max_concurrency
@@ -497,6 +501,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-logprobs", type=int, default=5, help="most top_logprobs a request may ask (default 5)")
     p.add_argument("--disaggregate", action="store_true",
                    help="prefill in a separate process that hands each request's cache state to the decode engine")
+    p.add_argument("--prefill-mesh", metavar="SPEC",
+                   help="with --disaggregate: the prefill engine's own mesh, e.g. dp=2,ep=2 (default: --mesh)")
 
 
 def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, Callable[[], None]]:
@@ -532,9 +538,11 @@ def serve(args, model, engine_config: EngineConfig) -> int:
     name = args.served_model_name or model_name(args.model, args.config)
     config = ServerConfig(model_name=name, api_key=args.api_key, max_concurrency=args.max_concurrency,
                           max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model,
-                          disaggregate=args.disaggregate)
+                          disaggregate=args.disaggregate, prefill_mesh=args.prefill_mesh)
     server = Server(model, config, engine_config)
     print(f"jaxseek serve: {server.engine.startup_summary()}", file=sys.stderr)
+    if args.disaggregate:
+        print(f"jaxseek serve: the prefill process runs on {server.engine.prefill_layout}", file=sys.stderr)
     if not args.no_warmup:
         # what the first requests run compiles before the server answers, the other buckets after, while it serves
         # (a disaggregated pair compiles everything first: its prefill process compiles on its own)
