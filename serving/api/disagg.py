@@ -56,10 +56,10 @@ def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cac
         engine = Engine(model, config, zero_overhead=False, detokenize=tokenizer_for(model).decode)
         engine.warmup()
     except Exception as e:  # the parent says why
-        outbox.put(("failed", f"{type(e).__name__}: {e}"))
+        outbox.send(("failed", f"{type(e).__name__}: {e}"))
         return
     placement = engine.placement
-    outbox.put(("ready", f"{placement.ranks} attention rank(s), experts over {getattr(placement, 'ep', 1)} shard(s)"))
+    outbox.send(("ready", f"{placement.ranks} attention rank(s), experts over {getattr(placement, 'ep', 1)} shard(s)"))
     pending: set[str] = set()
     while True:
         try:
@@ -73,15 +73,15 @@ def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cac
                 if message[1] in pending:
                     engine.cancel(message[1])
                     pending.discard(message[1])
-                outbox.put(("cancelled", message[1]))
+                outbox.send(("cancelled", message[1]))
             else:
                 _, request_id, prompt, params, constraint, trigger = message
                 try:
                     engine.add_request(prompt, params, request_id, constraint=constraint, constraint_trigger=trigger)
                     pending.add(request_id)
-                    outbox.put(("accepted", request_id))
+                    outbox.send(("accepted", request_id))
                 except ValueError as e:
-                    outbox.put(("error", (request_id, str(e))))
+                    outbox.send(("error", (request_id, str(e))))
             try:
                 message = inbox.get_nowait()
             except queue.Empty:
@@ -92,10 +92,10 @@ def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cac
             engine.requests.pop(output.request_id, None)
             if output.request_id in pending:  # finished at its first token (eos, a stop, max_tokens 1)
                 pending.discard(output.request_id)
-                outbox.put(("finished", output))
+                outbox.send(("finished", output))
         ready = [r for r in pending if engine.requests[r].output]
         for request_id in ready:
-            outbox.put(("handoff", engine.export_slot(request_id)))
+            outbox.send(("handoff", engine.export_slot(request_id)))
         for request_id in ready:  # its slot and pages are free again; the next step collects the cancellation
             engine.cancel(request_id)
             pending.discard(request_id)
@@ -113,7 +113,8 @@ class DisaggregatedEngine:
     leaves a rank of the prefill mesh and goes to the decode engine's least loaded rank. A request without a seed gets one here, since both engines must draw
     the same tokens; outputs then equal a single engine's.
 
-    If the prefill process dies (killed, out of memory), the decode engine takes over: every request that was in
+    If the prefill process dies (killed, out of memory; its pipe ends, so nothing waits on a message it was
+    writing), the decode engine takes over: every request that was in
     the prefill process prefills here from its prompt (seeded, so its output is the pair's), every later request
     too, and `failure` says why (`retried` counts the requests taken over). Hand-offs that had arrived are kept.
     """
@@ -130,14 +131,15 @@ class DisaggregatedEngine:
             MeshSpec.parse(prefill_mesh)  # a bad spec is refused here, before a process starts
             config = dataclasses.replace(config, mesh=prefill_mesh, redundant_experts=0, eplb_every=0)
         context = multiprocessing.get_context("spawn")
-        self.inbox, self.outbox = context.Queue(), context.Queue()
+        self.inbox = context.Queue()
+        self.outbox, sending = context.Pipe(duplex=False)
         self.process = context.Process(target=_prefill_worker, daemon=True, args=(
-            self.inbox, self.outbox, model_path, config, compile_cache, jax.config.jax_num_cpu_devices))
+            self.inbox, sending, model_path, config, compile_cache, jax.config.jax_num_cpu_devices))
         self.process.start()
-        try:
-            kind, why = self.outbox.get(timeout=start_timeout)
-        except queue.Empty:
-            kind, why = "failed", f"no answer within {start_timeout:g} s"
+        sending.close()  # the prefill process holds the only writer: its end ends the pipe, even mid-message
+        kind, why = self._next(start_timeout) or ("failed", f"no answer within {start_timeout:g} s")
+        if kind == "gone":
+            why = self._exit()
         if kind != "ready":
             self.process.kill()
             raise RuntimeError(f"the prefill process did not start: {why}")
@@ -188,10 +190,23 @@ class DisaggregatedEngine:
         prompt, params, constraint, trigger = submission
         return self.engine.add_request(prompt, params, request_id, constraint=constraint, constraint_trigger=trigger)
 
+    def _next(self, timeout: float) -> tuple | None:
+        """The prefill process's next message; None if none came within `timeout` seconds; ("gone", None) once
+        its pipe has ended (the process exited, perhaps in the middle of a message)."""
+        try:
+            return self.outbox.recv() if self.outbox.poll(timeout) else None
+        except (EOFError, OSError):
+            return "gone", None
+
+    def _exit(self) -> str:
+        """How the prefill process ended."""
+        self.process.join(5)
+        return f"the prefill process exited (exit code {self.process.exitcode})"
+
     def _take_over(self) -> None:
         """The prefill process is gone: the decode engine prefills every request that was in it, in the order
         they came, and every later one."""
-        self.failure = f"the prefill process exited (exit code {self.process.exitcode})"
+        self.failure = self._exit()
         LOG.warning("%s: the decode engine prefills from now on", self.failure)
         for request_id, submission in self.submitted.items():
             if request_id in self.cancelled:  # dropped, as a request cancelled in the prefill process is
@@ -228,10 +243,12 @@ class DisaggregatedEngine:
     def _receive(self, block: bool) -> None:
         """Take the prefill process's messages (waiting for one if `block`)."""
         while True:
-            try:
-                kind, payload = self.outbox.get(block=block, timeout=0.01 if block else None)
-            except queue.Empty:  # everything it sent is read: if it is gone, take its requests over
-                if self.failure is None and not self.process.is_alive():
+            message = self._next(0.01 if block else 0)
+            if message is None:
+                return
+            kind, payload = message
+            if kind == "gone":  # everything it sent is read: take its requests over
+                if self.failure is None:
                     self._take_over()
                 return
             block = False
@@ -279,3 +296,4 @@ class DisaggregatedEngine:
     def close(self) -> None:
         self.inbox.put(("stop",))
         self.process.join(30)
+        self.outbox.close()
