@@ -111,17 +111,19 @@ def test_dp4_ep2_engine_with_eplb_rebalancing_mid_run_equals_single_device(model
     assert float(line.split()[-1]) == pytest.approx(after)
 
 
-def test_dp4_ep2_engine_with_eplb_serves_stored_fp4_experts(model, tmp_path):
+@pytest.mark.parametrize("layer_programs", [False, True])
+def test_dp4_ep2_engine_with_eplb_serves_stored_fp4_experts(model, tmp_path, layer_programs):
     """The model converted to DeepSeek's layout and loaded as stored (FP8 linears, packed FP4 experts; its BF16
     matrices widened to F32, so that bf16 rounding does not hide a wrong token): its expert codes and scales
     split over 2 shards with 2 redundant slots, rebalanced every 2 steps, give the tokens and logits of the same
-    stored model on one device."""
+    stored model on one device, as one program and as layer programs."""
     save_checkpoint(model, tmp_path / "fp32")
     convert(tmp_path / "fp32", tmp_path / "fp8", progress=False)
     stored = load_model(widened_to_f32(tmp_path / "fp8", tmp_path / "fp8_f32"), weights="checkpoint")
     assert isinstance(stored.module().layers[1].ffn.experts, Fp4Experts)
-    engine = Engine(stored, mesh="dp=4,ep=2", redundant_experts=2, eplb_every=2,
+    engine = Engine(stored, mesh="dp=4,ep=2", redundant_experts=2, eplb_every=2, layer_programs=layer_programs,
                     **ENGINE | dict(prefill_chunk=1, max_prefill_rows=4))
+    assert (engine.layer_plan is not None) == layer_programs
     _check(_run(engine)[0], greedy_full_forward(stored, PROMPTS, STEPS))
     assert engine.stats["eplb_rebalances"] >= 2
     scales = engine.placement.model.params["layers"][1]["ffn"]["experts"]["w1_scale"][...]
