@@ -118,13 +118,25 @@ def replica_slots(ids: Int[Array, "t k"], log2phy: Int[Array, "e r"], logcnt: In
     return log2phy[ids, replica]
 
 
+class ExpertReplicas(nnx.Module):
+    """An MoE layer's EPLB placement (set by `sharding.expert_balance`): per logical expert the physical slots
+    that hold it (`log2phy` [E, R], -1 past its count) and how many do (`logcnt` [E])."""
+
+    def __init__(self, log2phy: ExpertMap, logcnt: ExpertMap):
+        self.log2phy, self.logcnt = log2phy, logcnt
+
+    def slots(self, ids: Int[Array, "t k"], first=0) -> Int[Array, "t k"]:
+        """The physical slot serving each (token, expert) pair (`replica_slots`)."""
+        return replica_slots(ids, self.log2phy[...], self.logcnt[...], first)
+
+
 class Experts(nnx.Module):
     """Routed experts stacked on a leading expert axis: w1, w3 [E, I, D], w2 [E, D, I] (stored FP4:
     `Fp4Experts`).
 
-    With EPLB tables (`log2phy`, `logcnt` ExpertMaps, set by `sharding.expert_balance`) the weights are
-    stacked per physical slot instead (redundant replicas included) and each pair goes to one replica of its
-    expert; a data-parallel rank's dispatch offsets the replica choice by its `first_token`."""
+    Placed by EPLB (`replicas`, an `ExpertReplicas`) the weights are stacked per physical slot instead
+    (redundant replicas included) and each pair goes to one replica of its expert; a data-parallel rank's
+    dispatch offsets the replica choice by its `first_token`."""
 
     def __init__(self, config: ModelConfig | V41Config, dtype, rngs: nnx.Rngs):
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -132,6 +144,7 @@ class Experts(nnx.Module):
         self.w2 = param(normal_init(rngs, (e, d, i), dtype), "expert", "embed", "mlp")
         self.w3 = param(normal_init(rngs, (e, i, d), dtype), "expert", "mlp", "embed")
         self.limit = config.swiglu_limit
+        self.replicas: ExpertReplicas | None = nnx.data(None)  # None: one slot per expert
 
     def stacked(self) -> tuple[str, tuple[str, ...]]:
         """(the kernel registry's op for these experts, the names of their expert-stacked tensors in the order it
@@ -144,9 +157,8 @@ class Experts(nnx.Module):
         op, names = self.stacked()
         stacks = tuple(getattr(self, name)[...] for name in names)
         routed = registry.choices().experts
-        if hasattr(self, "log2phy"):
-            first = 0 if routed is None else routed.first_token(ids.shape[0])
-            ids = replica_slots(ids, self.log2phy[...], self.logcnt[...], first)
+        if self.replicas is not None:
+            ids = self.replicas.slots(ids, 0 if routed is None else routed.first_token(ids.shape[0]))
         if routed is None:
             return registry.op(op)(x, ids, weights, *stacks, self.limit)
         return routed(x, ids, weights, *stacks, self.limit, op=op)
@@ -161,6 +173,7 @@ class Fp4Experts(Experts):
         for name, stack in stacks.items():
             setattr(self, name, stack)
         self.limit = limit
+        self.replicas: ExpertReplicas | None = nnx.data(None)
 
     def stacked(self) -> tuple[str, tuple[str, ...]]:
         """The FP4 op and each packed stack followed by its scales."""

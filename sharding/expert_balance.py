@@ -1,7 +1,7 @@
 """EPLB while serving: replicated experts in every MoE layer, load statistics, and rebalancing between steps.
 
 `ExpertSlots` gives a model `redundant_slots` extra physical expert slots per MoE layer on a mesh. Each layer
-gets its own maps (`model.moe.ExpertMap`: each expert's slots and replica count) and its routed-expert weights
+gets its own placement (`model.moe.ExpertReplicas`: each expert's slots and replica count) and its routed-expert weights
 (float, or stored FP4 codes and their scales) stacked per physical slot, split over `ep`. The data-parallel engine (`serving.core.engine_dp`) runs it: its
 compiled step counts the (token, expert) pairs each slot served and `record` takes them; `rebalance` feeds
 the window's per-expert load to `sharding.eplb.rebalance_experts` and moves the weights into the new slots (a
@@ -19,7 +19,7 @@ from jaxtyping import Float, Int
 
 from model.api import Model
 from model.axes import logical_axes, param
-from model.moe import ExpertMap
+from model.moe import ExpertMap, ExpertReplicas
 from sharding.eplb import ExpertLoadWindow, rebalance_experts
 from sharding.mesh import logical_spec, shard_model
 
@@ -67,8 +67,8 @@ class ExpertSlots:
                 axes = logical_axes(getattr(experts, name))  # `expert` first: the slots split over `ep`
                 moved = _take_slots(getattr(experts, name)[...], source, NamedSharding(self.mesh, logical_spec(*axes)))
                 setattr(experts, name, param(moved, *axes))
-            experts.log2phy = _expert_map(log2phy[i], self.mesh, "router", "replica")
-            experts.logcnt = _expert_map(logcnt[i], self.mesh, "router")
+            experts.replicas = ExpertReplicas(_expert_map(log2phy[i], self.mesh, "router", "replica"),
+                                              _expert_map(logcnt[i], self.mesh, "router"))
         self.model = Model(module, tokenizer=self.model.tokenizer, engram=self.model.engram,
                            drafter=self.model.drafter)
         self.phy2log, self.log2phy, self.logcnt = phy2log, log2phy, logcnt
