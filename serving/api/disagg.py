@@ -59,7 +59,7 @@ def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cac
         outbox.send(("failed", f"{type(e).__name__}: {e}"))
         return
     placement = engine.placement
-    outbox.send(("ready", f"{placement.ranks} attention rank(s), experts over {getattr(placement, 'ep', 1)} shard(s)"))
+    outbox.send(("ready", f"{placement.ranks} attention rank(s), experts over {placement.ep} shard(s)"))
     pending: set[str] = set()
     while True:
         try:
@@ -110,13 +110,13 @@ class DisaggregatedEngine:
     the decode engine's settings, on its own mesh if `prefill_mesh` is given (a `MeshSpec` string: the two meshes
     may differ in shape; EPLB stays on the decode side), else on the decode engine's, and on the model of
     `model_path`: the checkpoint the decode engine's model was loaded from (None: the bundled model). A hand-off
-    leaves a rank of the prefill mesh and goes to the decode engine's least loaded rank. A request without a seed gets one here, since both engines must draw
-    the same tokens; outputs then equal a single engine's.
+    leaves a rank of the prefill mesh and goes to the decode engine's least loaded rank. A request without a seed
+    gets one here, since both engines must draw the same tokens; outputs then equal a single engine's.
 
     If the prefill process dies (killed, out of memory; its pipe ends, so nothing waits on a message it was
-    writing), the decode engine takes over: every request that was in
-    the prefill process prefills here from its prompt (seeded, so its output is the pair's), every later request
-    too, and `failure` says why (`retried` counts the requests taken over). Hand-offs that had arrived are kept.
+    writing), the decode engine takes over: every request that was in the prefill process prefills here from its
+    prompt (seeded, so its output is the pair's), every later request too, and `failure` says why (`retried`
+    counts the requests taken over). Hand-offs that had arrived are kept.
     """
 
     def __init__(self, decode_engine, model_path=None, compile_cache: str | None = None,
@@ -147,10 +147,9 @@ class DisaggregatedEngine:
         self.waiting: list[SlotState] = []  # hand-offs waiting for a slot / pages here
         self.finished: list[RequestOutput] = []
         self.acks: dict[str, str | None] = {}  # request id -> None (accepted) or the refusal
-        self.in_prefill: set[str] = set()
+        # requests in the prefill process: (prompt, params, constraint, trigger), as add_request took them
+        self.in_prefill: dict[str, tuple] = {}
         self.cancelled: set[str] = set()  # cancelled while in the prefill process: its hand-off is dropped
-        self.stops: dict[str, tuple[str, ...]] = {}  # stop strings of requests in the prefill process
-        self.submitted: dict[str, tuple] = {}  # requests in the prefill process: their add_request arguments
         self.failure: str | None = None  # why the prefill process is gone (the decode engine prefills since)
         self.retried = 0  # requests taken over from a dead prefill process
         self.handoff_bytes = 0
@@ -181,9 +180,7 @@ class DisaggregatedEngine:
         refusal = self.acks.pop(request_id)
         if refusal is not None:
             raise ValueError(refusal)
-        self.in_prefill.add(request_id)
-        self.submitted[request_id] = submission
-        self.stops[request_id] = params.stop
+        self.in_prefill[request_id] = submission
         return request_id
 
     def _prefill_here(self, request_id: str, submission: tuple) -> str:
@@ -208,7 +205,7 @@ class DisaggregatedEngine:
         they came, and every later one."""
         self.failure = self._exit()
         LOG.warning("%s: the decode engine prefills from now on", self.failure)
-        for request_id, submission in self.submitted.items():
+        for request_id, submission in self.in_prefill.items():
             if request_id in self.cancelled:  # dropped, as a request cancelled in the prefill process is
                 continue
             try:
@@ -217,7 +214,7 @@ class DisaggregatedEngine:
             except ValueError as e:  # the decode engine refuses what the prefill engine took: it fails, logged why
                 LOG.error("request %s could not be taken over from %s: %s", request_id, self.failure, e)
                 self.finished.append(RequestOutput(request_id, submission[0], [], "", "error", None, 0, None, 0.0))
-        self.submitted, self.in_prefill, self.cancelled, self.stops = {}, set(), set(), {}
+        self.in_prefill, self.cancelled = {}, set()
 
     def cancel(self, request_id: str) -> None:
         """Stop a request wherever it is (its result, if any, has finish_reason 'cancelled')."""
@@ -233,7 +230,7 @@ class DisaggregatedEngine:
         """After a failed step: the decode engine's `abort`; requests still in prefill or waiting are dropped."""
         for request_id in self.in_prefill:
             self.inbox.put(("cancel", request_id))
-        self.in_prefill, self.waiting, self.finished = set(), [], []
+        self.in_prefill, self.waiting, self.finished = {}, [], []
         return self.engine.abort()
 
     @property
@@ -260,18 +257,14 @@ class DisaggregatedEngine:
             if request_id in self.cancelled:  # dropped; the prefill process acknowledges the cancel last
                 if kind == "cancelled":
                     self.cancelled.discard(request_id)
-                    self.in_prefill.discard(request_id)
-                    self.submitted.pop(request_id, None)
-                    self.stops.pop(request_id, None)
+                    self.in_prefill.pop(request_id, None)
                 continue
-            self.in_prefill.discard(request_id)
-            self.submitted.pop(request_id, None)
-            stop = self.stops.pop(request_id, ())
+            submission = self.in_prefill.pop(request_id, None)
             if kind == "handoff":
                 self.waiting.append(payload)
                 self.handoff_bytes += payload.nbytes
             elif kind == "finished":
-                self.finished.append(self._with_text(payload, stop))
+                self.finished.append(self._with_text(payload, submission[1].stop if submission else ()))
 
     def _with_text(self, output: RequestOutput, stop: tuple[str, ...]) -> RequestOutput:
         """A result of the prefill process with its text decoded as the decode engine decodes, cut at the first

@@ -30,7 +30,7 @@ from serving.prefix.prefix_admission import PrefixAdmission
 from serving.prefix.prefix_ranks import RankedPrefix, RankPages
 from serving.base.request import Request
 from serving.core.scheduler import Scheduler
-from serving.core.step import StepBatch, StepHalves, StepOutput, decide_batch, decide_weights, empty_batch, split_cache
+from serving.core.step import StepBatch, StepHalves, StepOutput, decide_inputs, empty_batch
 from sharding.expert_balance import ExpertSlots, shard_balancedness
 from sharding.expert_parallel import TOKEN_AXES, local_pairs
 from sharding.mesh import MeshSpec, logical_spec, make_mesh, param_shardings, place, shard_model
@@ -208,7 +208,8 @@ class DataParallel:
         one `shard_map`: each leaf split as `_spec_of` says, its MoE layers run by `_RankExperts`. `counted`: how
         many MoE layers it counts the pairs per expert slot of, returned as a last output [ranks, counted, slots]
         (None: no count). A scalar output is one decision for every rank: it comes out replicated."""
-        specs = jax.tree.map(_spec_of, args)
+        shaped = self.shaped(args)
+        specs = jax.tree.map(lambda x: x.sharding.spec, shaped)
         slots = self.model.config.n_routed_experts if self.experts is None else self.experts.slots
         structure: list = []
 
@@ -230,16 +231,20 @@ class DataParallel:
             tree, scalars = structure
             return jax.tree.unflatten(tree, [next(scalar) if is_scalar else next(split) for is_scalar in scalars])
 
-        shaped = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                                                   sharding=NamedSharding(self.mesh, spec)), args, specs)
         return jax.jit(program, donate_argnums=donated).lower(*shaped).compile()
+
+    def shaped(self, tree):
+        """The shapes a mesh program is compiled for, of a tree of arrays (or their shapes): each leaf placed on
+        the mesh as `_spec_of` says."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                           sharding=NamedSharding(self.mesh, _spec_of(x))), tree)
 
     def wrap(self, executables: list, halves: StepHalves, plan: LayerPlan | None, bucket: tuple[int, int, int, int]):
         """The step of `bucket` from what `compile` returned (or the executable cache loaded), called as a
         single-device step is: the batch laid out over the ranks, the outputs gathered into its row order."""
         *programs, gather = executables
         if plan is None:
-            return _Executable(self, bucket[0], programs[0], gather)
+            return _OneProgram(self, bucket[0], programs[0], gather)
         return _LayeredExecutable(self, bucket[0], programs, gather, plan, halves.head_leaves)
 
     # ---- batches ------------------------------------------------------------------------------------------
@@ -334,20 +339,17 @@ class DataParallel:
 
 
 class _Executable:
-    """One compiled bucket of `rows` rows per rank, as one program: called as a single-device step is, with the
-    batch the engine built (`DataParallel.place` lays it out over the ranks); returns the outputs in the batch's
-    row order."""
+    """One compiled bucket of `rows` rows per rank: called as a single-device step is, with the batch the engine
+    built (`DataParallel.place` lays it out over the ranks, placed as its first program takes it: `first`);
+    returns the outputs in the batch's row order. `run` runs the placed batch."""
 
-    def __init__(self, owner: DataParallel, rows: int, step, gather):
-        self.owner, self.rows, self.step, self.gather = owner, rows, step, gather
-        self.batch_shardings = step.input_shardings[0][2]
+    def __init__(self, owner: DataParallel, rows: int, first, gather):
+        self.owner, self.rows, self.gather = owner, rows, gather
+        self.batch_shardings = first.input_shardings[0][2]  # (weights or leaves, cache, batch, ...)
 
     def run(self, weights: tuple, cache: EngineCache, batch: StepBatch) -> tuple[StepOutput, EngineCache, list]:
         """(outputs, cache, the expert loads counted: arrays [ranks, layers, slots]) of the placed `batch`."""
-        if self.owner.ep == 1:
-            return *self.step(weights, cache, batch), []
-        outputs, cache, loads = self.step(weights, cache, batch)
-        return outputs, cache, [loads]
+        raise NotImplementedError
 
     def __call__(self, weights: tuple, cache: EngineCache, batch: StepBatch):
         placed, placed_rows = self.owner.place(batch, self.rows)
@@ -359,6 +361,21 @@ class _Executable:
         return self.gather(outputs, order), cache
 
 
+class _OneProgram(_Executable):
+    """One compiled bucket as one `shard_map` program (with experts over `ep`, it returns every layer's expert
+    loads last)."""
+
+    def __init__(self, owner: DataParallel, rows: int, step, gather):
+        super().__init__(owner, rows, step, gather)
+        self.step = step
+
+    def run(self, weights: tuple, cache: EngineCache, batch: StepBatch) -> tuple[StepOutput, EngineCache, list]:
+        if self.owner.ep == 1:
+            return *self.step(weights, cache, batch), []
+        outputs, cache, loads = self.step(weights, cache, batch)
+        return outputs, cache, [loads]
+
+
 class _LayeredExecutable(_Executable):
     """One compiled bucket as layer programs (`serving.core.layer_programs`), each a `shard_map` program over the
     mesh: with experts over `ep`, each layer program returns its layer's expert loads as well, which the chain
@@ -366,18 +383,22 @@ class _LayeredExecutable(_Executable):
 
     def __init__(self, owner: DataParallel, rows: int, programs: list, gather, plan: LayerPlan,
                  head_leaves: tuple[int, ...]):
+        super().__init__(owner, rows, programs[0], gather)  # the embed program takes the batch
         self.loads: list[jax.Array] = []
-        if owner.ep > 1:
-            programs = [_Counted(p, self.loads) if isinstance(name, int) else p
-                        for name, p in zip([*layer_program_names(plan), "decide"], programs, strict=True)]
+        programs = [_Counted(p, self.loads) if _counts_loads(name, owner.ep) else p
+                    for name, p in zip([*layer_program_names(plan), "decide"], programs, strict=True)]
         self.halves = LayeredHalves(programs, plan, head_leaves, viewed=False)
-        self.owner, self.rows, self.gather = owner, rows, gather
-        self.batch_shardings = programs[0].input_shardings[0][2]  # the embed program's batch
 
     def run(self, weights: tuple, cache: EngineCache, batch: StepBatch) -> tuple[StepOutput, EngineCache, list]:
         outputs, cache = self.halves(weights, cache, batch)
         loads, self.loads[:] = list(self.loads), []
         return outputs, cache, loads
+
+
+def _counts_loads(name, ep: int) -> bool:
+    """Whether the mesh program `name` (`LayerPlan.program`) returns its layer's expert loads: a layer program,
+    with experts split over `ep`."""
+    return isinstance(name, int) and ep > 1
 
 
 class _Counted:
@@ -402,27 +423,21 @@ class _MeshLowering(Lowering):
         self.owner = owner
 
     def abstract(self, tree):
-        mesh = self.owner.mesh
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                                           sharding=NamedSharding(mesh, _spec_of(x))), tree)
-
-    def counts(self, name) -> bool:
-        return isinstance(name, int) and self.owner.ep > 1
+        return self.owner.shaped(tree)
 
     def compile(self, name, fn: Callable, donated: tuple[int, ...], args: tuple):
         if name == "embed":
             embed = fn
             fn = lambda leaves, cache, batch: embed(leaves, cache, batch._replace(budget=batch.budget[0]))  # noqa: E731
-        return self.owner._sharded(fn, donated, args, 1 if self.counts(name) else None)
+        return self.owner._sharded(fn, donated, args, 1 if _counts_loads(name, self.owner.ep) else None)
 
     def out_info(self, name, compiled):
         info = compiled.out_info
-        return info[:-1] if self.counts(name) else info
+        return info[:-1] if _counts_loads(name, self.owner.ep) else info
 
     def decide(self, halves: StepHalves, weights: tuple, cache: EngineCache, batch: StepBatch, fwd_info,
                verify_len: int):
-        args = (*self.abstract((decide_weights(weights, halves.head_leaves), split_cache(cache)[0],
-                                decide_batch(batch))), fwd_info)
+        args = decide_inputs(halves, weights, cache, batch, fwd_info)
         return self.owner._sharded(functools.partial(halves.decide, verify_len=verify_len), (1,), args, None)
 
 

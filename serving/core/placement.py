@@ -23,6 +23,7 @@ class OneDevice:
     """The engine on one device: a mesh of one rank (the interface `DataParallel` shares)."""
 
     ranks = 1
+    ep = 1  # expert shards: every expert on the one device
     layer_programs = True  # a forward half may run as a chain of layer programs (`serving.core.layer_programs`)
     masks_during_forward = True  # a decode bucket runs in halves: constrained rows' masks fill during its forward
 

@@ -405,10 +405,15 @@ def compile_halves(halves: StepHalves, weights: tuple, cache: EngineCache, batch
                           halves.head_leaves)
 
 
+def decide_inputs(halves: StepHalves, weights: tuple, cache: EngineCache, batch: StepBatch, fwd) -> tuple:
+    """What a bucket's decide half takes of a step's weights, cache and batch, with the forward half's `fwd`
+    (`StepHalves.decide`'s arguments before `verify_len`)."""
+    return decide_weights(weights, halves.head_leaves), split_cache(cache)[0], decide_batch(batch), fwd
+
+
 def compile_decide(halves: StepHalves, weights: tuple, cache: EngineCache, batch: StepBatch, forwarded_info,
                    verify_len: int):
     """Ahead-of-time compile a bucket's decide half (donating its cache) for a forward half whose `Forwarded`
     has the shapes `forwarded_info`."""
     return jax.jit(halves.decide, donate_argnums=1, static_argnums=4).lower(
-        *abstract_shapes((decide_weights(weights, halves.head_leaves), split_cache(cache)[0], decide_batch(batch),
-                          forwarded_info)), verify_len).compile()
+        *abstract_shapes(decide_inputs(halves, weights, cache, batch, forwarded_info)), verify_len).compile()
