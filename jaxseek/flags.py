@@ -126,3 +126,52 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
     for name in PROJECT_LOGGERS:
         logging.getLogger(name).setLevel(level.upper())
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessJob:
+    """This process's place in a multi-process job (`jax.distributed`): the coordinator's HOST:PORT, how many
+    processes, which one this is (0 leads)."""
+
+    coordinator: str
+    num_processes: int
+    process_id: int
+
+
+def add_process_args(p: argparse.ArgumentParser) -> None:
+    """The multi-process flags, with vLLM's multi-node names as aliases (`--nnodes`, `--node-rank`,
+    `--master-addr` + `--master-port`)."""
+    g = p.add_argument_group("multi-process (one process per host, one global --mesh over all their devices)")
+    g.add_argument("--num-processes", "--nnodes", dest="num_processes", type=int_at_least(1), default=1,
+                   help="processes in the job (default 1: this one alone)")
+    g.add_argument("--process-id", "--node-rank", dest="process_id", type=int_at_least(0), default=0,
+                   help="this process's index, 0 to N-1; process 0 leads: it schedules, writes --output and "
+                        "answers HTTP, the others run its steps on their devices and exit when it does")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="where process 0 runs the job's coordination service (every process gives the same)")
+    g.add_argument("--master-addr", metavar="HOST", help="vLLM's name: the coordinator's host (with --master-port)")
+    g.add_argument("--master-port", type=int_at_least(1), metavar="PORT",
+                   help="vLLM's name: the coordinator's port (default 29501 with --master-addr)")
+
+
+def process_job(args: argparse.Namespace) -> ProcessJob | None:
+    """The job the multi-process flags describe (None: one process). Raises ValueError for flags that do not
+    make one."""
+    if args.coordinator and (args.master_addr or args.master_port):
+        raise ValueError("give the coordinator as --coordinator HOST:PORT or as --master-addr / --master-port, "
+                         "not both")
+    coordinator = args.coordinator
+    if args.master_addr or args.master_port:
+        coordinator = f"{args.master_addr or '127.0.0.1'}:{args.master_port or 29501}"
+    if args.num_processes == 1:
+        if coordinator or args.process_id:
+            raise ValueError("--coordinator and --process-id describe a multi-process job: give --num-processes N "
+                             "(N > 1) as well")
+        return None
+    if not coordinator:
+        raise ValueError(f"--num-processes {args.num_processes} needs --coordinator HOST:PORT (process 0's address)")
+    if not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", coordinator):
+        raise ValueError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
+    if args.process_id >= args.num_processes:
+        raise ValueError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+    return ProcessJob(coordinator, args.num_processes, args.process_id)

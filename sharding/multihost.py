@@ -1,29 +1,160 @@
 """The sharded model across processes (`jax.distributed`): one leader decides each step, every process runs it.
 
 `initialize` joins a process to the job (CPU processes talk through gloo). The leader (process 0) owns
-the step's plan, here the token ids; `broadcast_plan` gives every process the leader's copy, then each
-process runs the same program on its own devices of the global mesh (`sharding.mesh.logits_on_mesh`).
-Run as `python -m sharding.multihost --process-id I --num-processes N --port P ...` it is one such
-process: the leader writes the logits of a whole-sequence forward to `--out` (a .npy file).
+the step's plan; `broadcast_plan` gives every process the leader's copy of an array, and a `Channel` carries
+the leader's messages, in order, through the job's key-value store (the serving engine's lockstep,
+`serving.core.lockstep`). Each process runs the same program on its own devices of the global mesh: `put`
+places host arrays (the same on every process) on a sharding of that mesh, `to_host` reads an array split
+over the processes. Run as `python -m sharding.multihost --process-id I --num-processes N --port P ...` it is
+one process of a whole-sequence forward (`sharding.mesh.logits_on_mesh`): the leader writes the logits to
+`--out` (a .npy file).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jaxtyping import Int
 
+from sharding.mesh import place
+
+PULSE_SECONDS = 0.5  # how often each process says it lives (`watch`)
+LOST_SECONDS = 5.0  # a process silent this long is gone
+HEARTBEAT_SECONDS = 30  # the coordination service's own limit, after `watch`'s: it ends the job's processes
+
 
 def initialize(coordinator: str, num_processes: int, process_id: int, local_devices: int | None = None) -> None:
-    """Join a `jax.distributed` job before any JAX operation (on CPU: `local_devices` emulated devices)."""
+    """Join a `jax.distributed` job before any JAX operation (on CPU: `local_devices` emulated devices), and start
+    this process's pulse for `watch`. The job is recoverable: a process that dies does not end the others at
+    once, so they can fail their work with a clear error first (`watch`)."""
     if jax.config.jax_platforms in (None, "", "cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if local_devices:
             jax.config.update("jax_num_cpu_devices", local_devices)
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    jax.config.update("jax_enable_recoverability", True)
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                               heartbeat_timeout_seconds=HEARTBEAT_SECONDS, shutdown_timeout_seconds=30)
+    threading.Thread(target=_pulse, args=(_client(), process_id), name="pulse", daemon=True).start()
+
+
+def finish(timeout: float = 60.0) -> None:
+    """End the job once every process has got here (a recoverable job's shutdown waits for no one): the leader
+    shuts the coordination service down; every other process exits at once, with status 0, since a shutdown
+    handshake with a service that may be gone already would fail."""
+    _client().wait_at_barrier("finish", int(timeout * 1000))
+    if leader():
+        jax.distributed.shutdown()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _client():
+    from jax._src import distributed
+
+    if distributed.global_state.client is None:
+        raise RuntimeError("no jax.distributed job: call sharding.multihost.initialize first")
+    return distributed.global_state.client
+
+
+def _pulse(client, process_id: int) -> None:
+    beat = 0
+    while True:
+        try:
+            client.key_value_set(f"pulse/{process_id}", str(beat), allow_overwrite=True)
+        except jax.errors.JaxRuntimeError:
+            return  # the coordination service is gone: `watch` tells
+        beat += 1
+        time.sleep(PULSE_SECONDS)
+
+
+def watch(on_lost: Callable[[str], None], timeout: float = LOST_SECONDS) -> threading.Thread:
+    """Call `on_lost(why)` once (on a daemon thread) when another process of the job stops its pulse for `timeout`
+    seconds, or the coordination service (in process 0) cannot be reached. A step of a job that lost a process
+    waits in its collectives for ever: `on_lost` must fail the work and end this process."""
+    client, me = _client(), jax.process_index()
+    others = [i for i in range(jax.process_count()) if i != me]
+
+    def run():
+        seen = {i: (None, time.monotonic()) for i in others}
+        while True:
+            time.sleep(PULSE_SECONDS)
+            now = time.monotonic()
+            for i in others:
+                try:
+                    beat = client.key_value_try_get(f"pulse/{i}")
+                except jax.errors.JaxRuntimeError as e:
+                    if "NOT_FOUND" in str(e):
+                        beat = None  # not started yet
+                    else:
+                        return on_lost(f"the job's coordination service (process 0) cannot be reached ({e})")
+                if beat != seen[i][0]:
+                    seen[i] = (beat, now)
+                elif now - seen[i][1] > timeout:
+                    return on_lost(f"process {i} of the {len(others) + 1}-process job stopped ({timeout:.0f} s "
+                                   f"without a sign of life)")
+
+    thread = threading.Thread(target=run, name="watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def leader() -> bool:
+    """Whether this process leads the job (process 0; a single process leads itself)."""
+    return jax.process_index() == 0
+
+
+class Channel:
+    """The leader's messages (picklable objects) to the other processes, in order, through the `jax.distributed`
+    key-value store: message i is key `{name}/i`. The leader `send`s, every other process `receive`s the next one;
+    the leader deletes a message once `keep` newer ones were sent (the others read each within a few steps)."""
+
+    def __init__(self, name: str = "jaxseek", keep: int = 4096):
+        self.client, self.name, self.keep = _client(), name, keep
+        self.count = 0  # messages sent (leader) or received (the others)
+
+    def send(self, message: object) -> None:
+        self.client.key_value_set_bytes(f"{self.name}/{self.count}", pickle.dumps(message))
+        if self.count >= self.keep:
+            self.client.key_value_delete(f"{self.name}/{self.count - self.keep}")
+        self.count += 1
+
+    def receive(self, poll_seconds: float = 60.0) -> object:
+        """The leader's next message, waiting for it as long as the job lives (an idle server sends none)."""
+        key = f"{self.name}/{self.count}"
+        while True:
+            try:
+                raw = self.client.blocking_key_value_get_bytes(key, int(poll_seconds * 1000))
+                break
+            except jax.errors.JaxRuntimeError as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+        self.count += 1
+        return pickle.loads(raw)
+
+
+def put(tree, shardings):
+    """`tree`'s host arrays, the same on every process, placed as `shardings` say: each process places only its
+    own devices' parts (`sharding.mesh.place`; `jax.device_put` would check that the processes agree, a
+    collective per leaf)."""
+    return jax.device_put(tree, shardings) if jax.process_count() == 1 else place(tree, shardings)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole of `x` as numpy on this process, gathered from the others where they hold parts of it."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def broadcast_plan(plan: Int[np.ndarray, "..."]) -> Int[np.ndarray, "..."]:
@@ -51,15 +182,14 @@ def main(argv=None) -> None:
     from sharding.mesh import MeshSpec, logits_on_mesh, make_mesh
 
     config = preset(args.config)
-    leader = jax.process_index() == 0
     tokens = (np.random.default_rng(args.seed).integers(0, config.vocab_size, (args.batch, args.seq))
-              if leader else np.zeros((args.batch, args.seq), np.int64))
+              if leader() else np.zeros((args.batch, args.seq), np.int64))
     tokens = broadcast_plan(tokens)
     logits = logits_on_mesh(init_model(config, seed=args.seed), tokens, make_mesh(MeshSpec.parse(args.mesh)))
-    logits = np.asarray(multihost_utils.process_allgather(logits, tiled=True))
-    if leader:
+    logits = to_host(logits)
+    if leader():
         np.save(args.out, logits)
-    jax.distributed.shutdown()
+    finish()
 
 
 if __name__ == "__main__":

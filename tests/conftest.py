@@ -30,7 +30,7 @@ if TYPECHECK != "0":
 # The longest test files (minutes each, measured on 2 cores) run first: with `-n 2` each worker takes whole files
 # in collection order, so a long file collected last would leave one worker alone at the end.
 LONGEST_FIRST = ("test_engine", "test_v41", "test_cached", "test_spec_engine", "test_dspark_v4", "test_server",
-                 "test_context", "test_engine_mesh", "test_prefix_engine", "test_engine_dp", "test_mesh_layer_programs",
+                 "test_context", "test_multiprocess", "test_engine_mesh", "test_prefix_engine", "test_engine_dp", "test_mesh_layer_programs",
                  "test_executable_cache_faults", "test_kernels", "test_bundled", "test_train", "test_replay",
                  "test_dspark", "test_study", "test_server_faults", "test_generate", "test_layer_programs",
                  "test_real_clients", "test_structured_engine", "test_parity", "test_step", "test_packaging")

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +22,7 @@ from pydantic import BaseModel, Field
 from model import load_model
 from model.api import Model
 from benchmarks.serving import stop_server
-from tests.helpers import free_port, greedy_full_forward, prompt_logprobs_by_forward
+from tests.helpers import free_port, greedy_full_forward, prompt_logprobs_by_forward, wait_healthy
 
 DATA = Path(__file__).parent / "data"
 TASKS = DATA / "lm_eval"
@@ -50,16 +49,7 @@ def live(tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
-        end = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < end:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError(f"jaxseek serve did not come up (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
+        wait_healthy(url, [proc], 300, lambda: log.read_text()[-3000:])
         yield url
     finally:
         stop_server(proc)

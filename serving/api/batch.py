@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -28,6 +30,8 @@ from serving.base.engine_config import EngineConfig
 from serving.api.openai_api import CHAT_FIELDS, COMPLETION_FIELDS, ApiError, OpenAIRequests, Prepared, check_fields
 from serving.base.request import RequestOutput
 from serving.base.sampling import SEED_LIMIT, SamplingParams, sampling_fields
+
+log = logging.getLogger(__name__)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 BOM = b"\xef\xbb\xbf"
@@ -260,40 +264,63 @@ def submit(engine, requests: list[BatchRequest]) -> None:
             r.error, r.prepared = str(e), None
 
 
-def run_batch(engine, requests: list[BatchRequest], emit: Callable[[dict], None],
-              record: Callable[[BatchRequest, list | None], dict], progress: bool = True) -> dict:
-    """Run the submitted requests to completion, emitting each one's `record(request, outputs)` (`outputs` None for
-    a request that failed) in input order; returns the run's figures (requests, failures, tokens, generation
-    seconds, when the first token came)."""
-    from tqdm import tqdm
+class BatchRun:
+    """A batch's submitted requests run to completion (`run`), each one's `record(request, outputs)` emitted in input
+    order (`outputs` None for a request that failed). `fail_rest` fails, with its error, every request without a
+    record yet: the engine failed, or (from another thread) a multi-process job lost a process mid-step."""
 
-    writer = OrderedWriter(emit)
-    for r in requests:
-        if r.error is not None:
-            writer.put(r.index, record(r, None))
-    running = [r for r in requests if r.error is None]
-    outputs: dict[int, list] = {r.index: [None] * len(r.prepared.submissions) for r in running}
-    generated, start, first_token = 0, time.perf_counter(), None
-    with tqdm(total=len(running), unit="req", file=sys.stderr, disable=not progress or not running,
-              desc="generate") as bar:
-        while engine.has_work:
-            finished = engine.step()
-            if first_token is None and engine.stats["decode_tokens"]:
-                first_token = time.perf_counter()
-            for output in finished:
-                index, choice = (int(part) for part in output.request_id.split("/"))
-                if index not in outputs:
-                    continue  # cancelled with its request
-                choices = outputs[index]
-                choices[choice] = output
-                generated += len(output.token_ids)
-                if all(o is not None for o in choices):
-                    writer.put(index, record(requests[index], choices))
-                    bar.update(1)
-                    bar.set_postfix(tokens=generated, refresh=False)
-    return {"requests": len(requests), "failed": len(requests) - len(running),
-            "prompt_tokens": sum(r.prepared.prompt_tokens for r in running), "generated_tokens": generated,
-            "generate_s": time.perf_counter() - start, "first_token_at": first_token or time.perf_counter()}
+    def __init__(self, requests: list[BatchRequest], emit: Callable[[dict], None],
+                 record: Callable[[BatchRequest, list | None], dict]):
+        self.requests, self.record, self.writer = requests, record, OrderedWriter(emit)
+        self.lock = threading.Lock()  # `fail_rest` may come from another thread
+        for r in requests:
+            if r.error is not None:
+                self.writer.put(r.index, record(r, None))
+        self.running = [r for r in requests if r.error is None]
+        self.outputs: dict[int, list] = {r.index: [None] * len(r.prepared.submissions) for r in self.running}
+        self.failed = len(requests) - len(self.running)
+
+    def run(self, engine, progress: bool = True) -> dict:
+        """Step `engine` until it has no work; the run's figures (requests, failures, tokens, generation seconds,
+        when the first token came)."""
+        from tqdm import tqdm
+
+        generated, start, first_token = 0, time.perf_counter(), None
+        with tqdm(total=len(self.running), unit="req", file=sys.stderr, disable=not progress or not self.running,
+                  desc="generate") as bar:
+            while engine.has_work:
+                try:
+                    finished = engine.step()
+                except Exception as e:  # noqa: BLE001  (the engine is gone: every request not done fails with why)
+                    log.exception("engine step failed")
+                    self.fail_rest(f"the engine failed: {type(e).__name__}: {e}")
+                    break
+                if first_token is None and engine.stats["decode_tokens"]:
+                    first_token = time.perf_counter()
+                for output in finished:
+                    index, choice = (int(part) for part in output.request_id.split("/"))
+                    if index not in self.outputs:
+                        continue  # cancelled with its request
+                    choices = self.outputs[index]
+                    choices[choice] = output
+                    generated += len(output.token_ids)
+                    if all(o is not None for o in choices):
+                        with self.lock:
+                            self.writer.put(index, self.record(self.requests[index], choices))
+                        bar.update(1)
+                        bar.set_postfix(tokens=generated, refresh=False)
+        return {"requests": len(self.requests), "failed": self.failed,
+                "prompt_tokens": sum(r.prepared.prompt_tokens for r in self.running),
+                "generated_tokens": generated, "generate_s": time.perf_counter() - start,
+                "first_token_at": first_token or time.perf_counter()}
+
+    def fail_rest(self, error: str) -> None:
+        with self.lock:
+            for r in self.running:
+                if r.error is None and any(o is None for o in self.outputs[r.index]):
+                    r.error, r.status = error, 500
+                    self.failed += 1
+                    self.writer.put(r.index, self.record(r, None))
 
 
 def summary_lines(summary: dict, stats: dict, compiled: Sequence) -> list[str]:

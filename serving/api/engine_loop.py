@@ -96,6 +96,7 @@ class EngineLoop:
         self.inbox: queue.Queue = queue.Queue()
         self.tracked: dict[str, _Tracked] = {}
         self.error: str | None = None
+        self.on_failure: Callable[[], None] | None = None  # called on the engine thread after a failed step
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -119,6 +120,14 @@ class EngineLoop:
 
     def cancel(self, request_ids: Sequence[str]) -> None:
         self.inbox.put(("cancel", list(request_ids)))
+
+    def fail_all(self, error: str) -> None:
+        """Fail every tracked request with `error` and refuse new work: after a failed step, or from another thread
+        when the engine thread will not return (a multi-process job lost a process mid-step)."""
+        self.error = error
+        tracked, self.tracked = self.tracked, {}
+        for sink in {t.sink for t in tracked.values()}:
+            sink.deliver([Failed(error)])
 
     # ---- the engine thread --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -145,12 +154,11 @@ class EngineLoop:
                     self.observe(engine, finished)
             except Exception as e:  # the engine's state is unknown: fail everyone, free what they hold, refuse new work
                 log.exception("engine step failed")
-                self.error = f"{type(e).__name__}: {e}"
-                for sink in {t.sink for t in self.tracked.values()}:
-                    sink.deliver([Failed(self.error)])
-                self.tracked.clear()
+                self.fail_all(f"{type(e).__name__}: {e}")
                 self._release_after_failure()
                 self._drain_after_failure()
+                if self.on_failure is not None:
+                    self.on_failure()
                 return
 
     def _handle(self, command) -> None:

@@ -33,10 +33,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sharding.multihost import Channel, watch
+
+LOST_GRACE_SECONDS = 1.0  # a job that lost a process writes its failed responses this long before it exits
+
 from serving.api.compile_progress import CompileProgress
 from serving.base.detokenize import ChoiceStream
 from serving.api.disagg import DisaggregatedEngine
 from serving.core.engine import Engine
+from serving.core.lockstep import Leader, send_config
 from serving.base.engine_config import EngineConfig
 from serving.api.engine_loop import Delta, Done, EngineLoop, Failed, Sink, Submission
 from serving.api.metrics import ServerMetrics
@@ -83,14 +88,21 @@ class Server:
                  **engine_settings):
         if config.prefill_mesh is not None and not config.disaggregate:
             raise ValueError("prefill_mesh (--prefill-mesh) is the prefill process's mesh: it needs --disaggregate")
+        if config.disaggregate and jax.process_count() > 1:
+            raise ValueError("--disaggregate runs on one host: a multi-process job serves without it")
         self.config, self.model = config, model
         self.api = OpenAIRequests.for_model(model, config.chat_format, config.checkpoint, 1024)
         self.tokenizer, self.fmt, self.decode = self.api.tokenizer, self.api.fmt, self.api.decode
+        if jax.process_count() > 1:  # the leader of a multi-process job: the others run what it schedules
+            channel = Channel()
+            send_config(channel, dataclasses.replace(engine_config or EngineConfig(), **engine_settings))
         self.engine = self.decode_engine = Engine(model, engine_config, detokenize=self.decode, **engine_settings)
         self.api.max_len = self.engine.layout.max_len
         if config.disaggregate:
             self.engine = DisaggregatedEngine(self.engine, config.checkpoint, jax.config.jax_compilation_cache_dir,
                                               prefill_mesh=config.prefill_mesh)
+        if jax.process_count() > 1:
+            self.engine = Leader(self.engine, channel)
         self.metrics = ServerMetrics(config.model_name, self.decode_engine.speculation.num_drafts)
         self.loop = EngineLoop(self.engine, self._observe, self.metrics.constraint_setup.observe)
         self.in_flight, self.max_concurrency = 0, config.max_concurrency
@@ -103,8 +115,9 @@ class Server:
 
     def stop(self) -> None:
         self.loop.stop()
-        if isinstance(self.engine, DisaggregatedEngine):
+        if isinstance(self.engine, (DisaggregatedEngine, Leader)):
             self.engine.close()
+        self.decode_engine.close()
 
     def _observe(self, engine, finished) -> None:
         """After each engine step (engine thread): queue depths, page usage, finished requests' latencies."""
@@ -528,6 +541,15 @@ def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, Callable[[], Non
     return f"http://{host}:{port}", stop
 
 
+def _lost(server: Server, why: str) -> None:
+    """A multi-process job lost a process: its step waits for ever, so fail the requests in flight (their
+    responses are written within `LOST_GRACE_SECONDS`) and end this process."""
+    server.loop.fail_all(why)
+    time.sleep(LOST_GRACE_SECONDS)
+    print(f"jaxseek serve: error: {why}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def serve(args, model, engine_config: EngineConfig) -> int:
     """Run the server until interrupted (the body of `jaxseek serve`), its engine set by `engine_config`."""
     import uvicorn
@@ -540,21 +562,33 @@ def serve(args, model, engine_config: EngineConfig) -> int:
                           max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model,
                           disaggregate=args.disaggregate, prefill_mesh=args.prefill_mesh)
     server = Server(model, config, engine_config)
+    if isinstance(server.engine, Leader):
+        watch(lambda why: _lost(server, why))
     print(f"jaxseek serve: {server.engine.startup_summary()}", file=sys.stderr)
     if args.disaggregate:
         print(f"jaxseek serve: the prefill process runs on {server.engine.prefill_layout}", file=sys.stderr)
     if not args.no_warmup:
         # what the first requests run compiles before the server answers, the other buckets after, while it serves
         # (a disaggregated pair compiles everything first: its prefill process compiles on its own)
-        engine = server.decode_engine
-        progress = CompileProgress(engine)
+        progress = CompileProgress(server.decode_engine)
         if args.disaggregate:
             server.engine.warmup()
         else:
-            engine.warmup(engine.first_buckets())
+            server.engine.warmup(server.engine.first_buckets())
         print(progress.summary(), file=sys.stderr)
         if not args.disaggregate:
-            engine.compile_in_background()
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
+            server.engine.compile_in_background()
+    http = uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level,
+                                         timeout_graceful_shutdown=5))
+    if isinstance(server.engine, Leader):
+        # the job cannot run another step once a process is gone: its requests got the error, the server stops
+        server.loop.on_failure = lambda: setattr(http, "should_exit", True)
+    try:
+        http.run()
+    except KeyboardInterrupt:  # uvicorn raises the interrupt it stopped for again: the server stopped as asked
+        pass
+    if server.loop.error is not None and isinstance(server.engine, Leader):
+        print(f"jaxseek serve: error: {server.loop.error}", file=sys.stderr)
+        return 1
     return 0
 

@@ -29,6 +29,7 @@ from model.mtp_drafter import mtp_drafter
 from model.replay import for_engine
 from serving.structured.constraints import ConstraintSpec
 from serving.base.engine_config import EngineConfig
+from serving.base.host_choices import HostChoices
 from serving.core.executable_cache import ExecutableCache, describe, directory
 from serving.structured.jump_forward import jump_forward
 from serving.base.kv_cache import CacheLayout, drafter_ring, page_bytes
@@ -96,7 +97,10 @@ class Engine:
             raise ValueError(f"speculation={config.speculation!r} needs a model with a DSpark drafter or an MTP "
                              "block (this one has neither)")
         self.config, self.model, self.model_config = config, model, model.config
-        self.speculation = SpeculationPolicy(config, drafter.config.block_size if drafter is not None else 0)
+        # the clock and the background-dependent choices: one for every process of a multi-process engine
+        self.choices = HostChoices()
+        self.speculation = SpeculationPolicy(config, drafter.config.block_size if drafter is not None else 0,
+                                             self.choices.now)
         num_drafts = self.speculation.num_drafts
         backtrack = config.backtrack if drafter is None else max(config.backtrack, num_drafts + 1)
         num_pages, page_tokens = config.num_pages, config.page_tokens
@@ -147,9 +151,11 @@ class Engine:
         self._compiling: dict[tuple[int, int, int, int], threading.Lock] = {}  # a lock per bucket compiling
         self._compiling_lock = threading.Lock()
         self._background: threading.Thread | None = None  # compiling the buckets not compiled yet, while serving
+        self._stop_compiling = threading.Event()
         self._unproven: set[tuple[int, int, int, int]] = set()  # buckets loaded from disk, not yet run
-        # compiled buckets kept on disk beside JAX's compile cache
-        stored = directory()
+        # compiled buckets kept on disk beside JAX's compile cache (not in a multi-process job: a deserialized
+        # executable would not know the job's other processes)
+        stored = directory() if jax.process_count() == 1 else None
         self.executables = None if stored is None else ExecutableCache(
             stored, model.config, drafter.config if drafter else None, self.layout, self.replay,
             self.layer_plan is None, config.num_top_logprobs, config.return_logits, self._engram_shapes(),
@@ -229,12 +235,12 @@ class Engine:
             for draft in (True, False) if self.speculation.draft_fallback and width == 1 else (True,):
                 times = []
                 for _ in range(repeats + 2):
-                    start = time.perf_counter()
+                    start = self.choices.now()
                     bucket = (rows, width, width, pages)
                     outputs, self.cache = self._launch(bucket, self._executable(bucket),
                                                        batch._replace(draft=np.asarray(draft)))
                     jax.block_until_ready(outputs)
-                    times.append(time.perf_counter() - start)
+                    times.append(self.choices.now() - start)
                 seconds[rows, width if draft else 0] = min(times[2:])
         widths = (1,) + self.speculation.verify_widths
         return CostTable(interpolated(monotone_in_width(seconds), self.decode_rows, widths))
@@ -244,10 +250,23 @@ class Engine:
         while the engine serves; a step that needs a bucket compiling there waits for it, one that needs a
         bucket not reached yet compiles it itself (`jaxseek serve` answers once `first_buckets` are compiled)."""
         order = sorted(self.buckets(), key=lambda b: (b[3], b[0], b[1], b[2]))
-        self._background = threading.Thread(target=lambda: [self._executable(b) for b in order], name="compile",
-                                             daemon=True)
+
+        def compile_all():
+            for bucket in order:
+                if self._stop_compiling.is_set():
+                    return
+                self._executable(bucket)
+
+        self._background = threading.Thread(target=compile_all, name="compile", daemon=True)
         self._background.start()
         return self._background
+
+    def close(self) -> None:
+        """Stop the background compilation after the bucket it compiles now, and wait for it (a process that
+        exits while XLA compiles may crash)."""
+        if self._background is not None:
+            self._stop_compiling.set()
+            self._background.join()
 
     @property
     def _compiling_in_background(self) -> bool:
@@ -544,6 +563,9 @@ class Engine:
         cheapest compiled bucket that holds its step: as many rows or more, as many tokens or more (a decode row
         runs in a prefill bucket as its chunk's first token), as much context or more, the same verify length
         (a verify bucket's width is its verify length). Without one, the step compiles its own."""
+        return self.choices.choose(lambda: self._compiled_holding(bucket))
+
+    def _compiled_holding(self, bucket: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
         if bucket in self.compiled or not self._compiling_in_background:
             return bucket
         rows, width, verify_len, pages = bucket

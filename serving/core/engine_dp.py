@@ -34,6 +34,7 @@ from serving.core.step import StepBatch, StepHalves, StepOutput, decide_inputs, 
 from sharding.expert_balance import ExpertSlots, shard_balancedness
 from sharding.expert_parallel import TOKEN_AXES, local_pairs
 from sharding.mesh import MeshSpec, logical_spec, make_mesh, param_shardings, place, shard_model
+from sharding.multihost import put, to_host
 
 RANKS = logical_spec("batch")  # a leading axis split over the attention ranks
 
@@ -199,8 +200,10 @@ class DataParallel:
         else:
             executables = compile_layered(halves, plan, weights, cache, batch, verify_len, _MeshLowering(self),
                                           viewed=False)
-        outputs = executables[-1].out_info[0]
-        gather = jax.jit(_in_order).lower(outputs, jax.ShapeDtypeStruct((rows * self.ranks,), jnp.int32))
+        # the outputs in the batch's row order, whole on every process (a multi-process job reads them on each)
+        outputs, replicated = executables[-1].out_info[0], NamedSharding(self.mesh, P())
+        order = jax.ShapeDtypeStruct((rows * self.ranks,), jnp.int32, sharding=replicated)
+        gather = jax.jit(_in_order, out_shardings=replicated).lower(outputs, order)
         return executables + [gather.compile()]
 
     def _sharded(self, fn: Callable, donated: tuple[int, ...], args: tuple, counted: int | None):
@@ -294,7 +297,7 @@ class DataParallel:
         """Move the pair counts of dispatched steps (each step's: arrays [ranks, layers, slots] in layer order) to
         the host: into EPLB's window, or summed for the metric."""
         for parts in steps:
-            loads = np.concatenate([np.asarray(part) for part in parts], axis=1).sum(axis=0)
+            loads = np.concatenate([to_host(part) for part in parts], axis=1).sum(axis=0)
             if self.experts is not None:
                 self.experts.record(loads)
             else:
@@ -340,12 +343,12 @@ class DataParallel:
 
 class _Executable:
     """One compiled bucket of `rows` rows per rank: called as a single-device step is, with the batch the engine
-    built (`DataParallel.place` lays it out over the ranks, placed as its first program takes it: `first`);
+    built (`DataParallel.place` lays it out over the ranks, placed as the programs take it);
     returns the outputs in the batch's row order. `run` runs the placed batch."""
 
-    def __init__(self, owner: DataParallel, rows: int, first, gather):
+    def __init__(self, owner: DataParallel, rows: int, gather):
         self.owner, self.rows, self.gather = owner, rows, gather
-        self.batch_shardings = first.input_shardings[0][2]  # (weights or leaves, cache, batch, ...)
+        self.batch_shardings = None  # as the programs were compiled for (`DataParallel.shaped`), on the first call
 
     def run(self, weights: tuple, cache: EngineCache, batch: StepBatch) -> tuple[StepOutput, EngineCache, list]:
         """(outputs, cache, the expert loads counted: arrays [ranks, layers, slots]) of the placed `batch`."""
@@ -353,12 +356,14 @@ class _Executable:
 
     def __call__(self, weights: tuple, cache: EngineCache, batch: StepBatch):
         placed, placed_rows = self.owner.place(batch, self.rows)
-        outputs, cache, loads = self.run(weights, cache, jax.device_put(placed, self.batch_shardings))
+        if self.batch_shardings is None:
+            self.batch_shardings = jax.tree.map(lambda x: x.sharding, self.owner.shaped(placed))
+        outputs, cache, loads = self.run(weights, cache, put(placed, self.batch_shardings))
         if loads:
             self.owner._loads.append(loads)
         order = np.zeros(self.rows * self.owner.ranks, np.int32)
         order[:len(placed_rows)] = placed_rows
-        return self.gather(outputs, order), cache
+        return self.gather(outputs, put(order, self.gather.input_shardings[0][1])), cache
 
 
 class _OneProgram(_Executable):
@@ -366,7 +371,7 @@ class _OneProgram(_Executable):
     loads last)."""
 
     def __init__(self, owner: DataParallel, rows: int, step, gather):
-        super().__init__(owner, rows, step, gather)
+        super().__init__(owner, rows, gather)
         self.step = step
 
     def run(self, weights: tuple, cache: EngineCache, batch: StepBatch) -> tuple[StepOutput, EngineCache, list]:
@@ -383,7 +388,7 @@ class _LayeredExecutable(_Executable):
 
     def __init__(self, owner: DataParallel, rows: int, programs: list, gather, plan: LayerPlan,
                  head_leaves: tuple[int, ...]):
-        super().__init__(owner, rows, programs[0], gather)  # the embed program takes the batch
+        super().__init__(owner, rows, gather)
         self.loads: list[jax.Array] = []
         programs = [_Counted(p, self.loads) if _counts_loads(name, owner.ep) else p
                     for name, p in zip([*layer_program_names(plan), "decide"], programs, strict=True)]
@@ -407,7 +412,6 @@ class _Counted:
 
     def __init__(self, program, loads: list):
         self.program, self.loads = program, loads
-        self.input_shardings = program.input_shardings
 
     def __call__(self, *args):
         *out, loads = self.program(*args)

@@ -14,8 +14,11 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from model.paged import Paged, map_state, page_pools
+from sharding.multihost import put
 from serving.base.kv_cache import EngineCache, PageAllocator, drafter_ring
 from serving.prefix.prefix_cache import PrefixCache, PrefixMatch
 from serving.base.request import Request
@@ -300,27 +303,33 @@ class DevicePages:
 
     def read(self, page: int) -> list[np.ndarray]:
         """The page's rows of every paged leaf, in tree order (waits for the steps that wrote it)."""
-        return [np.asarray(x) for x in self._op("read")(self.owner.cache, self._page(page))]
+        return [np.asarray(x) for x in self._run("read", self._page(page))]
 
     def write(self, page: int, contents: list[np.ndarray]) -> None:
         """Put `contents` (from `read`) into page `page`."""
-        self.owner.cache = self._op("write")(self.owner.cache, self._page(page), contents)
+        self.owner.cache = self._run("write", self._page(page), contents)
 
     def take(self, slot: int) -> list[jax.Array]:
         """A device copy of the slot's window state (`EngineCache.window_state`), taken after the steps dispatched
         so far."""
-        return self._op("take")(self.owner.cache, self._slot(slot))
+        return self._run("take", self._slot(slot))
 
     def restore(self, slot: int, state: list[jax.Array]) -> None:
         """Put a snapshot from `take` into slot `slot`."""
-        self.owner.cache = self._op("restore")(self.owner.cache, self._slot(slot), state)
+        self.owner.cache = self._run("restore", self._slot(slot), state)
 
     def start_prompt(self, slot: int, tokens: list[int]) -> None:
         """Start the slot's penalty statistics of a request that prefills from mid-prompt (a prefix hit): its
         prompt mask holds `tokens`, its output counts are zero (the step resets only rows starting at 0)."""
         padded = np.zeros(self.max_len, np.int32)
         padded[:len(tokens)] = tokens
-        self.owner.cache = self._op("mark")(self.owner.cache, self._slot(slot), padded, np.int32(len(tokens)))
+        self.owner.cache = self._run("mark", self._slot(slot), padded, np.int32(len(tokens)))
+
+    def _run(self, name: str, *args):
+        """Op `name` on the cache and `args`, placed whole on every device (a multi-process engine's processes
+        each place their own devices' copies)."""
+        op = self._op(name)
+        return op(self.owner.cache, *put(args, op.input_shardings[0][1:]))
 
     def _slot(self, slot: int) -> np.int32:
         return np.int32(self.owner.placement.cache_slot(slot))
@@ -331,18 +340,21 @@ class DevicePages:
     def _op(self, name: str):
         if name not in self._ops:
             cache = self.owner.cache
-            spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
-            scalar = jax.ShapeDtypeStruct((), np.int32)
+            # an op's other arguments and what it reads out lie whole on every device of the cache's
+            whole = jax.tree.leaves(cache)[0].sharding
+            whole = NamedSharding(whole.mesh, P()) if isinstance(whole, NamedSharding) else whole
+            spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=whole)  # noqa: E731
+            scalar = jax.ShapeDtypeStruct((), np.int32, sharding=whole)
             paged = [spec(pool[0]) for pool in page_pools(cache.layers)]
             per_slot = [spec(leaf[0]) for leaf in cache.window_state()]
             # the cache keeps its placement (a mesh engine's is split over the ranks): the steps expect it
             placed = jax.tree.map(lambda x: x.sharding, cache)
             args = {"read": (scalar,), "write": (scalar, paged), "take": (scalar,), "restore": (scalar, per_slot),
-                    "mark": (scalar, jax.ShapeDtypeStruct((self.max_len,), np.int32), scalar)}[name]
+                    "mark": (scalar, spec(np.zeros(self.max_len, np.int32)), scalar)}[name]
             fn = {"read": _read_page, "write": _write_page, "mark": _start_prompt, "take": _take_slot,
                   "restore": _restore_slot}[name]
             keeps = name in ("read", "take")
-            jitted = jax.jit(fn) if keeps else jax.jit(fn, donate_argnums=0, out_shardings=placed)
+            jitted = jax.jit(fn, out_shardings=whole) if keeps else jax.jit(fn, donate_argnums=0, out_shardings=placed)
             shaped = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=x.sharding), cache)
             self._ops[name] = jitted.lower(shaped, *args).compile()
         return self._ops[name]

@@ -22,8 +22,10 @@ class SpeculationPolicy:
     bucket widths, the DSpark cost table (`costs`: seconds per decode / verify bucket, profiled by the engine and
     corrected by observed periods) and the no-draft fallback's probing."""
 
-    def __init__(self, config: EngineConfig, block: int):
-        """`block`: the drafter's block size (0: no drafter). Raises ValueError for drafts it cannot give."""
+    def __init__(self, config: EngineConfig, block: int, clock: Callable[[], float] = time.perf_counter):
+        """`block`: the drafter's block size (0: no drafter); `clock` times the observed periods (the engine's
+        `HostChoices.now`). Raises ValueError for drafts it cannot give."""
+        self.clock = clock
         num_drafts = block if config.num_drafts is None else config.num_drafts
         if block and not num_drafts <= block:
             raise ValueError(f"num_drafts must be in [1, {block}] (the drafter's block size), got {num_drafts}")
@@ -110,7 +112,7 @@ class SpeculationPolicy:
         and no request finishing in this or the previous iteration: a finishing request's bookkeeping is no cost
         of the bucket, and the narrower buckets often run only in a request's last step): what a decode / verify
         step really costs, host work included."""
-        now = time.perf_counter()
+        now = self.clock()
         if self.costs is not None and steady and self._steady_since is not None:
             self.costs.observe(*self._cost_key, now - self._steady_since)
         self._steady_since = now if steady else None
