@@ -44,7 +44,7 @@ PROMPTS = ["Who goes there?", "Speak, what news from Venice?", "What light throu
            "Tell me of the king.", "Is this a dagger which I see before me?", "Where is the duke?"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -60,7 +60,7 @@ def _tail(path: Path, lines: int = 30) -> str:
 def start_server(args, work_dir: Path, timeout: float) -> tuple[str, subprocess.Popen]:
     """`jaxseek serve` with the bundled model on a free 127.0.0.1 port, in a subprocess (its log in work_dir);
     returns (base url, process) once /health answers 200. Raises RuntimeError if it exits or times out first."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "jaxseek.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", args.model, "--max-num-seqs", str(args.max_slots),
            "--max-model-len", str(args.max_len), "--log-level", "warning"]

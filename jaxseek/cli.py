@@ -82,7 +82,7 @@ def _follow(args) -> int:
     decode = OpenAIRequests.for_model(model, args.chat_format, args.model, 1024).decode  # stop strings, as the leader
     watch(lambda why: _exit_lost(args, why))
     try:
-        follow(Engine(model, follower_config(channel), detokenize=decode), channel)
+        follow(Engine(model, follower_config(channel, model.config), detokenize=decode), channel)
     except ProcessFailed as e:
         print(f"jaxseek {args.command}: error: {e}", file=sys.stderr)
         return 1
@@ -148,7 +148,7 @@ def cmd_generate(args) -> int:
     config = fitted_config(requests, config)
     if jax.process_count() > 1:
         channel = Channel()
-        send_config(channel, config)
+        send_config(channel, config, model.config)
     engine = Engine(model, config, detokenize=api.decode)
     runs: list[BatchRun] = []
 
@@ -224,7 +224,7 @@ BENCHMARKS = {  # `jaxseek bench NAME`: the module whose main(argv) runs it
     "engine": "benchmarks.engine", "dspark": "benchmarks.dspark", "prefill": "benchmarks.prefill",
     "grammar": "benchmarks.grammar", "kernels": "benchmarks.kernels", "serving": "benchmarks.serving",
     "startup": "benchmarks.startup", "context": "benchmarks.context", "quant": "benchmarks.quant",
-    "layer-programs": "benchmarks.layer_forms"}
+    "layer-programs": "benchmarks.layer_forms", "multiprocess": "benchmarks.multiprocess"}
 
 
 def cmd_bench(args) -> int:

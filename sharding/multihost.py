@@ -30,6 +30,7 @@ from sharding.mesh import place
 PULSE_SECONDS = 0.5  # how often each process says it lives (`watch`)
 LOST_SECONDS = 5.0  # a process silent this long is gone
 HEARTBEAT_SECONDS = 30  # the coordination service's own limit, after `watch`'s: it ends the job's processes
+_finishing = threading.Event()  # this process is ending the job (`finish`): `watch` stops
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, local_devices: int | None = None) -> None:
@@ -50,6 +51,7 @@ def finish(timeout: float = 60.0) -> None:
     """End the job once every process has got here (a recoverable job's shutdown waits for no one): the leader
     shuts the coordination service down; every other process exits at once, with status 0, since a shutdown
     handshake with a service that may be gone already would fail."""
+    _finishing.set()  # the others stop their pulses from here on: not a loss
     _client().wait_at_barrier("finish", int(timeout * 1000))
     if leader():
         jax.distributed.shutdown()
@@ -69,7 +71,7 @@ def _client():
 
 def _pulse(client, process_id: int) -> None:
     beat = 0
-    while True:
+    while not _finishing.is_set():
         try:
             client.key_value_set(f"pulse/{process_id}", str(beat), allow_overwrite=True)
         except jax.errors.JaxRuntimeError:
@@ -85,9 +87,13 @@ def watch(on_lost: Callable[[str], None], timeout: float = LOST_SECONDS) -> thre
     client, me = _client(), jax.process_index()
     others = [i for i in range(jax.process_count()) if i != me]
 
+    def lose(why: str) -> None:
+        if not _finishing.is_set():  # a process ending the job stops its pulse: no loss
+            on_lost(why)
+
     def run():
         seen = {i: (None, time.monotonic()) for i in others}
-        while True:
+        while not _finishing.is_set():
             time.sleep(PULSE_SECONDS)
             now = time.monotonic()
             for i in others:
@@ -97,11 +103,11 @@ def watch(on_lost: Callable[[str], None], timeout: float = LOST_SECONDS) -> thre
                     if "NOT_FOUND" in str(e):
                         beat = None  # not started yet
                     else:
-                        return on_lost(f"the job's coordination service (process 0) cannot be reached ({e})")
+                        return lose(f"the job's coordination service (process 0) cannot be reached ({e})")
                 if beat != seen[i][0]:
                     seen[i] = (beat, now)
                 elif now - seen[i][1] > timeout:
-                    return on_lost(f"process {i} of the {len(others) + 1}-process job stopped ({timeout:.0f} s "
+                    return lose(f"process {i} of the {len(others) + 1}-process job stopped ({timeout:.0f} s "
                                    f"without a sign of life)")
 
     thread = threading.Thread(target=run, name="watch", daemon=True)

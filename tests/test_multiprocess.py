@@ -1,9 +1,9 @@
 """The engine over `jax.distributed` (serving.core.lockstep): two processes x 4 emulated CPU devices (gloo), one
 dp=8,ep=2 mesh over their 8 devices, give what one process x 8 devices gives, token for token: `jaxseek generate`
 (only the leader writes its output) and `jaxseek serve` (requests to the leader's port, speculation and the prefix
-cache on). A process killed mid-stream: the other fails the request in flight with an error naming the lost
-process and exits non-zero, in bounded time. Each process runs the bundled model from the command line, as a user
-starts one per host."""
+cache on). A process killed mid-stream or mid-batch: the leader fails each request in flight with an error naming
+the lost process and exits non-zero, in bounded time; a killed leader takes the others down. Each process runs the
+bundled model from the command line, as a user starts one per host."""
 
 import json
 import os
@@ -175,6 +175,34 @@ def test_a_process_killed_mid_stream_fails_the_request_and_ends_the_job(xla, tmp
             assert "process 1 of the 2-process job stopped" in (tmp_path / "kill1-0.log").read_text()
 
 
+def test_generate_with_a_process_lost_records_why_for_each_request_not_done(xla, tmp_path):
+    """`jaxseek generate` whose follower dies mid-batch: the finished request keeps its result, the running one
+    gets an error record naming the lost process, and the leader exits 1. The job decodes with DSpark, whose cost
+    table the leader times (its profile runs before the first decode step) and every process uses."""
+    batch, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
+    batch.write_text("".join(json.dumps({"custom_id": f"r{i}", "url": "/v1/completions", "body": {
+        "model": MODEL, "prompt": "ROMEO:", "max_tokens": n, "temperature": 0, "ignore_eos": True}}) + "\n"
+        for i, n in enumerate((2, 88))))
+    procs = _job(["generate", "--input", str(batch), "--output", str(out), "--max-num-seqs", "8", "--max-len", "96",
+                  "--prefill-chunk", "8", "--mesh", "dp=8,ep=2", "--speculation", "dspark", "--no-warmup",
+                  "--compile-cache", xla], tmp_path,
+                 "lost")
+    names = ["lost0", "lost1"]
+    try:
+        end = time.monotonic() + WAIT
+        while not (out.exists() and out.read_text().count("\n") >= 1):  # the short request is done
+            assert time.monotonic() < end and procs[0].poll() is None, _logs(tmp_path, names)
+            time.sleep(0.2)
+        procs[1].kill()
+        assert procs[0].wait(timeout=60) == 1, _logs(tmp_path, names)
+    finally:
+        _stop(procs)
+    done, lost = [json.loads(line) for line in out.read_text().splitlines()]
+    assert done["error"] is None and done["response"]["body"]["usage"]["completion_tokens"] == 2
+    assert lost["custom_id"] == "r1" and lost["response"]["status_code"] == 500
+    assert "process 1 of the 2-process job stopped" in lost["error"]["message"], lost
+
+
 @pytest.mark.parametrize("argv, job", [
     ([], None),
     (["--num-processes", "2", "--process-id", "1", "--coordinator", "h:1"], ProcessJob("h:1", 2, 1)),
@@ -228,3 +256,22 @@ def test_followers_take_the_leaders_clock_and_choices():
     channel.send(("calls", []))
     with pytest.raises(RuntimeError, match="out of step with the leader"):
         follower.now()
+
+
+def test_the_leaders_settings_check_the_mesh_and_the_model():
+    """The leader refuses a mesh short of the job's devices; a process whose model differs is refused by name."""
+    import dataclasses
+
+    from model.config import preset
+    from serving.base.engine_config import EngineConfig
+    from serving.core.lockstep import follower_config, send_config
+
+    channel, tiny = _Channel(), preset("tiny")
+    with pytest.raises(ValueError, match="needs a --mesh over all 8 devices of the job .* got one of 4"):
+        send_config(channel, EngineConfig(mesh="dp=4,ep=2"), tiny)
+    assert channel.messages == []
+    send_config(channel, EngineConfig(mesh="dp=8,ep=2", detokenize=str), tiny)
+    assert follower_config(channel, tiny) == EngineConfig(mesh="dp=8,ep=2")  # each process brings its detokenize
+    send_config(channel, EngineConfig(mesh="dp=8"), tiny)
+    with pytest.raises(ValueError, match="model is not the leader's .*vocab_size"):
+        follower_config(channel, dataclasses.replace(tiny, vocab_size=tiny.vocab_size * 2))

@@ -95,7 +95,8 @@ class Server:
         self.tokenizer, self.fmt, self.decode = self.api.tokenizer, self.api.fmt, self.api.decode
         if jax.process_count() > 1:  # the leader of a multi-process job: the others run what it schedules
             channel = Channel()
-            send_config(channel, dataclasses.replace(engine_config or EngineConfig(), **engine_settings))
+            settings = dataclasses.replace(engine_config or EngineConfig(), **engine_settings)
+            send_config(channel, settings, model.config)
         self.engine = self.decode_engine = Engine(model, engine_config, detokenize=self.decode, **engine_settings)
         self.api.max_len = self.engine.layout.max_len
         if config.disaggregate:

@@ -2,15 +2,16 @@
 
 Every process builds the same `Engine` on the one global mesh (`--mesh` over all the job's devices) and keeps the
 same host state, so each launches the same compiled programs, in the same order, on its own devices. The leader
-(process 0) sends its engine settings first (`send_config`); it is the engine its users see: `Leader` passes
-through to it, and sends each call that changes the engine (a request added or cancelled, a step, a warm-up) to the other processes on a `sharding.multihost.Channel`,
-with the values of the engine's clock readings and background-dependent choices (`HostChoices`) in between. Every
-other process runs `follow`: it repeats the leader's calls on its own engine, taking those values from the
-leader, until the leader stops it. Steps gather their outputs onto every process, so each reads the same tokens.
+(process 0) sends its engine settings first (`send_config`). It is the engine its users see: `Leader` passes
+through to it and sends each call that changes the engine (a request added or cancelled, a step, a warm-up) to
+the other processes on a `sharding.multihost.Channel`, with the values of the engine's clock readings and
+background-dependent choices (`HostChoices`) in between. Every other process runs `follow`: it repeats the
+leader's calls on its own engine, taking those values from the leader, until the leader stops it. Steps gather
+their outputs onto every process, so each reads the same tokens.
 
-A process that fails ends the job: its peers' collectives fail (the step raises; `Leader` says which job failed)
-or, when it dies between steps, the coordination service stops the others once its heartbeat is missed
-(`sharding.multihost.HEARTBEAT_SECONDS`).
+A process that fails ends the job: a step whose collectives fail raises `ProcessFailed`, and a process that dies
+stops its pulse, which the others' `sharding.multihost.watch` sees within `LOST_SECONDS`: the leader then fails
+the requests in flight with an error naming it, and every process exits non-zero.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from jax.sharding import Mesh
 
 from serving.base.engine_config import EngineConfig
 from serving.base.host_choices import Channel
-from serving.base.request import RequestOutput
 from sharding.mesh import MeshSpec
 
 # the calls that change an engine, repeated on every process; the ones run after the leader's own call succeeds
@@ -84,10 +84,11 @@ class Leader:
             self._send(("stop", (), {}))
 
 
-def send_config(channel: Channel, config: EngineConfig) -> None:
-    """The leader's first message: its engine settings (less `detokenize`: each process has its own), sent before
-    it builds its engine, since building one runs collectives that need every process. Raises ValueError for a
-    mesh that does not hold every device of the job (each process must run every step)."""
+def send_config(channel: Channel, config: EngineConfig, model_config) -> None:
+    """The leader's first message: its engine settings (less `detokenize`: each process has its own) and its
+    model's config, sent before it builds its engine, since building one runs collectives that need every
+    process. Raises ValueError for a mesh that does not hold every device of the job (each process must run
+    every step)."""
     mesh = config.mesh
     size = (1 if mesh is None else mesh.devices.size if isinstance(mesh, Mesh)
             else (MeshSpec.parse(mesh) if isinstance(mesh, str) else mesh).num_devices)
@@ -96,15 +97,21 @@ def send_config(channel: Channel, config: EngineConfig) -> None:
         raise ValueError(f"a {jax.process_count()}-process engine needs a --mesh over all {total} devices of the "
                          f"job ({jax.local_device_count()} per process), got one of {size} (dp x cp devices: ep "
                          f"splits the dp ranks' experts, e.g. dp={total},ep=2)")
-    channel.send(("config", dataclasses.replace(config, detokenize=None)))
+    channel.send(("config", dataclasses.replace(config, detokenize=None), model_config))
 
 
-def follower_config(channel: Channel) -> EngineConfig:
+def follower_config(channel: Channel, model_config) -> EngineConfig:
     """The leader's engine settings (its first message), but its `detokenize`: a follower builds its engine from
-    them, with its own tokenizer's (stop strings end requests alike on every process)."""
-    kind, config = channel.receive()
+    them, with its own tokenizer's (stop strings end requests alike on every process). Raises ValueError if this
+    process's model (`model_config`) is not the leader's."""
+    kind, config, leaders = channel.receive()
     if kind != "config":
         raise RuntimeError(f"expected the leader's engine settings first, got {kind!r}")
+    if leaders != model_config:
+        differ = [f.name for f in dataclasses.fields(leaders) if getattr(leaders, f.name, None)
+                  != getattr(model_config, f.name, None)] if type(leaders) is type(model_config) else ["its type"]
+        raise ValueError(f"process {jax.process_index()}'s model is not the leader's ({', '.join(differ[:5])} "
+                         f"differ): give every process the same --model")
     return config
 
 
@@ -127,9 +134,5 @@ def follow(engine, channel: Channel) -> None:
                 raise ProcessFailed(f"process {jax.process_index()} of the {jax.process_count()}-process engine "
                                     f"failed in {name}: a process of the job failed or lost touch ({e})") from e
             if name in ("step", "abort"):
-                forget(engine, result)
-
-
-def forget(engine, finished: list[RequestOutput]) -> None:
-    for output in finished:
-        engine.requests.pop(output.request_id, None)
+                for output in result:
+                    engine.requests.pop(output.request_id, None)

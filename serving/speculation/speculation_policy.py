@@ -111,8 +111,11 @@ class SpeculationPolicy:
         """Correct the DSpark cost table with the period of steady decode iterations (`steady`: no prefill step
         and no request finishing in this or the previous iteration: a finishing request's bookkeeping is no cost
         of the bucket, and the narrower buckets often run only in a request's last step): what a decode / verify
-        step really costs, host work included."""
+        step really costs, host work included. Without a cost table the clock is not read (in a multi-process
+        engine each reading is a message)."""
+        if self.costs is None:
+            return
         now = self.clock()
-        if self.costs is not None and steady and self._steady_since is not None:
+        if steady and self._steady_since is not None:
             self.costs.observe(*self._cost_key, now - self._steady_since)
         self._steady_since = now if steady else None
