@@ -6,10 +6,12 @@
 Prints ONE JSON line on stdout (progress on stderr). Never run by the test suite.
 
 `jaxseek generate` on the bundled model with `--mesh dp=8,ep=2` and every bucket compiled first (`--warmup`), as
-one process x 8 emulated CPU devices and as two processes x 4 (on localhost, gloo collectives, the leader sending
-each call on the job's key-value store: `serving.core.lockstep`). For each, the decode tokens/s over the generation
-loop (from the command's summary), the median of `--runs` runs; `two_over_one` is their ratio, and
-`tokens_equal` says whether both wrote the same tokens.
+one process x 8 emulated CPU devices (XLA:CPU's in-process collectives), as a `jax.distributed` job of that one
+process (`--num-processes 1 --coordinator ...`: every collective through gloo), and as two processes x 4 (on
+localhost, gloo, the leader sending each call on the job's key-value store: `serving.core.lockstep`). For each,
+the decode tokens/s over the generation loop (from the command's summary), the median of `--runs` runs;
+`two_over_one` and `two_over_one_gloo` are the two-process job's against the plain process and against the
+one-process job, and `tokens_equal` says whether all three wrote the same tokens.
 """
 
 from __future__ import annotations
@@ -35,14 +37,15 @@ def log(message: str) -> None:
     print(f"bench multiprocess: {message}", file=sys.stderr, flush=True)
 
 
-def run(processes: int, prompts: list[str], max_tokens: int, cache: str, out: Path) -> float:
-    """Decode tokens/s of one `jaxseek generate` job of `processes` processes (8 devices in all)."""
+def run(processes: int, prompts: list[str], max_tokens: int, cache: str, out: Path, job: bool) -> float:
+    """Decode tokens/s of `jaxseek generate` on `processes` processes (8 devices in all): a `jax.distributed` job
+    (`job`, always for several processes: gloo collectives) or one plain process (XLA:CPU's own collectives)."""
     devices = 8 // processes
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env["JAX_NUM_CPU_DEVICES"] = str(devices)
     args = [sys.executable, "-m", "jaxseek.cli", "generate", *(a for p in prompts for a in ("--prompt", p)),
             "--max-tokens", str(max_tokens), "--compile-cache", cache, *ENGINE]
-    job = [] if processes == 1 else ["--num-processes", str(processes), "--coordinator", f"127.0.0.1:{free_port()}"]
+    job = ["--num-processes", str(processes), "--coordinator", f"127.0.0.1:{free_port()}"] if job else []
     procs = [subprocess.Popen([*args, *job, *(["--process-id", str(i)] if job else []), "--output",
                                str(out if i == 0 else out.with_suffix(f".{i}"))], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -68,16 +71,17 @@ def main(argv=None) -> dict:
                     "max_tokens": args.max_tokens, "mesh": "dp=8,ep=2"}
     tokens = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for processes in (1, 2):
-            out = Path(tmp) / f"out{processes}.jsonl"
+        for name, processes, job in (("1_process", 1, False), ("1_process_gloo", 1, True), ("2_process", 2, True)):
+            out = Path(tmp) / f"{name}.jsonl"
             speeds = []
             for i in range(args.runs):
-                log(f"{processes} process(es), run {i + 1} of {args.runs}")
-                speeds.append(run(processes, prompts, args.max_tokens, str(Path(tmp) / "xla"), out))
-            result[f"decode_tok_s_{processes}_process"] = round(statistics.median(speeds), 2)
-            tokens[processes] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+                log(f"{name}, run {i + 1} of {args.runs}")
+                speeds.append(run(processes, prompts, args.max_tokens, str(Path(tmp) / "xla"), out, job))
+            result[f"decode_tok_s_{name}"] = round(statistics.median(speeds), 2)
+            tokens[name] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
     result["two_over_one"] = round(result["decode_tok_s_2_process"] / result["decode_tok_s_1_process"], 3)
-    result["tokens_equal"] = tokens[1] == tokens[2]
+    result["two_over_one_gloo"] = round(result["decode_tok_s_2_process"] / result["decode_tok_s_1_process_gloo"], 3)
+    result["tokens_equal"] = tokens["1_process"] == tokens["1_process_gloo"] == tokens["2_process"]
     result["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     print(json_line(result))
     return result

@@ -155,18 +155,18 @@ def add_process_args(p: argparse.ArgumentParser) -> None:
 
 
 def process_job(args: argparse.Namespace) -> ProcessJob | None:
-    """The job the multi-process flags describe (None: one process). Raises ValueError for flags that do not
-    make one."""
+    """The job the multi-process flags describe (None: one process outside any job; `--num-processes 1` with a
+    coordinator is a job of one, with the job's collectives). Raises ValueError for flags that do not make one."""
     if args.coordinator and (args.master_addr or args.master_port):
         raise ValueError("give the coordinator as --coordinator HOST:PORT or as --master-addr / --master-port, "
                          "not both")
     coordinator = args.coordinator
     if args.master_addr or args.master_port:
         coordinator = f"{args.master_addr or '127.0.0.1'}:{args.master_port or 29501}"
-    if args.num_processes == 1:
-        if coordinator or args.process_id:
-            raise ValueError("--coordinator and --process-id describe a multi-process job: give --num-processes N "
-                             "(N > 1) as well")
+    if args.num_processes == 1 and not coordinator:
+        if args.process_id:
+            raise ValueError("--process-id names a process of a multi-process job: give --num-processes N and "
+                             "--coordinator as well")
         return None
     if not coordinator:
         raise ValueError(f"--num-processes {args.num_processes} needs --coordinator HOST:PORT (process 0's address)")

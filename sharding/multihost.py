@@ -30,7 +30,8 @@ from sharding.mesh import place
 PULSE_SECONDS = 0.5  # how often each process says it lives (`watch`)
 LOST_SECONDS = 5.0  # a process silent this long is gone
 HEARTBEAT_SECONDS = 30  # the coordination service's own limit, after `watch`'s: it ends the job's processes
-_finishing = threading.Event()  # this process is ending the job (`finish`): `watch` stops
+_finishing = threading.Event()  # this process is ending the job (`finish`): the pulse and `watch` stop
+_threads: list[threading.Thread] = []  # the pulse and the watches, joined before the job ends
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, local_devices: int | None = None) -> None:
@@ -44,7 +45,13 @@ def initialize(coordinator: str, num_processes: int, process_id: int, local_devi
     jax.config.update("jax_enable_recoverability", True)
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
                                heartbeat_timeout_seconds=HEARTBEAT_SECONDS, shutdown_timeout_seconds=30)
-    threading.Thread(target=_pulse, args=(_client(), process_id), name="pulse", daemon=True).start()
+    _start(threading.Thread(target=_pulse, args=(_client(), process_id), name="pulse", daemon=True))
+
+
+def _start(thread: threading.Thread) -> threading.Thread:
+    _threads.append(thread)
+    thread.start()
+    return thread
 
 
 def finish(timeout: float = 60.0) -> None:
@@ -52,6 +59,8 @@ def finish(timeout: float = 60.0) -> None:
     shuts the coordination service down; every other process exits at once, with status 0, since a shutdown
     handshake with a service that may be gone already would fail."""
     _finishing.set()  # the others stop their pulses from here on: not a loss
+    for thread in _threads:  # out of the client's calls before it goes (a thread inside one at exit aborts)
+        thread.join(timeout=5 * PULSE_SECONDS)
     _client().wait_at_barrier("finish", int(timeout * 1000))
     if leader():
         jax.distributed.shutdown()
@@ -110,9 +119,7 @@ def watch(on_lost: Callable[[str], None], timeout: float = LOST_SECONDS) -> thre
                     return lose(f"process {i} of the {len(others) + 1}-process job stopped ({timeout:.0f} s "
                                    f"without a sign of life)")
 
-    thread = threading.Thread(target=run, name="watch", daemon=True)
-    thread.start()
-    return thread
+    return _start(threading.Thread(target=run, name="watch", daemon=True))
 
 
 def leader() -> bool:

@@ -208,6 +208,7 @@ def test_generate_with_a_process_lost_records_why_for_each_request_not_done(xla,
     (["--num-processes", "2", "--process-id", "1", "--coordinator", "h:1"], ProcessJob("h:1", 2, 1)),
     (["--nnodes", "3", "--node-rank", "2", "--master-addr", "10.0.0.1"], ProcessJob("10.0.0.1:29501", 3, 2)),
     (["--nnodes", "2", "--master-port", "7000"], ProcessJob("127.0.0.1:7000", 2, 0)),
+    (["--coordinator", "h:1"], ProcessJob("h:1", 1, 0)),  # a job of one process
 ])
 def test_process_flags(argv, job):
     import argparse
@@ -219,7 +220,8 @@ def test_process_flags(argv, job):
 
 @pytest.mark.parametrize("argv, message", [
     (["--num-processes", "2"], "needs --coordinator"),
-    (["--process-id", "1"], "give --num-processes"),
+    (["--process-id", "1"], "give --num-processes N"),
+    (["--process-id", "1", "--coordinator", "h:1"], r"--process-id must be in \[0, 1\)"),
     (["--num-processes", "2", "--process-id", "2", "--coordinator", "h:1"], r"--process-id must be in \[0, 2\)"),
     (["--num-processes", "2", "--coordinator", "h"], "must be HOST:PORT"),
     (["--num-processes", "2", "--coordinator", "h:1", "--master-addr", "h"], "not both"),
