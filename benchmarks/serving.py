@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -45,6 +46,7 @@ PROMPTS = ["Who goes there?", "Speak, what news from Venice?", "What light throu
 
 
 def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -71,18 +73,29 @@ def start_server(args, work_dir: Path, timeout: float) -> tuple[str, subprocess.
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"jaxseek serve exited with {proc.returncode}:\n{_tail(log)}")
+    try:
+        wait_healthy(base_url, [proc], timeout, lambda: _tail(log), poll=1.0)
+    except RuntimeError:
+        stop_server(proc)
+        raise
+    return base_url, proc
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float | None, logs: Callable[[], str],
+                 poll: float = 0.5) -> None:
+    """Until `url`/health answers 200 (a `jaxseek serve` up), asking every `poll` seconds. Raises RuntimeError,
+    with `logs()`, if one of `procs` exits first or `timeout` seconds pass (None: no limit)."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while end is None or time.monotonic() < end:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"jaxseek serve exited ({[p.poll() for p in procs]}):\n{logs()}")
         try:
-            if httpx.get(base_url + "/health", timeout=5).status_code == 200:
-                return base_url, proc
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(1.0)
-    stop_server(proc)
-    raise RuntimeError(f"jaxseek serve did not answer /health within {timeout:.0f} s:\n{_tail(log)}")
+        time.sleep(poll)
+    raise RuntimeError(f"jaxseek serve did not answer /health within {timeout:.0f} s:\n{logs()}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -60,27 +60,17 @@ def first_token_s(cache_dir: str) -> float:
 
 def serve_startup(cache_dir: str, *flags: str) -> tuple[float, float]:
     """(seconds from starting `jaxseek serve` to /health answering 200, seconds of a first 16-token completion)."""
-    import socket
-
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from benchmarks.serving import free_port, wait_healthy
+
+    port = free_port()
     command = [sys.executable, "-m", "jaxseek.cli", "serve", "--port", str(port), "--compile-cache", cache_dir, *flags]
     start = time.perf_counter()
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"jaxseek serve exited with {server.returncode}: {server.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        wait_healthy(url, [server], None, lambda: server.stderr.read()[-2000:], poll=0.05)
         health = time.perf_counter() - start
         model = httpx.get(url + "/v1/models", timeout=10.0).json()["data"][0]["id"]
         begin = time.perf_counter()

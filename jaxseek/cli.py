@@ -101,7 +101,7 @@ def _exit_lost(args, why: str) -> None:
 def _compile_cache(args) -> None:
     if args.compile_cache != "off" and not jax.config.jax_compilation_cache_dir:  # a configured cache wins
         where = os.path.expanduser(args.compile_cache)
-        if jax.process_count() > 1:  # JAX's cache keys do not tell a job's programs from one process's: apart
+        if jax.process_count() > 1:  # a job's programs span its processes: kept apart from one process's
             where = os.path.join(where, f"{jax.process_count()}-processes")
         jax.config.update("jax_compilation_cache_dir", where)
 
@@ -146,8 +146,8 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         args.parser.error(str(e))
     config = fitted_config(requests, config)
-    if jax.process_count() > 1:
-        channel = Channel()
+    channel = Channel() if jax.process_count() > 1 else None  # a multi-process job's leader
+    if channel is not None:
         send_config(channel, config, model.config)
     engine = Engine(model, config, detokenize=api.decode)
     runs: list[BatchRun] = []
@@ -158,7 +158,7 @@ def cmd_generate(args) -> int:
             out.flush()
         _exit_lost(args, why)
 
-    if jax.process_count() > 1:  # the other processes run what this one schedules
+    if channel is not None:  # the other processes run what this one schedules
         engine = Leader(engine, channel)
         watch(lost)
     try:

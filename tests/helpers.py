@@ -1,10 +1,8 @@
 """Test helpers: models whose every parameter is random (no zero sinks, biases or position biases), greedy
-decoding by the full-sequence forward (the reference engines are checked against), a converted checkpoint
-with its BF16 tensors widened to F32, and waiting for a server process."""
+decoding by the full-sequence forward (the reference engines are checked against), and a converted checkpoint
+with its BF16 tensors widened to F32."""
 
 import shutil
-import socket
-import time
 from pathlib import Path
 
 import jax
@@ -14,31 +12,6 @@ from flax import nnx
 
 from model.api import Model
 from model.initialize import init_model
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, procs: list, timeout: float, logs) -> None:
-    """Until `url`/health answers 200 (a `jaxseek serve` up); fails with `logs()` if one of `procs` exits first or
-    `timeout` seconds pass."""
-    import httpx
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a server process exited ({[p.poll() for p in procs]}):\n{logs()}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"the server did not come up in {timeout:.0f} s:\n{logs()}")
 
 
 def random_model(config, seed: int = 0, noise: float = 0.1, **init_kwargs) -> Model:

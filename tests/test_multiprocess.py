@@ -19,7 +19,7 @@ import pytest
 
 from jaxseek.flags import ProcessJob, add_process_args, process_job
 from serving.base.host_choices import HostChoices
-from tests.helpers import free_port, wait_healthy
+from benchmarks.serving import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "jaxseek-bundled"

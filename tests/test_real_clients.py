@@ -21,8 +21,8 @@ from pydantic import BaseModel, Field
 
 from model import load_model
 from model.api import Model
-from benchmarks.serving import stop_server
-from tests.helpers import free_port, greedy_full_forward, prompt_logprobs_by_forward, wait_healthy
+from benchmarks.serving import free_port, stop_server, wait_healthy
+from tests.helpers import greedy_full_forward, prompt_logprobs_by_forward
 
 DATA = Path(__file__).parent / "data"
 TASKS = DATA / "lm_eval"

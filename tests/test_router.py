@@ -17,7 +17,7 @@ import pytest
 from model import load_model
 from serving.api.router import Router
 from serving.api.server import Server, ServerConfig, serve_in_thread
-from tests.helpers import free_port
+from benchmarks.serving import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bundled"

@@ -33,10 +33,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sharding.multihost import Channel, watch
-
-LOST_GRACE_SECONDS = 1.0  # a job that lost a process writes its failed responses this long before it exits
-
 from serving.api.compile_progress import CompileProgress
 from serving.base.detokenize import ChoiceStream
 from serving.api.disagg import DisaggregatedEngine
@@ -47,6 +43,10 @@ from serving.api.engine_loop import Delta, Done, EngineLoop, Failed, Sink, Submi
 from serving.api.metrics import ServerMetrics
 from serving.api.openai_api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, OpenAIRequests, check_fields,
                                 model_name, package_version)
+from sharding.multihost import Channel, watch
+
+LOST_GRACE_SECONDS = 1.0  # a job that lost a process writes its failed responses this long before it exits
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -93,8 +93,8 @@ class Server:
         self.config, self.model = config, model
         self.api = OpenAIRequests.for_model(model, config.chat_format, config.checkpoint, 1024)
         self.tokenizer, self.fmt, self.decode = self.api.tokenizer, self.api.fmt, self.api.decode
-        if jax.process_count() > 1:  # the leader of a multi-process job: the others run what it schedules
-            channel = Channel()
+        channel = Channel() if jax.process_count() > 1 else None  # a multi-process job's leader
+        if channel is not None:  # the others build their engines from its settings, and run what it schedules
             settings = dataclasses.replace(engine_config or EngineConfig(), **engine_settings)
             send_config(channel, settings, model.config)
         self.engine = self.decode_engine = Engine(model, engine_config, detokenize=self.decode, **engine_settings)
@@ -102,7 +102,7 @@ class Server:
         if config.disaggregate:
             self.engine = DisaggregatedEngine(self.engine, config.checkpoint, jax.config.jax_compilation_cache_dir,
                                               prefill_mesh=config.prefill_mesh)
-        if jax.process_count() > 1:
+        if channel is not None:
             self.engine = Leader(self.engine, channel)
         self.metrics = ServerMetrics(config.model_name, self.decode_engine.speculation.num_drafts)
         self.loop = EngineLoop(self.engine, self._observe, self.metrics.constraint_setup.observe)
