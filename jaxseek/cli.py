@@ -224,7 +224,8 @@ BENCHMARKS = {  # `jaxseek bench NAME`: the module whose main(argv) runs it
     "engine": "benchmarks.engine", "dspark": "benchmarks.dspark", "prefill": "benchmarks.prefill",
     "grammar": "benchmarks.grammar", "kernels": "benchmarks.kernels", "serving": "benchmarks.serving",
     "startup": "benchmarks.startup", "context": "benchmarks.context", "quant": "benchmarks.quant",
-    "layer-programs": "benchmarks.layer_forms", "multiprocess": "benchmarks.multiprocess"}
+    "layer-programs": "benchmarks.layer_forms", "multiprocess": "benchmarks.multiprocess",
+    "pd-split": "benchmarks.pd_split"}
 
 
 def cmd_bench(args) -> int:

@@ -44,6 +44,8 @@ _HC_SITE = re.compile(r"(hc_attn|hc_ffn|hc_head)\.(fn|base|scale)$")
 _EXPERTS = re.compile(r"^(.*\.experts)\.(w[123])(_scale)?$")
 _EXPERT_FILE = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 WEIGHTS = ("checkpoint", "bfloat16", "float32")  # resident formats of a loaded model
+PARTS = ("all", "prefill")  # what of a model `load_model` loads
+_LAYER = re.compile(r"^layers\.(\d+)\.")
 # transformers' save_pretrained keeps a few of its own spellings (checked with transformers 5.24)
 _HF_RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
@@ -193,7 +195,7 @@ def default_weights(quantized: bool) -> str:
 
 
 def load_model(path: str | Path | None = None, weights: str | None = None, engram_placement: str = "host",
-               dtype: str | None = None) -> Model:
+               dtype: str | None = None, part: str = "all") -> Model:
     """Load a DeepSeek-V4 or V4.1 checkpoint directory (config.json + safetensors) into a Model; without a path,
     the bundled default model (`model/bundled/`: a toy V4.1 trained on Shakespeare, see its README).
 
@@ -201,10 +203,14 @@ def load_model(path: str | Path | None = None, weights: str | None = None, engra
     CLI's `--dtype`, vLLM's), `auto` the default. The directory's tokenizer.json, when there is one, becomes
     `model.tokenizer`. V4.1 Engram tables stay in their stored format (FP8 rows + scales) in host memory or on
     the device; their canonical token ids come from the tokenizer.json.
+
+    `part`: `all`, or `prefill` for a V4.1 model's first `n_prefill_layer` layers alone
+    (`V41Config.prefill_part`: the layers a prefill side of an asymmetric P/D split runs; no drafter), whose
+    other tensors are never read.
     """
     weights = _weights_or_dtype(weights, dtype)
     path = BUNDLED if path is None else Path(path)
-    plan = _plan(path, weights)
+    plan = _plan(path, weights, part)
     layout, config = plan.layout, plan.config
     drafter = None
     if plan.drafter_tensors is not None:
@@ -283,11 +289,20 @@ class _Plan:
     layout: Layout
 
 
-def _plan(path: Path, weights: str | None) -> _Plan:
-    """What a checkpoint directory loads into, read off its config.json and safetensors headers."""
+def _plan(path: Path, weights: str | None, part: str = "all") -> _Plan:
+    """What a checkpoint directory loads into, read off its config.json and safetensors headers (`part`: see
+    `load_model`)."""
     raw_config = read_config_json(path)
     config = config_from_dict(raw_config)
     tensors = _canonical_names(read_tensors(path))
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    if part == "prefill":
+        if not isinstance(config, V41Config):
+            raise ValueError("part='prefill' needs a causal encoder-decoder (V4.1) model; this one is V4")
+        config = config.prefill_part()
+        tensors = {n: t for n, t in tensors.items() if not n.startswith("mtp.") and not (
+            (m := _LAYER.match(n)) and int(m.group(1)) >= config.num_hidden_layers)}
     tables = {}
     if isinstance(config, V41Config):
         tensors = _drop_unsupported_v41(tensors)

@@ -106,6 +106,21 @@ class V41Config:
         ones = [i for i in range(self.num_hidden_layers) if self.compress_ratios[i] == 1]
         return ones[0] if ones else self.num_hidden_layers
 
+    def prefill_part(self) -> V41Config:
+        """The model of the first `n_prefill_layer` layers (every KV source, no replay layer, no DSpark layers):
+        what the prefill side of an asymmetric P/D split holds (`serving.api.disagg`). Raises ConfigError for a
+        model without replay layers."""
+        n = self.n_prefill_layer
+        if n >= self.num_hidden_layers:
+            raise ConfigError("this model has no layers after its last KV source: its prefill part is the whole "
+                              "model, so an asymmetric P/D split saves nothing")
+        engram = [(i, rows) for i, rows in zip(self.engram_layer_ids, self.engram_num_embeddings) if i < n]
+        return dataclasses.replace(
+            self, num_hidden_layers=n, compress_ratios=self.compress_ratios[:n], num_nextn_predict_layers=0,
+            index_source_layer_ids=tuple(i for i in self.index_source_layer_ids if i < n),
+            engram_layer_ids=tuple(i for i, _ in engram), engram_num_embeddings=tuple(r for _, r in engram),
+            dspark_target_layer_ids=())
+
     # ---- validation ----------------------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ConfigError naming the first inconsistent field (the rules of the upstream config)."""

@@ -1,7 +1,8 @@
 """Prefill / decode disaggregation: a prefill engine in a separate process hands each request's cache state to the
 decode engine here; tokens, logprobs and finish reasons equal the single engine's, over prompts longer than the
 sliding window and a page, greedy and seeded sampling with penalties, and a request that ends at its first
-token. A prefill process killed mid-prompt leaves its requests to the decode engine, which finishes them alike."""
+token. A prefill process killed mid-prompt leaves its requests to the decode engine, which finishes them alike.
+V4.1's asymmetric split (the prefill part alone prefills each prompt's head) equals a single engine too."""
 
 import contextlib
 import re
@@ -207,6 +208,103 @@ def test_prefill_and_decode_on_meshes_of_different_shapes(setup):
             same(results[rid], expected)
         assert pd.prefill_layout == "2 attention rank(s), experts over 1 shard(s)"
         assert pd.handoff_bytes > 0 and pd.failure is None
+        assert pd.scheduler.pages.idle() == pd.layout.num_pages
+    finally:
+        pd.close()
+
+
+# V4.1's asymmetric split: the decode engine prefills each prompt's last `keep` tokens through every layer
+ASYMMETRIC = dict(max_slots=2, max_len=96, prefill_chunk=8, num_top_logprobs=5, speculation="fixed")
+KEEP = 40  # the bundled model's ring is 32 + 6 backtracking slots: prompts of 41 tokens or more are split
+
+
+@pytest.fixture(scope="module")
+def asymmetric(setup):
+    """A single engine on one device with bounded replay of KEEP tokens and DSpark (no prefix cache: a clobbered
+    cache holds no prefix), and its outputs."""
+    from model.replay import Replay
+
+    model, _, prompts, _ = setup
+    engine = Engine(model, detokenize=model.tokenizer.decode, replay=Replay("compact", KEEP), prefix_cache=False,
+                    **ASYMMETRIC)
+    prompts = [prompts[0], prompts[1], prompts[2] + prompts[1][:30], prompts[3]]
+    assert [len(p) > KEEP for p in prompts] == [False, True, True, False]
+    return engine, prompts, engine.generate(prompts, PARAMS)
+
+
+def test_a_partial_handoff_continues_as_a_single_engine(setup, asymmetric):
+    """The prefill part alone (`load_model(part="prefill")`) prefills a prompt's head; its layers' state, imported
+    into a clobbered engine, prefills the tail through every layer and decodes the single engine's tokens,
+    logprobs and text. A state of another layout is refused."""
+    import dataclasses
+
+    model = setup[0]
+    engine, prompts, reference = asymmetric
+    part = load_model(part="prefill")
+    assert part.config.num_hidden_layers == model.config.n_prefill_layer < model.config.num_hidden_layers
+    assert part.drafter is None
+    prefill = Engine(part, zero_overhead=False, backtrack=engine.layout.ring - model.config.sliding_window,
+                     max_slots=2, max_len=96, prefill_chunk=8)
+    head = prompts[1][:len(prompts[1]) - KEEP]
+    state = handed_off(prefill, head, SamplingParams(max_tokens=2, ignore_eos=True))
+    state = dataclasses.replace(state, request_id="tail", prompt=prompts[1], params=PARAMS[1], output=[],
+                                logprobs=[], slot={})
+    assert state.partial and state.computed == len(head)
+    swapped = dataclasses.replace(state, request_id="swapped", layers=state.layers[::-1])
+    with pytest.raises(ValueError, match="not laid out as this engine's first 3"):
+        engine.import_slot(swapped)
+    clobber(engine)
+    assert engine.import_slot(state)
+    same(engine.run()["tail"], reference[1])
+    assert engine.scheduler.pages.idle() == engine.layout.num_pages
+
+
+def test_asymmetric_split_across_meshes(setup, asymmetric):
+    """`--pd-split asymmetric`, prefill on dp=2 (the prefill part, its prefix cache on), decode on dp=2,ep=2 with
+    DSpark: every request equals the single engine's (two are split, one is too short and one asks for prompt
+    logprobs: both prefill on the decode side). The prefill process holds fewer weight bytes than the whole model
+    and hands over less. Then the prefill process is killed with two split prompts in it: the decode engine
+    prefills them whole, with the same outputs."""
+    import dataclasses
+
+    from model.replay import Replay
+    from serving.api.disagg import DisaggregatedEngine
+    from serving.api.server import Server, ServerConfig
+
+    model = setup[0]
+    engine, prompts, reference = asymmetric
+    with pytest.raises(ValueError, match="needs --disaggregate"):
+        Server(model, ServerConfig(pd_split="asymmetric"))
+    decode = Engine(model, detokenize=model.tokenizer.decode, mesh="dp=2,ep=2", replay=Replay("compact", KEEP),
+                    **ASYMMETRIC)
+    with pytest.raises(ValueError, match="must be one of"):
+        DisaggregatedEngine(decode, split="sideways")
+    with spawn_env():
+        pd = DisaggregatedEngine(decode, compile_cache=jax.config.jax_compilation_cache_dir, prefill_mesh="dp=2",
+                                 split="asymmetric")
+    try:
+        with pytest.raises(ValueError, match="exceeds the engine's max_len"):  # refused here: the head would fit
+            pd.add_request(prompts[1], SamplingParams(max_tokens=40))
+        scored = dataclasses.replace(PARAMS[0], prompt_logprobs=2)
+        rid = engine.add_request(prompts[2], scored)
+        expected_scored = engine.run()[rid]
+        ids = [pd.add_request(p, q) for p, q in zip(prompts, PARAMS)] + [pd.add_request(prompts[2], scored)]
+        assert len(pd.in_prefill) == 2  # the short prompt and the scored one went to the decode engine
+        results = pd.run()
+        for rid, expected in zip(ids, reference + [expected_scored]):
+            same(results[rid], expected)
+        for x, y in zip(results[ids[-1]].prompt_logprobs[1:], expected_scored.prompt_logprobs[1:], strict=True):
+            assert x.token == y.token and x.logprob == pytest.approx(y.logprob, abs=1e-5)
+        whole = sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
+        assert 0 < pd.prefill_weight_bytes < whole and pd.handoff_bytes > 0
+        assert pd.scheduler.pages.idle() == pd.layout.num_pages
+        late = [pd.add_request(prompts[i], PARAMS[i]) for i in (1, 2)]
+        pd.process.kill()
+        results = pd.run()
+        # a head of 4 chunks may have been handed over before the kill: at least the other is taken over
+        assert pd.failure.startswith("the prefill process exited") and pd.retried in (1, 2)
+        for rid, i in zip(late, (1, 2)):
+            same(results[rid], reference[i])
         assert pd.scheduler.pages.idle() == pd.layout.num_pages
     finally:
         pd.close()

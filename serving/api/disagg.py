@@ -33,16 +33,18 @@ from serving.structured.constraints import ConstraintSpec
 from sharding.mesh import MeshSpec
 
 LOG = logging.getLogger(__name__)
+SPLITS = ("symmetric", "asymmetric")  # what the prefill process computes of a prompt: all of it, or a V4.1 head
 
 
 # ---- the prefill process --------------------------------------------------------------------------------------
 def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cache: str | None,
-                    cpu_devices: int) -> None:
+                    cpu_devices: int, split: str) -> None:
     """The prefill process: load the model, then prefill what arrives and send back hand-offs (or results of
     requests that finished at their first token). Each request is acknowledged ("accepted" or "error") as soon
     as it arrives; a cancelled one is acknowledged ("cancelled") once the prefill engine has let it go.
     `cpu_devices`: the parent's emulated CPU devices (`jax_num_cpu_devices`, -1: JAX's default), which a mesh
-    engine on CPU needs here too."""
+    engine on CPU needs here too. `split` `asymmetric`: the model's prefill part alone, whose hand-offs are
+    partial (the layers' state of the prompt head it was given, nothing else)."""
     jax.config.update("jax_num_cpu_devices", cpu_devices)  # before any JAX operation
     if compile_cache:
         jax.config.update("jax_compilation_cache_dir", compile_cache)
@@ -50,7 +52,7 @@ def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cac
     from serving.base.tokenizer import tokenizer_for
 
     try:
-        model = load_model(model_path)
+        model = load_model(model_path, part="prefill" if split == "asymmetric" else "all")
         # zero_overhead off: each step is read before the next one is dispatched, so a request stops at its first
         # token
         engine = Engine(model, config, zero_overhead=False, detokenize=tokenizer_for(model).decode)
@@ -59,7 +61,8 @@ def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cac
         outbox.send(("failed", f"{type(e).__name__}: {e}"))
         return
     placement = engine.placement
-    outbox.send(("ready", f"{placement.ranks} attention rank(s), experts over {placement.ep} shard(s)"))
+    outbox.send(("ready", (f"{placement.ranks} attention rank(s), experts over {placement.ep} shard(s)",
+                           sum(leaf.nbytes for leaf in jax.tree.leaves(model.params)))))
     pending: set[str] = set()
     while True:
         try:
@@ -95,7 +98,10 @@ def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cac
                 outbox.send(("finished", output))
         ready = [r for r in pending if engine.requests[r].output]
         for request_id in ready:
-            outbox.send(("handoff", engine.export_slot(request_id)))
+            state = engine.export_slot(request_id)
+            if split == "asymmetric":  # its first token is the prefill part's, not the model's: none is sent
+                state = dataclasses.replace(state, output=[], logprobs=[], slot={}, drafts=[], confidence=[])
+            outbox.send(("handoff", state))
         for request_id in ready:  # its slot and pages are free again; the next step collects the cancellation
             engine.cancel(request_id)
             pending.discard(request_id)
@@ -117,14 +123,34 @@ class DisaggregatedEngine:
     writing), the decode engine takes over: every request that was in the prefill process prefills here from its
     prompt (seeded, so its output is the pair's), every later request too, and `failure` says why (`retried`
     counts the requests taken over). Hand-offs that had arrived are kept.
+
+    `split` `asymmetric` (a V4.1 model with bounded replay in the decode engine's prefill, `model.replay`): the
+    prefill process loads the model's prefill part alone (`V41Config.prefill_part`: the layers through the last
+    KV source) and prefills each prompt's head, all but its last `keep` tokens (the decode engine's replay keep),
+    handing over those layers' state of the head; the decode engine prefills the tail through every layer, as
+    its own bounded prefill would have run the replay layers on it (outputs equal a single engine's). A prompt of
+    at most `keep` tokens, or one asking for prompt logprobs (every position through every layer), prefills in
+    the decode engine. `prefill_weight_bytes` is what the prefill process holds resident.
     """
 
     def __init__(self, decode_engine, model_path=None, compile_cache: str | None = None,
-                 start_timeout: float = 600.0, seed: int = 0, prefill_mesh: str | None = None):
+                 start_timeout: float = 600.0, seed: int = 0, prefill_mesh: str | None = None,
+                 split: str = "symmetric"):
         self.engine = decode_engine
         self.layout, self.scheduler, self.requests = decode_engine.layout, decode_engine.scheduler, \
             decode_engine.requests
+        if split not in SPLITS:
+            raise ValueError(f"the P/D split must be one of {SPLITS}, got {split!r}")
         config = dataclasses.replace(decode_engine.config, detokenize=None)
+        self.split, self.keep = split, 0  # asymmetric: the prompt tail the decode engine prefills
+        if split == "asymmetric":
+            if decode_engine.replay is None:
+                raise ValueError("an asymmetric P/D split needs a causal encoder-decoder (V4.1) model with bounded "
+                                 "replay in the decode engine's prefill (--replay compact or mask)")
+            self.keep = decode_engine.replay.keep
+            # the prefill part has no replay layer and no drafter; its rings keep the decode engine's backtracking
+            backtrack = decode_engine.layout.ring - decode_engine.model_config.sliding_window
+            config = dataclasses.replace(config, replay=None, speculation="none", backtrack=backtrack)
         if prefill_mesh is not None:
             if not isinstance(prefill_mesh, str):
                 raise ValueError(f"prefill_mesh must be a mesh spec like 'dp=2,ep=2', got {prefill_mesh!r}")
@@ -134,7 +160,7 @@ class DisaggregatedEngine:
         self.inbox = context.Queue()
         self.outbox, sending = context.Pipe(duplex=False)
         self.process = context.Process(target=_prefill_worker, daemon=True, args=(
-            self.inbox, sending, model_path, config, compile_cache, jax.config.jax_num_cpu_devices))
+            self.inbox, sending, model_path, config, compile_cache, jax.config.jax_num_cpu_devices, split))
         self.process.start()
         sending.close()  # the prefill process holds the only writer: its end ends the pipe, even mid-message
         kind, why = self._next(start_timeout) or ("failed", f"no answer within {start_timeout:g} s")
@@ -143,7 +169,8 @@ class DisaggregatedEngine:
         if kind != "ready":
             self.process.kill()
             raise RuntimeError(f"the prefill process did not start: {why}")
-        self.prefill_layout: str = why  # how the prefill engine is laid out, as it reported
+        # how the prefill engine is laid out and the bytes of its resident weights, as it reported
+        self.prefill_layout, self.prefill_weight_bytes = why
         self.waiting: list[SlotState] = []  # hand-offs waiting for a slot / pages here
         self.finished: list[RequestOutput] = []
         self.acks: dict[str, str | None] = {}  # request id -> None (accepted) or the refusal
@@ -158,6 +185,8 @@ class DisaggregatedEngine:
 
     def warmup(self) -> None:
         self.engine.warmup()
+        if self.split == "asymmetric":  # a partial hand-off starts as a prefix hit does
+            self.engine.device_pages.warmup()
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, constraint: ConstraintSpec | None = None,
@@ -171,8 +200,15 @@ class DisaggregatedEngine:
         if request_id in self.in_prefill or request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         submission = ([int(t) for t in prompt], params, constraint, constraint_trigger)
+        if self.split == "asymmetric":
+            head = self._head(request_id, submission)
+            if head is None:
+                return self._prefill_here(request_id, submission)
+            message = ("add", request_id, head, SamplingParams(max_tokens=2, ignore_eos=True, seed=0), None, None)
+        else:
+            message = ("add", request_id, *submission)
         if self.failure is None:
-            self.inbox.put(("add", request_id, *submission))
+            self.inbox.put(message)
         while request_id not in self.acks:
             if self.failure is not None:  # gone before it answered: prefill here
                 return self._prefill_here(request_id, submission)
@@ -182,6 +218,16 @@ class DisaggregatedEngine:
             raise ValueError(refusal)
         self.in_prefill[request_id] = submission
         return request_id
+
+    def _head(self, request_id: str, submission: tuple) -> list[int] | None:
+        """Asymmetric split: the prompt head the prefill process computes (None: the decode engine prefills the
+        whole prompt). The request is checked here first: the prefill process sees only the head."""
+        prompt, params, constraint, trigger = submission
+        self.engine.validate(prompt, params)
+        self.engine.structured.grammar(constraint, trigger, params.max_tokens)  # compiled once per spec
+        if len(prompt) <= self.keep or params.prompt_logprobs is not None or self.failure is not None:
+            return None
+        return prompt[:len(prompt) - self.keep]
 
     def _prefill_here(self, request_id: str, submission: tuple) -> str:
         prompt, params, constraint, trigger = submission
@@ -261,6 +307,10 @@ class DisaggregatedEngine:
                 continue
             submission = self.in_prefill.pop(request_id, None)
             if kind == "handoff":
+                if self.split == "asymmetric":  # the request as it came, its head computed (a partial state)
+                    prompt, params, constraint, trigger = submission
+                    payload = dataclasses.replace(payload, prompt=prompt, params=params, constraint=constraint,
+                                                  constraint_trigger=trigger)
                 self.waiting.append(payload)
                 self.handoff_bytes += payload.nbytes
             elif kind == "finished":

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.api.compile_progress import CompileProgress
 from serving.base.detokenize import ChoiceStream
-from serving.api.disagg import DisaggregatedEngine
+from serving.api.disagg import SPLITS, DisaggregatedEngine
 from serving.core.engine import Engine
 from serving.core.lockstep import Leader, send_config
 from serving.base.engine_config import EngineConfig
@@ -62,6 +62,7 @@ class ServerConfig:
     checkpoint: str | None = None  # the checkpoint directory (its tokenizer_config.json may hold a chat template)
     disaggregate: bool = False  # prefill in a separate process (serving.api.disagg), loading `checkpoint`
     prefill_mesh: str | None = None  # with `disaggregate`: the prefill engine's own mesh (None: the decode engine's)
+    pd_split: str = "symmetric"  # with `disaggregate`: what the prefill process computes (serving.api.disagg.SPLITS)
 
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "tool_choice", "chat_template_kwargs", "thinking",
@@ -88,6 +89,9 @@ class Server:
                  **engine_settings):
         if config.prefill_mesh is not None and not config.disaggregate:
             raise ValueError("prefill_mesh (--prefill-mesh) is the prefill process's mesh: it needs --disaggregate")
+        if config.pd_split != "symmetric" and not config.disaggregate:
+            raise ValueError(f"pd_split={config.pd_split!r} (--pd-split) splits the work of a prefill process: it "
+                             "needs --disaggregate")
         if config.disaggregate and jax.process_count() > 1:
             raise ValueError("--disaggregate runs on one host: a multi-process job serves without it")
         self.config, self.model = config, model
@@ -101,7 +105,7 @@ class Server:
         self.api.max_len = self.engine.layout.max_len
         if config.disaggregate:
             self.engine = DisaggregatedEngine(self.engine, config.checkpoint, jax.config.jax_compilation_cache_dir,
-                                              prefill_mesh=config.prefill_mesh)
+                                              prefill_mesh=config.prefill_mesh, split=config.pd_split)
         if channel is not None:
             self.engine = Leader(self.engine, channel)
         self.metrics = ServerMetrics(config.model_name, self.decode_engine.speculation.num_drafts)
@@ -517,6 +521,11 @@ def add_arguments(p) -> None:
                    help="prefill in a separate process that hands each request's cache state to the decode engine")
     p.add_argument("--prefill-mesh", metavar="SPEC",
                    help="with --disaggregate: the prefill engine's own mesh, e.g. dp=2,ep=2 (default: --mesh)")
+    p.add_argument("--pd-split", choices=SPLITS, default="symmetric",
+                   help="with --disaggregate: symmetric (the prefill process runs the whole model on the whole "
+                        "prompt) or asymmetric (V4.1: it holds the layers through the last KV source alone and "
+                        "runs them on all but the prompt's last replay-keep tokens, which the decode engine "
+                        "prefills through every layer)")
 
 
 def serve_in_thread(app, host: str = "127.0.0.1") -> tuple[str, Callable[[], None]]:
@@ -561,13 +570,15 @@ def serve(args, model, engine_config: EngineConfig) -> int:
     name = args.served_model_name or model_name(args.model, args.config)
     config = ServerConfig(model_name=name, api_key=args.api_key, max_concurrency=args.max_concurrency,
                           max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model,
-                          disaggregate=args.disaggregate, prefill_mesh=args.prefill_mesh)
+                          disaggregate=args.disaggregate, prefill_mesh=args.prefill_mesh, pd_split=args.pd_split)
     server = Server(model, config, engine_config)
     if isinstance(server.engine, Leader):
         watch(lambda why: _lost(server, why))
     print(f"jaxseek serve: {server.engine.startup_summary()}", file=sys.stderr)
     if args.disaggregate:
-        print(f"jaxseek serve: the prefill process runs on {server.engine.prefill_layout}", file=sys.stderr)
+        print(f"jaxseek serve: the prefill process runs on {server.engine.prefill_layout}, "
+              f"{server.engine.prefill_weight_bytes / 2**20:.1f} MiB of weights ({args.pd_split} split)",
+              file=sys.stderr)
     if not args.no_warmup:
         # what the first requests run compiles before the server answers, the other buckets after, while it serves
         # (a disaggregated pair compiles everything first: its prefill process compiles on its own)

@@ -79,6 +79,7 @@ class Request:
     counted_outputs: int = 0  # outputs in the slot's penalty counts already (a jump-forward row replays them)
     cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (not prefilled)
     prompt_logprobs: list | None = None  # params.prompt_logprobs set: per prompt token `serving.prefix.prompt_logprobs`
+    restore: list | None = None  # a partial hand-off's window state, which its first chunk starts from
 
     @property
     def sequence(self) -> list[int]:

@@ -135,12 +135,15 @@ class Engine:
         self.cache = self.placement.init_cache(module, draft_module)
         self.replay = for_engine(model.config, config.replay, self.layout.ring, drafter_ring(self.cache),
                                  drafter.config.target_layer_ids if drafter is not None else ())
+        self.device_pages = DevicePages(self, self.layout.max_len)  # a prefix hit's or partial hand-off's slot ops
         self.scheduler.prefix = self._prefix_cache()
         self.scheduler.scored_chunk = self.replay.keep if self.replay is not None else None
         # what the compiled steps take (flattened once)
         self.weights = (jax.tree.leaves(model.params), jax.tree.leaves(drafter.params) if drafter else [])
         # a reset row's per-slot leaves (their shapes do not depend on the length; its paged ones go unused)
         empty = module.init_cache(1, self.layout.page_tokens, self.layout.ring)
+        self.empty_layers = empty["layers"]
+        self.empty_drafter = None if draft_module is None else draft_module.init_state(1)
         spec = None if drafter is None else DrafterSpec(drafter.graphdef, jax.tree.structure(drafter.params),
                                                          draft_module.init_state(1), drafter.config.target_layer_ids)
         self._halves = build_step_halves(model.graphdef, jax.tree.structure(model.params), empty["layers"],
@@ -323,7 +326,6 @@ class Engine:
         if not self.layout.ring <= replay:
             raise ValueError(f"prefix_replay must be an integer >= the window ring ({self.layout.ring} tokens) so "
                              f"decode finds its window filled (exact replay: {exact}), got {replay!r}")
-        self.device_pages = DevicePages(self, self.layout.max_len)
         snapshots = 8 * self.layout.max_slots if config.prefix_snapshots is None else config.prefix_snapshots
         keep = self.replay.keep if self.replay is not None else 0
         self.prompt_store = PromptLogprobStore(self.layout.page_tokens, self.layout.num_pages)  # shared by ranks
@@ -351,6 +353,24 @@ class Engine:
         request body), from the start or, with `constraint_trigger`, after that token (e.g. `</think>`)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
+        self.validate(prompt, params)
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = self.structured.grammar(constraint, constraint_trigger, params.max_tokens)
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
+        request = Request(request_id, prompt, params, grammar=grammar, constraint=constraint)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(prompt)
+        if self.engram is not None:
+            request.engram_history = self.engram.empty_history(1)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what of a prompt and its parameters this engine cannot run."""
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -366,20 +386,6 @@ class Engine:
         if params.prompt_logprobs is not None and params.prompt_logprobs > num_top:
             raise ValueError(f"prompt_logprobs={params.prompt_logprobs} exceeds the engine's "
                              f"num_top_logprobs={num_top}")
-        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        grammar = self.structured.grammar(constraint, constraint_trigger, params.max_tokens)
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=int(self._seeds.integers(0, 2**63 - 1)))
-        request = Request(request_id, prompt, params, grammar=grammar, constraint=constraint)
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None] * len(prompt)
-        if self.engram is not None:
-            request.engram_history = self.engram.empty_history(1)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
-        return request_id
 
     def export_slot(self, request_id: str) -> SlotState:
         """The state of a running request whose prompt is in the cache, to continue it in another engine
@@ -403,10 +409,17 @@ class Engine:
         """Install a request `export_slot` gave (another engine's) as running here: its next step decodes it;
         False when no slot or not enough pages are free now (try again after a step). On a mesh it goes to the
         rank the scheduler picks (`take_handoff`). Raises ValueError for a state of another layout or a request
-        id in use."""
-        slot_state.check(self.cache, state, self.layout.page_tokens)
+        id in use.
+
+        A state whose prompt is only partly computed (`SlotState.partial`: the prefix state of an asymmetric P/D
+        split, the first layers' alone) is installed as a prefix-cache hit restoring a window-state snapshot: its next
+        steps prefill the rest of the prompt through every layer, from the penalty statistics of a fresh slot and
+        the empty state in the layers the hand-off lacks."""
         if state.request_id in self.requests:
             raise ValueError(f"request id {state.request_id!r} is already in use")
+        if state.partial:
+            return self._import_prefix(state)
+        slot_state.check(self.cache, state, self.layout.page_tokens)
         grammar = self.structured.grammar(state.constraint, state.constraint_trigger, state.params.max_tokens)
         if grammar is not None and not grammar.accept(state.output):
             raise ValueError(f"the hand-off's output breaks its constraint: {grammar.error}")
@@ -421,6 +434,22 @@ class Engine:
             return False
         self.cache = slot_state.put(self.cache, state, self.placement.cache_slot(request.slot),
                                     self.placement.cache_pages(np.asarray(new, np.int32)))
+        self.requests[request.request_id] = request
+        self.scheduler.running.append(request)
+        return True
+
+    def _import_prefix(self, state: SlotState) -> bool:
+        slot_state.check_prefix(self.cache, state, self.layout.page_tokens)
+        grammar = self.structured.grammar(state.constraint, state.constraint_trigger, state.params.max_tokens)
+        request = Request(state.request_id, list(state.prompt), state.params,
+                          arrival=time.perf_counter() - state.elapsed, status=Status.RUNNING, computed=state.computed,
+                          fresh_slot=True, grammar=grammar, constraint=state.constraint,
+                          engram_history=None if self.engram is None else self.engram.empty_history(1))
+        new = self.scheduler.take_handoff(request)
+        if new is None:
+            return False
+        self.cache = slot_state.put_pages(self.cache, state, self.placement.cache_pages(np.asarray(new, np.int32)))
+        request.restore = slot_state.window_state(state, self.empty_layers, self.empty_drafter)
         self.requests[request.request_id] = request
         self.scheduler.running.append(request)
         return True

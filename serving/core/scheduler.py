@@ -12,7 +12,6 @@ prefills only from shortly before the hit's end.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -161,6 +160,7 @@ class Scheduler:
         self.free_slots.append(request.slot)
         self.running.remove(request)
         request.slot, request.status, request.computed, request.counted_outputs = None, status, 0, 0
+        request.restore = None  # a partial hand-off's pages are gone: it computes from the start
         self.waiting.appendleft(request)
 
     def _chunk(self, request: Request, budget: int) -> Row | None:
@@ -183,11 +183,18 @@ class Scheduler:
         row = Row(request, sequence[start:start + size], start, False, request.fresh_slot,
                   start + size == len(sequence), kinds, frozen=self.pages.frozen_tokens(request.slot),
                   prompt_end=0 if request.counted_outputs else len(sequence),
-                  restore=self.prefix.restore(request) if self.prefix is not None and request.fresh_slot else None)
-        request.fresh_slot = False
+                  restore=self._restore(request))
+        request.fresh_slot, request.restore = False, None
         if row.sample and self.prefix is not None:
             self.prefix.prefilled(request)
         return row
+
+    def _restore(self, request: Request) -> list | None:
+        """The window state the first chunk of `request` in its slot starts from: a partial hand-off's, a prefix
+        hit's snapshot, or None."""
+        if request.restore is not None or self.prefix is None or not request.fresh_slot:
+            return request.restore
+        return self.prefix.restore(request)
 
     def _ensure_pages(self, request: Request, tokens: int, in_flight: bool) -> bool:
         """Pages for `tokens` tokens of a running request, preempting later arrivals if the pool is short.

@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Int
 
 from serving.structured.constraints import ConstraintSpec
-from model.paged import Paged, map_state
+from model.paged import Paged, is_paged, map_state, slot_leaves
 from serving.base.kv_cache import EngineCache
 from serving.base.request import TokenLogprob
 from serving.base.sampling import SamplingParams
@@ -45,6 +45,12 @@ class SlotState:
     prompt_logprobs: list | None = None  # `Request.prompt_logprobs` (asked for: one entry per prompt token)
 
     @property
+    def partial(self) -> bool:
+        """Whether the prompt is only partly computed: the prefix state of an asymmetric P/D split, holding the
+        layers of the prefill part alone (`model.config_v41.V41Config.prefill_part`) and no other slot entry."""
+        return self.computed < len(self.prompt)
+
+    @property
     def nbytes(self) -> int:
         return sum(leaf.nbytes for leaf in jax.tree.leaves((self.layers, self.slot)))
 
@@ -66,14 +72,53 @@ def check(cache: EngineCache, state: SlotState, page_tokens: int) -> None:
                          f"({', '.join(sorted(cache.per_slot()))}): run both engines alike")
 
 
-def put(cache: EngineCache, state: SlotState, slot: int, pages: Int[np.ndarray, " p"]) -> EngineCache:
-    """`cache` with `state`'s cache part installed at `slot` and `pages` (as many as the state holds)."""
+def check_prefix(cache: EngineCache, state: SlotState, page_tokens: int) -> None:
+    """Raise ValueError unless `state`, a partial hand-off, holds this engine's first layers as it lays them
+    out."""
+    if state.page_tokens != page_tokens:
+        raise ValueError(f"the prefill engine's pages hold {state.page_tokens} tokens, this engine's "
+                         f"{page_tokens}: run both with the same page size")
+    n = len(state.layers)
+    if (n > len(cache.layers) or jax.tree.structure(cache.layers[:n]) != jax.tree.structure(state.layers)
+            or _shapes(cache.layers[:n], 1) != _shapes(state.layers, 0)):
+        raise ValueError(f"the hand-off's {n} layers are not laid out as this engine's first {n}: run the prefill "
+                         "part of this engine's model")
+
+
+def _shapes(layers: list, slot_axes: int) -> list[tuple[int, ...]]:
+    """Each leaf's shape past its page axis (page pools) or its first `slot_axes` axes (the other leaves)."""
+    return [tuple(node.pages.shape[1:]) if is_paged(node) else tuple(np.shape(node)[slot_axes:])
+            for node in jax.tree.leaves(layers, is_leaf=is_paged)]
+
+
+def _install(state: SlotState, pages: Int[np.ndarray, " p"]):
     def install(node: Paged, held: Paged) -> Paged:
         if held.pages.shape[0] != len(pages):
             raise ValueError(f"the hand-off holds {held.pages.shape[0]} pages for {state.computed} tokens, "
                              f"this engine needs {len(pages)}")
         return jax.tree.map(lambda pool: pool.at[pages].set(held.pages), node)
 
-    layers = map_state(install, lambda leaf, value: leaf.at[slot].set(value), cache.layers, state.layers)
+    return install
+
+
+def put(cache: EngineCache, state: SlotState, slot: int, pages: Int[np.ndarray, " p"]) -> EngineCache:
+    """`cache` with `state`'s cache part installed at `slot` and `pages` (as many as the state holds)."""
+    layers = map_state(_install(state, pages), lambda leaf, value: leaf.at[slot].set(value), cache.layers,
+                       state.layers)
     return cache.replace(layers=layers, **{k: jax.tree.map(lambda leaf, value: leaf.at[slot].set(value),
                                                             getattr(cache, k), v) for k, v in state.slot.items()})
+
+
+def put_pages(cache: EngineCache, state: SlotState, pages: Int[np.ndarray, " p"]) -> EngineCache:
+    """`cache` with the paged leaves of `state`'s layers (its first ones) installed at `pages`."""
+    n = len(state.layers)
+    head = map_state(_install(state, pages), lambda leaf, value: leaf, cache.layers[:n], state.layers)
+    return cache.replace(layers=head + cache.layers[n:])
+
+
+def window_state(state: SlotState, empty_layers: list, empty_drafter) -> list[np.ndarray]:
+    """The window-state snapshot (`EngineCache.window_state` order, one slot) a partial hand-off's first chunk
+    starts from: its layers' per-slot leaves, then the empty state (`empty_layers`, `empty_drafter`: one
+    sequence's) of the layers it lacks and of the DSpark drafter's rings."""
+    empty = slot_leaves(empty_layers[len(state.layers):]) + jax.tree.leaves(empty_drafter)
+    return [np.asarray(x) for x in slot_leaves(state.layers)] + [np.asarray(x[0]) for x in empty]

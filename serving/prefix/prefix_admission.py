@@ -314,8 +314,8 @@ class DevicePages:
         so far."""
         return self._run("take", self._slot(slot))
 
-    def restore(self, slot: int, state: list[jax.Array]) -> None:
-        """Put a snapshot from `take` into slot `slot`."""
+    def restore(self, slot: int, state: list[jax.Array] | list[np.ndarray]) -> None:
+        """Put a snapshot from `take` (or a partial hand-off's, on the host) into slot `slot`."""
         self.owner.cache = self._run("restore", self._slot(slot), state)
 
     def start_prompt(self, slot: int, tokens: list[int]) -> None:
