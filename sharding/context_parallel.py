@@ -9,6 +9,11 @@ this way: the queries and their key lists are permuted into rank order and split
 (`zigzag_attention`), the window key pool is gathered over `cp` (the page pools are read whole), and the
 output is permuted back to sequence order; projections, compressors and experts stay sequence-sharded. It
 serves whole-sequence prefills (`sharding.mesh.logits_on_mesh`), whose length must divide by 2·cp.
+
+Inside a program that is already one rank's (the serving engine's `shard_map` step, `serving.core.engine_dp`),
+`rank_context_parallel(cp)` does the same for each prefill chunk: every context rank computes the attention cores
+and the indexer's scores (`RANK_SPLITS`) for its zigzag share of the chunk's queries, against keys every rank
+holds, and the shares are gathered over `cp` (`split_queries`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ BATCH = ("dp", "ep")  # the mesh axes requests are split over (sharding.mesh.RUL
 QUERY, QUERIES, POOL, ROW = "query", "queries", "pool", "row"
 CORES = {"sink_attention": (), "paged_sink_attention": (POOL, ROW, QUERIES),
          "paged_hca_attention": (POOL, ROW, QUERY)}
+
+
+# the chunk axis of each argument of the ops a rank splits its queries for (None: read whole): an attention
+# core's (q, pool, ids, valid, sink, *rest of `CORES`), the indexer's (q, pages, table, head weights, visible)
+_CHUNK_AXIS = {QUERY: 0, QUERIES: 1}
+RANK_SPLITS = {**{name: (1, None, 1, 1, None, *[_CHUNK_AXIS.get(kind) for kind in kinds])
+                  for name, kinds in CORES.items()},
+               "paged_index_scores": (1, None, None, 1, 0)}
 
 
 def zigzag_order(seq_len: int, cp: int) -> Int[np.ndarray, " s"]:
@@ -99,3 +112,32 @@ def cp_attention(
     ids, valid = attention_ids(jnp.arange(s), s, window)
     return zigzag_attention(mesh, sink_attention)(q, kv, jnp.broadcast_to(ids, (b, *ids.shape)),
                                                   jnp.broadcast_to(valid, (b, *valid.shape)), sink)
+
+
+def split_queries(core: Callable, axes: tuple[int | None, ...], cp: int) -> Callable:
+    """`core` (an op of `RANK_SPLITS`, its arguments' chunk `axes`) inside a `shard_map` over a `cp` axis of
+    `cp` ranks: each context rank computes it for its zigzag share of the chunk's queries (chunks r and
+    2·cp−1−r of 2·cp), and the shares are gathered over `cp` in sequence order. A chunk that does not divide by
+    2·cp is computed whole by every rank."""
+
+    def run(*args):
+        chunk = args[0].shape[1]
+        if chunk % (2 * cp):
+            return core(*args)
+        order = zigzag_order(chunk, cp)
+        mine = jnp.asarray(order.reshape(cp, -1))[jax.lax.axis_index("cp")]
+        share = [a if axis is None else jnp.take(a, mine, axis=axis) for a, axis in zip(args, axes, strict=True)]
+        gathered = jax.lax.all_gather(core(*share), "cp", axis=1, tiled=True)  # rank order
+        return jnp.take(gathered, np.argsort(order), axis=1)
+
+    return run
+
+
+@contextlib.contextmanager
+def rank_context_parallel(cp: int):
+    """Trace the ops of `RANK_SPLITS` inside this block split over the `cp` context ranks of the `shard_map`
+    they run in (`split_queries`)."""
+    with contextlib.ExitStack() as stack:
+        for name, axes in RANK_SPLITS.items():
+            stack.enter_context(registry.wrap(name, lambda core, axes=axes: split_queries(core, axes, cp)))
+        yield

@@ -149,7 +149,7 @@ class EngineConfig:
     mesh: Mesh | MeshSpec | str | None = _flag(
         None, "--mesh", kind="text", metavar="SPEC",
         help="serve on a device mesh, e.g. dp=4,ep=2: requests and paged caches split over the dp attention ranks "
-             "(a prefix cache per rank), routed experts over ep")
+             "(a prefix cache per rank), routed experts over ep, prefill chunks over cp (balanced CP)")
     redundant_experts: int = _flag(0, "--redundant-experts", minimum=0,
                                    help="with --mesh and ep > 1: EPLB replica slots per MoE layer")
     eplb_every: int = _flag(0, "--eplb-every", minimum=0, help="with --mesh and ep > 1: steps between EPLB "

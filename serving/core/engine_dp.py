@@ -3,11 +3,15 @@
 `Engine(model, mesh="dp=4,ep=2")` splits the request slots and the page pool over the attention ranks, each with
 a cache of its own, and runs the single-device step inside `jax.shard_map`: as one program, or as layer programs
 (`serving.core.layer_programs`), each a `shard_map` program; the routed experts are split over `ep` and rebalanced by
-EPLB. See docs/sharding.md.
+EPLB. With `cp` > 1 (`mesh="cp=2,dp=2"`) each rank's slots, cache and step are replicated over its context ranks, and
+a prefill step splits its chunk over them: each context rank computes the attention cores and the indexer for its
+zigzag share of the chunk's queries (`sharding.context_parallel.rank_context_parallel`) and the routed experts for a
+1/cp share of the tokens; decode steps run whole on every context rank. See docs/sharding.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -31,6 +35,7 @@ from serving.prefix.prefix_ranks import RankedPrefix, RankPages
 from serving.base.request import Request
 from serving.core.scheduler import Scheduler
 from serving.core.step import StepBatch, StepHalves, StepOutput, decide_inputs, empty_batch
+from sharding.context_parallel import rank_context_parallel
 from sharding.expert_balance import ExpertSlots, shard_balancedness
 from sharding.expert_parallel import TOKEN_AXES, local_pairs
 from sharding.mesh import MeshSpec, logical_spec, make_mesh, param_shardings, place, shard_model
@@ -123,9 +128,8 @@ class DataParallel:
             raise ValueError(f"mesh must be a MeshSpec string like 'dp=4,ep=2', a MeshSpec or a "
                              f"sharding.mesh.make_mesh mesh, got {mesh!r}")
         model = checkpoint_layout(model)  # weights a CPU engine held transposed are placed as the checkpoint has them
-        if mesh.shape["cp"] != 1:
-            raise ValueError("the engine splits requests, not sequences: its mesh must have cp=1")
         self.mesh, self.ranks, self.ep = mesh, mesh.shape["dp"] * mesh.shape["ep"], mesh.shape["ep"]
+        self.cp = mesh.shape["cp"]  # context ranks: replicas of each rank that split its prefill chunks
         if layout.max_slots % self.ranks or layout.num_pages % self.ranks:
             raise ValueError(f"max_slots={layout.max_slots} and num_pages={layout.num_pages} must divide over the "
                              f"{self.ranks} attention ranks of the mesh")
@@ -187,8 +191,9 @@ class DataParallel:
         """The step of `bucket` (rows per rank, width, verify length, context pages) over the mesh, ahead of time:
         one `shard_map` program, or under `plan` each layer program and the decide half a `shard_map` program of
         its own (`_sharded`); then the gather of its outputs (`wrap` makes them a step called as the
-        single-device one is)."""
+        single-device one is). A prefill bucket splits its chunk over the context ranks (`cp` > 1)."""
         rows, width, verify_len, pages = bucket
+        split = self.cp > 1 and verify_len == 1 and width > 1
         batch = empty_batch(self.layout, rows * self.ranks, width, engram_shapes, verify_len, pages)
         batch = batch._replace(budget=np.zeros(self.ranks, np.int32))  # each rank's verify budget
         if plan is None:
@@ -196,9 +201,9 @@ class DataParallel:
                 return halves.step(weights, cache, batch._replace(budget=batch.budget[0]), verify_len)
 
             counted = self.model.config.num_hidden_layers if self.ep > 1 else None
-            executables = [self._sharded(step, (1,), (weights, cache, batch), counted)]
+            executables = [self._sharded(step, (1,), (weights, cache, batch), counted, split)]
         else:
-            executables = compile_layered(halves, plan, weights, cache, batch, verify_len, _MeshLowering(self),
+            executables = compile_layered(halves, plan, weights, cache, batch, verify_len, _MeshLowering(self, split),
                                           viewed=False)
         # the outputs in the batch's row order, whole on every process (a multi-process job reads them on each)
         outputs, replicated = executables[-1].out_info[0], NamedSharding(self.mesh, P())
@@ -206,19 +211,21 @@ class DataParallel:
         gather = jax.jit(_in_order, out_shardings=replicated).lower(outputs, order)
         return executables + [gather.compile()]
 
-    def _sharded(self, fn: Callable, donated: tuple[int, ...], args: tuple, counted: int | None):
+    def _sharded(self, fn: Callable, donated: tuple[int, ...], args: tuple, counted: int | None,
+                 split: bool = False):
         """`fn`, a program of one rank's arrays, compiled over the mesh for `args` (arrays or their shapes) inside
-        one `shard_map`: each leaf split as `_spec_of` says, its MoE layers run by `_RankExperts`. `counted`: how
-        many MoE layers it counts the pairs per expert slot of, returned as a last output [ranks, counted, slots]
-        (None: no count). A scalar output is one decision for every rank: it comes out replicated."""
+        one `shard_map`: each leaf split as `_spec_of` says (replicated over `cp`), its MoE layers run by
+        `_RankExperts`. `counted`: how many MoE layers it counts the pairs per expert slot of, returned as a last
+        output [ranks, counted, slots] (None: no count). `split`: its chunk's work is split over the context ranks
+        (a prefill step's). A scalar output is one decision for every rank: it comes out replicated."""
         shaped = self.shaped(args)
         specs = jax.tree.map(lambda x: x.sharding.spec, shaped)
         slots = self.model.config.n_routed_experts if self.experts is None else self.experts.slots
         structure: list = []
 
         def body(*local):
-            experts = _RankExperts(self.ep, counted or 0, slots)
-            with moe.expert_dispatch(experts):
+            experts = _RankExperts(self.ep, counted or 0, slots, self.cp if split else 1)
+            with moe.expert_dispatch(experts), (rank_context_parallel(self.cp) if split else contextlib.nullcontext()):
                 out = fn(*local)
             if counted is not None:
                 out = (*out, experts.loads[...][None])
@@ -421,10 +428,11 @@ class _Counted:
 
 class _MeshLowering(Lowering):
     """Layer programs and the decide half compiled over the mesh (`DataParallel._sharded`): the layer programs
-    count their layer's expert loads (experts over `ep`), the embed program takes its rank's verify budget."""
+    count their layer's expert loads (experts over `ep`) and, when `split`, split their chunk over the context
+    ranks; the embed program takes its rank's verify budget."""
 
-    def __init__(self, owner: DataParallel):
-        self.owner = owner
+    def __init__(self, owner: DataParallel, split: bool):
+        self.owner, self.split = owner, split
 
     def abstract(self, tree):
         return self.owner.shaped(tree)
@@ -433,7 +441,8 @@ class _MeshLowering(Lowering):
         if name == "embed":
             embed = fn
             fn = lambda leaves, cache, batch: embed(leaves, cache, batch._replace(budget=batch.budget[0]))  # noqa: E731
-        return self.owner._sharded(fn, donated, args, 1 if _counts_loads(name, self.owner.ep) else None)
+        return self.owner._sharded(fn, donated, args, 1 if _counts_loads(name, self.owner.ep) else None,
+                                   self.split)
 
     def out_info(self, name, compiled):
         info = compiled.out_info
@@ -458,10 +467,12 @@ class _RankExperts(moe.ExpertDispatch):
     traced inside control flow (V4.1's compact replay runs under `lax.cond`) counts its pairs from there. A
     decision one rank's data makes for a `lax.cond` is taken for every rank (`any_rank`). Every rank runs the
     same number of tokens, so its first token's index in the whole batch is rank x tokens: replicas share a busy
-    expert's tokens across the ranks as in one batch."""
+    expert's tokens across the ranks as in one batch. With `cp` > 1 context ranks (a prefill step split over
+    them), each computes the experts of a contiguous 1/cp of the tokens and the results are gathered over `cp`;
+    the pairs are counted for all of them."""
 
-    def __init__(self, n_shards: int, layers: int, slots: int):
-        self.n_shards, self.traced = n_shards, 0
+    def __init__(self, n_shards: int, layers: int, slots: int, cp: int = 1):
+        self.n_shards, self.traced, self.cp = n_shards, 0, cp
         self.loads = jax.new_ref(jnp.zeros((layers, slots), jnp.int32))
 
     def first_token(self, tokens: int):
@@ -474,11 +485,25 @@ class _RankExperts(moe.ExpertDispatch):
     def __call__(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"],
                  *stacks_and_limit, op: str = "routed_experts") -> Float[Array, "t d"]:
         *stacks, limit = stacks_and_limit
+        if self.n_shards > 1:
+            layer, self.traced = self.traced, self.traced + 1
+            if layer < self.loads.shape[0]:
+                self.loads[layer] = self.loads[layer] + jnp.zeros(self.loads.shape[1], jnp.int32).at[
+                    ids.reshape(-1)].add(1)
+        tokens = x.shape[0]
+        if self.cp == 1 or tokens % self.cp:
+            return self._pairs(x, ids, weights, stacks, limit, op)
+        share = tokens // self.cp
+        part = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=jax.lax.axis_index("cp") * share,
+                                 slice_size=share)
+        out = self._pairs(part(x), part(ids), part(weights), stacks, limit, op)
+        return jax.lax.all_gather(out, "cp", axis=0, tiled=True)
+
+    def _pairs(self, x: Float[Array, "t d"], ids: Int[Array, "t k"], weights: Float[Array, "t k"], stacks: list,
+               limit, op: str) -> Float[Array, "t d"]:
+        """This rank's `op` on its pairs: its own experts, or over `ep` by all-to-all."""
         if self.n_shards == 1:
             return registry.op(op)(x, ids, weights, *stacks, limit)
-        layer, self.traced = self.traced, self.traced + 1
-        if layer < self.loads.shape[0]:
-            self.loads[layer] = self.loads[layer] + jnp.zeros(self.loads.shape[1], jnp.int32).at[ids.reshape(-1)].add(1)
         return local_pairs(x, ids, weights.astype(jnp.float32), *stacks, limit=limit, axis="ep",
                            n_shards=self.n_shards, op=op)
 
