@@ -195,6 +195,8 @@ def cmd_serve(args) -> int:
     from sharding.multihost import leader
 
     _compile_cache(args)
+    if args.role == "prefill":
+        return _serve_prefill(args)
     if not leader():
         return _follow(args)
     try:
@@ -243,6 +245,18 @@ def cmd_study(args) -> int:
     from sharding.study import run
 
     return run(args)
+
+
+def _serve_prefill(args) -> int:
+    """`jaxseek serve --role prefill`: a prefill server for a decode engine on another host."""
+    from serving.api.prefill_server import serve_prefill
+
+    if jax.process_count() > 1:
+        args.parser.error("a prefill server runs in one process: its --mesh spans this host's devices")
+    if args.disaggregate or args.prefill_address:
+        args.parser.error("--role prefill is the prefill side: --disaggregate and --prefill-address are the decode "
+                          "side's")
+    return serve_prefill(args)
 
 
 def _add_weights_arg(p: argparse.ArgumentParser) -> None:

@@ -174,12 +174,20 @@ def test_a_killed_prefill_process_leaves_its_requests_to_the_decode_engine(setup
     with spawn_env():
         pd = DisaggregatedEngine(Engine(model, detokenize=model.tokenizer.decode, **ENGINE),
                                  compile_cache=jax.config.jax_compilation_cache_dir)
+    killed_mid_prompt(pd, pd.process.kill, prompts, reference)
+    assert pd.failure.startswith("the prefill process exited")
+
+
+def killed_mid_prompt(pd, kill, prompts, reference) -> None:
+    """`kill` the prefill side of `pd` while it prefills the two long prompts (many chunks each, so no hand-off is
+    on its way): each finishes with the single engine's output, prefilled by the decode engine instead, and so do
+    the requests sent after; no page stays taken. Closes `pd`."""
     try:
         long = [1, 2]
         ids = [pd.add_request(prompts[i], PARAMS[i]) for i in long]
-        pd.process.kill()
+        kill()
         results = pd.run()
-        assert pd.failure.startswith("the prefill process exited") and pd.retried == 2
+        assert pd.retried == 2
         later = [pd.add_request(prompts[i], PARAMS[i]) for i in (0, 3)]
         results |= pd.run()
         for rid, i in zip(ids + later, long + [0, 3]):

@@ -9,7 +9,9 @@ constraint). Sampling is keyed by (seed, position), so the decode engine continu
 would have: outputs equal a single engine's. A constrained request's grammar state is rebuilt on the decode side
 from its constraint (compiled there once per distinct spec) by taking the tokens already emitted.
 
-The hand-off is the engine's own: `Engine.export_slot` and `Engine.import_slot` (`serving.core.slot_state`).
+The hand-off is the engine's own: `Engine.export_slot` and `Engine.import_slot` (`serving.core.slot_state`). The
+prefill side (`serving.api.prefill_worker`) is a process this one spawns, or a prefill server on another host
+(`jaxseek serve --role prefill`, `serving.api.prefill_server`), over the link of `serving.api.prefill_link`.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
-import queue
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from serving.base.engine_config import EngineConfig
+from serving.api.prefill_link import connect
+from serving.api.prefill_worker import spawned_worker
 from serving.base.request import RequestOutput
 from serving.base.sampling import SamplingParams
 from serving.core.engine import Engine
@@ -33,85 +35,14 @@ from serving.structured.constraints import ConstraintSpec
 from sharding.mesh import MeshSpec
 
 LOG = logging.getLogger(__name__)
-SPLITS = ("symmetric", "asymmetric")  # what the prefill process computes of a prompt: all of it, or a V4.1 head
-
-
-# ---- the prefill process --------------------------------------------------------------------------------------
-def _prefill_worker(inbox, outbox, model_path, config: EngineConfig, compile_cache: str | None,
-                    cpu_devices: int, split: str) -> None:
-    """The prefill process: load the model, then prefill what arrives and send back hand-offs (or results of
-    requests that finished at their first token). Each request is acknowledged ("accepted" or "error") as soon
-    as it arrives; a cancelled one is acknowledged ("cancelled") once the prefill engine has let it go.
-    `cpu_devices`: the parent's emulated CPU devices (`jax_num_cpu_devices`, -1: JAX's default), which a mesh
-    engine on CPU needs here too. `split` `asymmetric`: the model's prefill part alone, whose hand-offs are
-    partial (the layers' state of the prompt head it was given, nothing else)."""
-    jax.config.update("jax_num_cpu_devices", cpu_devices)  # before any JAX operation
-    if compile_cache:
-        jax.config.update("jax_compilation_cache_dir", compile_cache)
-    from model import load_model
-    from serving.base.tokenizer import tokenizer_for
-
-    try:
-        model = load_model(model_path, part="prefill" if split == "asymmetric" else "all")
-        # zero_overhead off: each step is read before the next one is dispatched, so a request stops at its first
-        # token
-        engine = Engine(model, config, zero_overhead=False, detokenize=tokenizer_for(model).decode)
-        engine.warmup()
-    except Exception as e:  # the parent says why
-        outbox.send(("failed", f"{type(e).__name__}: {e}"))
-        return
-    placement = engine.placement
-    outbox.send(("ready", (f"{placement.ranks} attention rank(s), experts over {placement.ep} shard(s)",
-                           sum(leaf.nbytes for leaf in jax.tree.leaves(model.params)))))
-    pending: set[str] = set()
-    while True:
-        try:
-            message = inbox.get(block=not engine.has_work)
-        except queue.Empty:
-            message = None
-        while message is not None:
-            if message[0] == "stop":
-                return
-            if message[0] == "cancel":
-                if message[1] in pending:
-                    engine.cancel(message[1])
-                    pending.discard(message[1])
-                outbox.send(("cancelled", message[1]))
-            else:
-                _, request_id, prompt, params, constraint, trigger = message
-                try:
-                    engine.add_request(prompt, params, request_id, constraint=constraint, constraint_trigger=trigger)
-                    pending.add(request_id)
-                    outbox.send(("accepted", request_id))
-                except ValueError as e:
-                    outbox.send(("error", (request_id, str(e))))
-            try:
-                message = inbox.get_nowait()
-            except queue.Empty:
-                message = None
-        if not engine.has_work:
-            continue
-        for output in engine.step():
-            engine.requests.pop(output.request_id, None)
-            if output.request_id in pending:  # finished at its first token (eos, a stop, max_tokens 1)
-                pending.discard(output.request_id)
-                outbox.send(("finished", output))
-        ready = [r for r in pending if engine.requests[r].output]
-        for request_id in ready:
-            state = engine.export_slot(request_id)
-            if split == "asymmetric":  # its first token is the prefill part's, not the model's: none is sent
-                state = dataclasses.replace(state, output=[], logprobs=[], slot={}, drafts=[], confidence=[])
-            outbox.send(("handoff", state))
-        for request_id in ready:  # its slot and pages are free again; the next step collects the cancellation
-            engine.cancel(request_id)
-            pending.discard(request_id)
+SPLITS = ("symmetric", "asymmetric")  # what the prefill side computes of a prompt: all of it, or a V4.1 head
 
 
 class DisaggregatedEngine:
     """A decode `Engine` here, fed by a prefill engine in another process, behind the engine's own interface
     (`add_request`, `step`, `cancel`, `has_work`, `requests`, `run`), so the server runs it as it runs an engine.
 
-    `add_request` hands the prompt to the prefill process (which validates it: a refusal raises ValueError
+    `add_request` hands the prompt to the prefill side (which validates it: a refusal raises ValueError
     here); `step` installs the hand-offs that arrived and runs one decode-engine step. The prefill engine runs
     the decode engine's settings, on its own mesh if `prefill_mesh` is given (a `MeshSpec` string: the two meshes
     may differ in shape; EPLB stays on the decode side), else on the decode engine's, and on the model of
@@ -119,23 +50,27 @@ class DisaggregatedEngine:
     leaves a rank of the prefill mesh and goes to the decode engine's least loaded rank. A request without a seed
     gets one here, since both engines must draw the same tokens; outputs then equal a single engine's.
 
-    If the prefill process dies (killed, out of memory; its pipe ends, so nothing waits on a message it was
-    writing), the decode engine takes over: every request that was in the prefill process prefills here from its
+    `prefill_address` (HOST:PORT) takes a prefill server on another host instead of a process here (`jaxseek serve
+    --role prefill`, `serving.api.prefill_server`, linked with the secret of `$JAXSEEK_PD_KEY`): it runs these
+    settings on its own mesh and its own copy of the checkpoint (it refuses another model, or another split).
+
+    If the prefill side dies (killed, out of memory, its host gone; its link ends, so nothing waits on a message it
+    was writing), the decode engine takes over: every request that was on the prefill side prefills here from its
     prompt (seeded, so its output is the pair's), every later request too, and `failure` says why (`retried`
     counts the requests taken over). Hand-offs that had arrived are kept.
 
     `split` `asymmetric` (a V4.1 model with bounded replay in the decode engine's prefill, `model.replay`): the
-    prefill process loads the model's prefill part alone (`V41Config.prefill_part`: the layers through the last
+    prefill side loads the model's prefill part alone (`V41Config.prefill_part`: the layers through the last
     KV source) and prefills each prompt's head, all but its last `keep` tokens (the decode engine's replay keep),
     handing over those layers' state of the head; the decode engine prefills the tail through every layer, as
     its own bounded prefill would have run the replay layers on it (outputs equal a single engine's). A prompt of
     at most `keep` tokens, or one asking for prompt logprobs (every position through every layer), prefills in
-    the decode engine. `prefill_weight_bytes` is what the prefill process holds resident.
+    the decode engine. `prefill_weight_bytes` is what the prefill side holds resident.
     """
 
     def __init__(self, decode_engine, model_path=None, compile_cache: str | None = None,
                  start_timeout: float = 600.0, seed: int = 0, prefill_mesh: str | None = None,
-                 split: str = "symmetric"):
+                 split: str = "symmetric", prefill_address: str | None = None):
         self.engine = decode_engine
         self.layout, self.scheduler, self.requests = decode_engine.layout, decode_engine.scheduler, \
             decode_engine.requests
@@ -152,33 +87,43 @@ class DisaggregatedEngine:
             backtrack = decode_engine.layout.ring - decode_engine.model_config.sliding_window
             config = dataclasses.replace(config, replay=None, speculation="none", backtrack=backtrack)
         if prefill_mesh is not None:
+            if prefill_address is not None:
+                raise ValueError("a prefill server runs on its own mesh (its --mesh): prefill_mesh is for a prefill "
+                                 "process of this host")
             if not isinstance(prefill_mesh, str):
                 raise ValueError(f"prefill_mesh must be a mesh spec like 'dp=2,ep=2', got {prefill_mesh!r}")
             MeshSpec.parse(prefill_mesh)  # a bad spec is refused here, before a process starts
-            config = dataclasses.replace(config, mesh=prefill_mesh, redundant_experts=0, eplb_every=0)
-        context = multiprocessing.get_context("spawn")
-        self.inbox = context.Queue()
-        self.outbox, sending = context.Pipe(duplex=False)
-        self.process = context.Process(target=_prefill_worker, daemon=True, args=(
-            self.inbox, sending, model_path, config, compile_cache, jax.config.jax_num_cpu_devices, split))
-        self.process.start()
-        sending.close()  # the prefill process holds the only writer: its end ends the pipe, even mid-message
+            config = dataclasses.replace(config, mesh=prefill_mesh)
+        config = dataclasses.replace(config, redundant_experts=0, eplb_every=0)  # EPLB stays on the decode side
+        self.address, self.process = prefill_address, None
+        if prefill_address is None:
+            context = multiprocessing.get_context("spawn")
+            self.link, there = context.Pipe()
+            self.process = context.Process(target=spawned_worker, daemon=True, args=(
+                there, model_path, config, compile_cache, jax.config.jax_num_cpu_devices, split))
+            self.process.start()
+            there.close()  # the prefill process holds the only other end: its end ends the link, even mid-message
+        else:
+            self.link = connect(prefill_address)
+            self.link.send(("hello", config, split, decode_engine.model_config))
         kind, why = self._next(start_timeout) or ("failed", f"no answer within {start_timeout:g} s")
         if kind == "gone":
             why = self._exit()
         if kind != "ready":
-            self.process.kill()
-            raise RuntimeError(f"the prefill process did not start: {why}")
+            if self.process is not None:
+                self.process.kill()
+            self.link.close()
+            raise RuntimeError(f"the prefill {'process' if self.process else 'server'} did not start: {why}")
         # how the prefill engine is laid out and the bytes of its resident weights, as it reported
         self.prefill_layout, self.prefill_weight_bytes = why
         self.waiting: list[SlotState] = []  # hand-offs waiting for a slot / pages here
         self.finished: list[RequestOutput] = []
         self.acks: dict[str, str | None] = {}  # request id -> None (accepted) or the refusal
-        # requests in the prefill process: (prompt, params, constraint, trigger), as add_request took them
+        # requests on the prefill side: (prompt, params, constraint, trigger), as add_request took them
         self.in_prefill: dict[str, tuple] = {}
-        self.cancelled: set[str] = set()  # cancelled while in the prefill process: its hand-off is dropped
-        self.failure: str | None = None  # why the prefill process is gone (the decode engine prefills since)
-        self.retried = 0  # requests taken over from a dead prefill process
+        self.cancelled: set[str] = set()  # cancelled while on the prefill side: its hand-off is dropped
+        self.failure: str | None = None  # why the prefill side is gone (the decode engine prefills since)
+        self.retried = 0  # requests taken over from a dead prefill side
         self.handoff_bytes = 0
         self._ids = itertools.count()
         self._seeds = np.random.default_rng(seed)
@@ -191,7 +136,7 @@ class DisaggregatedEngine:
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, constraint: ConstraintSpec | None = None,
                     constraint_trigger: int | None = None) -> str:
-        """Hand a request to the prefill process; raises ValueError (and keeps nothing) if it refuses it (an
+        """Hand a request to the prefill side; raises ValueError (and keeps nothing) if it refuses it (an
         invalid constraint included: the prefill engine compiles it first)."""
         params = params or SamplingParams()
         if params.seed is None:
@@ -208,7 +153,7 @@ class DisaggregatedEngine:
         else:
             message = ("add", request_id, *submission)
         if self.failure is None:
-            self.inbox.put(message)
+            self._send(message)
         while request_id not in self.acks:
             if self.failure is not None:  # gone before it answered: prefill here
                 return self._prefill_here(request_id, submission)
@@ -220,8 +165,8 @@ class DisaggregatedEngine:
         return request_id
 
     def _head(self, request_id: str, submission: tuple) -> list[int] | None:
-        """Asymmetric split: the prompt head the prefill process computes (None: the decode engine prefills the
-        whole prompt). The request is checked here first: the prefill process sees only the head."""
+        """Asymmetric split: the prompt head the prefill side computes (None: the decode engine prefills the
+        whole prompt). The request is checked here first: the prefill side sees only the head."""
         prompt, params, constraint, trigger = submission
         self.engine.validate(prompt, params)
         self.engine.structured.grammar(constraint, trigger, params.max_tokens)  # compiled once per spec
@@ -233,26 +178,35 @@ class DisaggregatedEngine:
         prompt, params, constraint, trigger = submission
         return self.engine.add_request(prompt, params, request_id, constraint=constraint, constraint_trigger=trigger)
 
-    def _next(self, timeout: float) -> tuple | None:
-        """The prefill process's next message; None if none came within `timeout` seconds; ("gone", None) once
-        its pipe has ended (the process exited, perhaps in the middle of a message)."""
+    def _send(self, message: tuple) -> None:
+        """Send to the prefill side; if it is gone, the next read finds the link's end."""
         try:
-            return self.outbox.recv() if self.outbox.poll(timeout) else None
+            self.link.send(message)
+        except OSError:
+            pass
+
+    def _next(self, timeout: float) -> tuple | None:
+        """The prefill side's next message; None if none came within `timeout` seconds; ("gone", None) once its
+        link has ended (the process exited or the server closed it, perhaps in the middle of a message)."""
+        try:
+            return self.link.recv() if self.link.poll(timeout) else None
         except (EOFError, OSError):
             return "gone", None
 
     def _exit(self) -> str:
-        """How the prefill process ended."""
+        """How the prefill side ended."""
+        if self.process is None:
+            return f"the prefill server at {self.address} closed the link"
         self.process.join(5)
         return f"the prefill process exited (exit code {self.process.exitcode})"
 
     def _take_over(self) -> None:
-        """The prefill process is gone: the decode engine prefills every request that was in it, in the order
+        """The prefill side is gone: the decode engine prefills every request that was in it, in the order
         they came, and every later one."""
         self.failure = self._exit()
         LOG.warning("%s: the decode engine prefills from now on", self.failure)
         for request_id, submission in self.in_prefill.items():
-            if request_id in self.cancelled:  # dropped, as a request cancelled in the prefill process is
+            if request_id in self.cancelled:  # dropped, as a request cancelled on the prefill side is
                 continue
             try:
                 self._prefill_here(request_id, submission)
@@ -266,7 +220,7 @@ class DisaggregatedEngine:
         """Stop a request wherever it is (its result, if any, has finish_reason 'cancelled')."""
         if request_id in self.in_prefill:
             self.cancelled.add(request_id)
-            self.inbox.put(("cancel", request_id))
+            self._send(("cancel", request_id))
         elif any(s.request_id == request_id for s in self.waiting):
             self.waiting = [s for s in self.waiting if s.request_id != request_id]
         elif request_id in self.engine.requests:
@@ -275,7 +229,7 @@ class DisaggregatedEngine:
     def abort(self) -> list[RequestOutput]:
         """After a failed step: the decode engine's `abort`; requests still in prefill or waiting are dropped."""
         for request_id in self.in_prefill:
-            self.inbox.put(("cancel", request_id))
+            self._send(("cancel", request_id))
         self.in_prefill, self.waiting, self.finished = {}, [], []
         return self.engine.abort()
 
@@ -284,7 +238,7 @@ class DisaggregatedEngine:
         return bool(self.in_prefill or self.waiting or self.finished or self.engine.has_work)
 
     def _receive(self, block: bool) -> None:
-        """Take the prefill process's messages (waiting for one if `block`)."""
+        """Take the prefill side's messages (waiting for one if `block`)."""
         while True:
             message = self._next(0.01 if block else 0)
             if message is None:
@@ -300,7 +254,7 @@ class DisaggregatedEngine:
                 self.acks[request_id] = refusal
                 continue
             request_id = payload if kind == "cancelled" else payload.request_id
-            if request_id in self.cancelled:  # dropped; the prefill process acknowledges the cancel last
+            if request_id in self.cancelled:  # dropped; the prefill side acknowledges the cancel last
                 if kind == "cancelled":
                     self.cancelled.discard(request_id)
                     self.in_prefill.pop(request_id, None)
@@ -317,7 +271,7 @@ class DisaggregatedEngine:
                 self.finished.append(self._with_text(payload, submission[1].stop if submission else ()))
 
     def _with_text(self, output: RequestOutput, stop: tuple[str, ...]) -> RequestOutput:
-        """A result of the prefill process with its text decoded as the decode engine decodes, cut at the first
+        """A result of the prefill side with its text decoded as the decode engine decodes, cut at the first
         stop string as the engine cuts."""
         detokenize = self.engine.config.detokenize
         if detokenize is None:
@@ -337,6 +291,7 @@ class DisaggregatedEngine:
     run = Engine.run  # step until every request has finished; results by request id
 
     def close(self) -> None:
-        self.inbox.put(("stop",))
-        self.process.join(30)
-        self.outbox.close()
+        self._send(("stop",))
+        if self.process is not None:
+            self.process.join(30)
+        self.link.close()

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.api.compile_progress import CompileProgress
 from serving.base.detokenize import ChoiceStream
 from serving.api.disagg import SPLITS, DisaggregatedEngine
+from serving.api.prefill_link import link_key, parse_address
 from serving.core.engine import Engine
 from serving.core.lockstep import Leader, send_config
 from serving.base.engine_config import EngineConfig
@@ -62,7 +63,9 @@ class ServerConfig:
     checkpoint: str | None = None  # the checkpoint directory (its tokenizer_config.json may hold a chat template)
     disaggregate: bool = False  # prefill in a separate process (serving.api.disagg), loading `checkpoint`
     prefill_mesh: str | None = None  # with `disaggregate`: the prefill engine's own mesh (None: the decode engine's)
-    pd_split: str = "symmetric"  # with `disaggregate`: what the prefill process computes (serving.api.disagg.SPLITS)
+    pd_split: str = "symmetric"  # with `disaggregate`: what the prefill side computes (serving.api.disagg.SPLITS)
+    # a prefill server on another host (`jaxseek serve --role prefill`) instead of a prefill process here, HOST:PORT
+    prefill_address: str | None = None
 
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "tool_choice", "chat_template_kwargs", "thinking",
@@ -87,13 +90,18 @@ class Server:
 
     def __init__(self, model, config: ServerConfig = ServerConfig(), engine_config: EngineConfig | None = None,
                  **engine_settings):
+        if config.prefill_address is not None:  # a prefill server's pair is disaggregated
+            parse_address(config.prefill_address)
+            link_key()  # both refused before the decode engine is built
+            config = dataclasses.replace(config, disaggregate=True)
         if config.prefill_mesh is not None and not config.disaggregate:
             raise ValueError("prefill_mesh (--prefill-mesh) is the prefill process's mesh: it needs --disaggregate")
         if config.pd_split != "symmetric" and not config.disaggregate:
-            raise ValueError(f"pd_split={config.pd_split!r} (--pd-split) splits the work of a prefill process: it "
-                             "needs --disaggregate")
+            raise ValueError(f"pd_split={config.pd_split!r} (--pd-split) splits the work of a prefill side: it "
+                             "needs --disaggregate or --prefill-address")
         if config.disaggregate and jax.process_count() > 1:
-            raise ValueError("--disaggregate runs on one host: a multi-process job serves without it")
+            raise ValueError("a disaggregated pair's decode engine runs in one process: a multi-process job serves "
+                             "without --disaggregate / --prefill-address")
         self.config, self.model = config, model
         self.api = OpenAIRequests.for_model(model, config.chat_format, config.checkpoint, 1024)
         self.tokenizer, self.fmt, self.decode = self.api.tokenizer, self.api.fmt, self.api.decode
@@ -105,7 +113,8 @@ class Server:
         self.api.max_len = self.engine.layout.max_len
         if config.disaggregate:
             self.engine = DisaggregatedEngine(self.engine, config.checkpoint, jax.config.jax_compilation_cache_dir,
-                                              prefill_mesh=config.prefill_mesh, split=config.pd_split)
+                                              prefill_mesh=config.prefill_mesh, split=config.pd_split,
+                                              prefill_address=config.prefill_address)
         if channel is not None:
             self.engine = Leader(self.engine, channel)
         self.metrics = ServerMetrics(config.model_name, self.decode_engine.speculation.num_drafts)
@@ -517,8 +526,16 @@ def add_arguments(p) -> None:
     p.add_argument("--max-concurrency", type=int, default=256, help="requests in flight before 429 (default 256)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--max-logprobs", type=int, default=5, help="most top_logprobs a request may ask (default 5)")
+    p.add_argument("--role", choices=("api", "prefill"), default="api",
+                   help="api: the OpenAI-compatible server; prefill: a prefill server on --host/--port for the "
+                        "decode engine of a 'jaxseek serve --prefill-address HOST:PORT' on another host (it takes "
+                        "that engine's settings, runs them on its own --mesh, and needs $JAXSEEK_PD_KEY)")
     p.add_argument("--disaggregate", action="store_true",
                    help="prefill in a separate process that hands each request's cache state to the decode engine")
+    p.add_argument("--prefill-address", metavar="HOST:PORT",
+                   help="prefill on the prefill server at HOST:PORT ('jaxseek serve --role prefill' on another "
+                        "host, the same checkpoint and --pd-split, the same $JAXSEEK_PD_KEY), which hands each "
+                        "request's cache state to the decode engine here")
     p.add_argument("--prefill-mesh", metavar="SPEC",
                    help="with --disaggregate: the prefill engine's own mesh, e.g. dp=2,ep=2 (default: --mesh)")
     p.add_argument("--pd-split", choices=SPLITS, default="symmetric",
@@ -564,31 +581,34 @@ def serve(args, model, engine_config: EngineConfig) -> int:
     """Run the server until interrupted (the body of `jaxseek serve`), its engine set by `engine_config`."""
     import uvicorn
 
-    if args.disaggregate and args.config:
-        raise ValueError("--disaggregate loads the model again in the prefill process: give --model (or neither, "
-                         "for the bundled model), not a random --config")
+    disaggregated = args.disaggregate or args.prefill_address is not None
+    if disaggregated and args.config:
+        raise ValueError("the prefill side loads the model again: give --model (or neither, for the bundled model), "
+                         "not a random --config")
     name = args.served_model_name or model_name(args.model, args.config)
     config = ServerConfig(model_name=name, api_key=args.api_key, max_concurrency=args.max_concurrency,
                           max_body_bytes=args.max_body_bytes, chat_format=args.chat_format, checkpoint=args.model,
-                          disaggregate=args.disaggregate, prefill_mesh=args.prefill_mesh, pd_split=args.pd_split)
+                          disaggregate=args.disaggregate, prefill_mesh=args.prefill_mesh, pd_split=args.pd_split,
+                          prefill_address=args.prefill_address)
     server = Server(model, config, engine_config)
     if isinstance(server.engine, Leader):
         watch(lambda why: _lost(server, why))
     print(f"jaxseek serve: {server.engine.startup_summary()}", file=sys.stderr)
-    if args.disaggregate:
-        print(f"jaxseek serve: the prefill process runs on {server.engine.prefill_layout}, "
+    if disaggregated:
+        where = f"server at {args.prefill_address}" if args.prefill_address else "process"
+        print(f"jaxseek serve: the prefill {where} runs on {server.engine.prefill_layout}, "
               f"{server.engine.prefill_weight_bytes / 2**20:.1f} MiB of weights ({args.pd_split} split)",
               file=sys.stderr)
     if not args.no_warmup:
         # what the first requests run compiles before the server answers, the other buckets after, while it serves
         # (a disaggregated pair compiles everything first: its prefill process compiles on its own)
         progress = CompileProgress(server.decode_engine)
-        if args.disaggregate:
+        if disaggregated:
             server.engine.warmup()
         else:
             server.engine.warmup(server.engine.first_buckets())
         print(progress.summary(), file=sys.stderr)
-        if not args.disaggregate:
+        if not disaggregated:
             server.engine.compile_in_background()
     http = uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level,
                                          timeout_graceful_shutdown=5))
