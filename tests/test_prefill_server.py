@@ -1,8 +1,8 @@
 """P/D across hosts: `jaxseek serve --role prefill` (a process of its own, as on another host, prefilling on a
 dp=2 mesh) serves a decode engine here that links to it by address. Outputs equal a single engine's; a link with
 the wrong key, the wrong split or another model is refused with a reason, as is a second decode engine while one
-is served; the server outlives a decode engine's link and serves the next (a `Server` with `prefill_address`);
-killed mid-prompt, it leaves its requests to the decode engine, which finishes them alike."""
+is served; the server outlives a decode engine's link, closed or cut mid-prompt, and serves the next (a `Server`
+with `prefill_address`); killed mid-prompt, it leaves its requests to the decode engine, which finishes them alike."""
 
 import dataclasses
 import os
@@ -123,6 +123,31 @@ def test_decode_engines_linked_to_a_prefill_server(setup, prefill_server, key):
         assert server.engine.failure is None
     finally:
         server.engine.close()
+
+
+def test_a_prefill_server_outlives_a_decode_engine_that_dies_mid_prompt(setup, prefill_server, key):
+    """A decode engine's link cut while the prefill server prefills its two long prompts, as its process's death
+    cuts it (no "stop"): the server lets both go (the engine has two slots, so a leaked one would starve the next)
+    and serves the next decode engine, whose outputs equal a single engine's."""
+    from serving.api.disagg import DisaggregatedEngine
+
+    model, prompts, reference = setup
+    address, proc = prefill_server
+    doomed = DisaggregatedEngine(Engine(model, **ENGINE), prefill_address=address)
+    for i in (1, 2):
+        doomed.add_request(prompts[i], PARAMS[i])
+    doomed.link.close()
+    pd = DisaggregatedEngine(Engine(model, detokenize=model.tokenizer.decode, **ENGINE), prefill_address=address)
+    try:
+        ids = [pd.add_request(p, q) for p, q in zip(prompts, PARAMS)]
+        results, end = {}, time.monotonic() + START
+        while pd.has_work and time.monotonic() < end:
+            results |= {o.request_id: o for o in pd.step()}
+        assert set(results) == set(ids) and pd.failure is None and proc.poll() is None
+        for rid, expected in zip(ids, reference):
+            same(results[rid], expected)
+    finally:
+        pd.close()
 
 
 def test_a_killed_prefill_server_leaves_its_requests_to_the_decode_engine(setup, prefill_server, key):
