@@ -85,6 +85,25 @@ async def stream_text(client: httpx.AsyncClient, url: str, prompt: str, max_toke
     raise AssertionError("the stream ended without [DONE]")
 
 
+def streams_with_a_fault(url: str, prompts: list[str], busy, fault) -> list[str]:
+    """Stream each prompt's completion through the router at `url`; once some stream is half sent and `busy()` (the
+    replica to fail still serves some), `fault()`; the streams' texts."""
+    async def run():
+        firsts = [asyncio.Event() for _ in prompts]
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.ensure_future(stream_text(client, url, p, TOKENS, e)) for p, e in zip(prompts, firsts)]
+
+            async def mid_load():
+                while not (any(e.is_set() for e in firsts) and busy()):
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(mid_load(), 60)
+            fault()
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(run())
+
+
 def test_choice_prefers_the_prefix_owner_within_slack():
     router = Router(["http://a", "http://b"], slack=1)
     a, b = router.replicas
@@ -120,6 +139,29 @@ def test_router_outputs_equal_a_single_replica_and_spread_load(replicas):
         stop()
 
 
+def test_a_replica_whose_engine_fails_mid_stream_loses_no_request(replicas):
+    """A replica fails every request in flight as a multi-process job that lost a process does (`fail_all` with
+    the loss, a `server_error` event in each stream): the router does not relay the error but takes each stream
+    over on the other replica, whose tokens it continues exactly."""
+    _, urls = replicas
+    doomed = Server(load_model(), ServerConfig(model_name=MODEL), max_slots=2, max_len=96, prefill_chunk=8,
+                    batch_invariant=True)
+    doomed.engine.warmup()
+    doomed_url, stop_doomed = serve_in_thread(doomed.app)
+    prompts = PROMPTS[:4]
+    expected = [completion(urls[0], p, TOKENS) for p in prompts]
+    router = Router([doomed_url, urls[0]], health_interval=0.2)
+    url, stop = serve_in_thread(router.app)
+    try:
+        got = streams_with_a_fault(url, prompts, lambda: router.replicas[0].in_flight,
+                                   lambda: doomed.loop.fail_all("process 1 of the job is gone (no pulse for 5 s)"))
+        assert got == expected
+        assert router.retries >= 1 and not router.replicas[0].healthy
+    finally:
+        stop()
+        stop_doomed()
+
+
 def test_killed_replica_loses_no_request(replicas):
     """Replica 1 dies while it serves some streams (and others are half sent): every stream still completes."""
     proc, urls = replicas
@@ -128,21 +170,9 @@ def test_killed_replica_loses_no_request(replicas):
     router = Router(urls, health_interval=0.2)
     url, stop = serve_in_thread(router.app)
     try:
-        async def run():
-            firsts = [asyncio.Event() for _ in prompts]
-            async with httpx.AsyncClient(timeout=120) as client:
-                tasks = [asyncio.ensure_future(stream_text(client, url, p, TOKENS, e)) for p, e in zip(prompts, firsts)]
-
-                async def mid_load():  # some streams half sent, and replica 1 still serving some
-                    while not (any(e.is_set() for e in firsts)
-                               and (await client.get(url + "/health")).json()["replicas"][1]["in_flight"]):
-                        await asyncio.sleep(0.02)
-
-                await asyncio.wait_for(mid_load(), 60)
-                os.kill(proc.pid, signal.SIGKILL)
-                return await asyncio.gather(*tasks)
-
-        assert asyncio.run(run()) == expected
+        got = streams_with_a_fault(url, prompts, lambda: router.replicas[1].in_flight,
+                                   lambda: os.kill(proc.pid, signal.SIGKILL))
+        assert got == expected
         health = httpx.get(url + "/health").json()
         assert [r["healthy"] for r in health["replicas"]] == [True, False] and health["retries"] >= 1
     finally:

@@ -4,8 +4,9 @@ It sends each request to a live replica: the one that last served the same promp
 holds those pages) unless that one carries clearly more load than the least-loaded replica, else the
 least-loaded one (requests in flight through this router). Health checks poll each replica's `/health`; a
 replica that fails them, or a connection, is taken out of rotation and comes back when it answers again. A
-request whose replica dies is sent again to another one: before any byte reached the client that is simply
-a retry; mid-stream the router gives the request a seed up front (so a retry draws the same tokens: sampling is
+request whose replica dies, or whose replica's engine fails it (a 5xx answer, or a stream's `server_error` event:
+a multi-process replica that lost a process fails its requests so), is sent again to another one: before any byte
+reached the client that is simply a retry; mid-stream the router gives the request a seed up front (so a retry draws the same tokens: sampling is
 keyed by seed and position) and drops the part of the retried stream the client already has.
 """
 
@@ -41,7 +42,8 @@ class Replica:
 
 
 class ReplicaDown(Exception):
-    """A replica failed while serving (connection error or 5xx): the request goes elsewhere."""
+    """A replica failed while serving (connection error, 5xx, a stream's server error): the request goes
+    elsewhere."""
 
 
 class Diverged(Exception):
@@ -244,6 +246,10 @@ class Router:
                         yield b"data: [DONE]\n\n"
                         return
                     payload = json.loads(line[6:])
+                    error = payload.get("error")
+                    if isinstance(error, dict) and error.get("type") == "server_error":
+                        # the replica's engine failed (a job that lost a process): not the client's to see
+                        raise ReplicaDown(str(error.get("message")))
                     if replayed is not None:
                         payload = _skip_replayed(payload, sent, replayed, started)
                         if payload is None:
