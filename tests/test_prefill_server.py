@@ -1,9 +1,11 @@
 """P/D across hosts: `jaxseek serve --role prefill` (a process of its own, as on another host, prefilling on a
-dp=2 mesh) serves a decode engine here that links to it by address. Outputs equal a single engine's; a link with
+dp=2 mesh) serves a decode engine here that links to it by address. Outputs equal a single engine's, symmetric and
+with V4.1's asymmetric split; a link with
 the wrong key, the wrong split or another model is refused with a reason, as is a second decode engine while one
 is served; the server outlives a decode engine's link, closed or cut mid-prompt, and serves the next (a `Server`
 with `prefill_address`); killed mid-prompt, it leaves its requests to the decode engine, which finishes them alike."""
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -19,7 +21,7 @@ from model import load_model
 from serving.api.prefill_link import KEY_ENV, connect
 from serving.base.engine_config import EngineConfig
 from serving.core.engine import Engine
-from tests.test_disagg import ENGINE, PARAMS, TEXTS, killed_mid_prompt, same
+from tests.test_disagg import ASYMMETRIC, ENGINE, KEEP, PARAMS, TEXTS, killed_mid_prompt, same
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-secret"
@@ -34,26 +36,33 @@ def setup():
     return model, prompts, engine.generate(prompts, PARAMS)
 
 
-@pytest.fixture(scope="module")
-def prefill_server(tmp_path_factory):
-    """`jaxseek serve --role prefill --mesh dp=2` on a free port of 127.0.0.1, with conftest's JAX settings; its
-    address and process."""
-    log = tmp_path_factory.mktemp("prefill") / "server.log"
+@contextlib.contextmanager
+def running_prefill_server(where: Path, *flags: str):
+    """`jaxseek serve --role prefill --mesh dp=2 FLAGS` on a free port of 127.0.0.1, with conftest's JAX
+    settings; its address and process."""
+    log = where / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
     env.update({KEY_ENV: KEY, "JAX_NUM_CPU_DEVICES": "8", "JAX_DEFAULT_MATMUL_PRECISION": "highest",
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
-    address = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "jaxseek.cli", "serve", "--role", "prefill", "--port",
-                             address.split(":")[1], "--mesh", "dp=2", "--compile-cache",
-                             jax.config.jax_compilation_cache_dir], cwd=ROOT, env=env, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
-    end = time.monotonic() + START
-    while "prefill server on" not in log.read_text():
-        assert proc.poll() is None and time.monotonic() < end, log.read_text()
-        time.sleep(0.2)
-    yield address, proc
-    proc.kill()
-    proc.wait()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxseek.cli", "serve", "--role", "prefill", "--port", str(port),
+                             "--mesh", "dp=2", "--compile-cache", jax.config.jax_compilation_cache_dir, *flags],
+                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + START
+        while "prefill server on" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}", proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def prefill_server(tmp_path_factory):
+    with running_prefill_server(tmp_path_factory.mktemp("prefill")) as server:
+        yield server
 
 
 @pytest.fixture
@@ -123,6 +132,32 @@ def test_decode_engines_linked_to_a_prefill_server(setup, prefill_server, key):
         assert server.engine.failure is None
     finally:
         server.engine.close()
+
+
+def test_an_asymmetric_split_with_a_prefill_server(setup, tmp_path, key):
+    """`--pd-split asymmetric` on both sides: the prefill server holds the prefill part alone and prefills each
+    long prompt's head; the decode engine (DSpark, bounded replay) prefills the tail; outputs equal a single
+    engine's."""
+    from model.replay import Replay
+    from serving.api.disagg import DisaggregatedEngine
+
+    model, prompts, _ = setup
+    prompts = [prompts[0], prompts[1], prompts[2] + prompts[1][:30], prompts[3]]
+    single = Engine(model, detokenize=model.tokenizer.decode, replay=Replay("compact", KEEP), prefix_cache=False,
+                    **ASYMMETRIC)
+    reference = single.generate(prompts, PARAMS)
+    with running_prefill_server(tmp_path, "--pd-split", "asymmetric") as (address, _):
+        pd = DisaggregatedEngine(single, prefill_address=address, split="asymmetric")
+        try:
+            ids = [pd.add_request(p, q) for p, q in zip(prompts, PARAMS)]
+            assert len(pd.in_prefill) == 2  # the two prompts longer than KEEP
+            results = pd.run()
+            for rid, expected in zip(ids, reference):
+                same(results[rid], expected)
+            whole = sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
+            assert 0 < pd.prefill_weight_bytes < whole and pd.failure is None
+        finally:
+            pd.close()
 
 
 def test_a_prefill_server_outlives_a_decode_engine_that_dies_mid_prompt(setup, prefill_server, key):
