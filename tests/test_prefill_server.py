@@ -1,9 +1,9 @@
 """P/D across hosts: `jaxseek serve --role prefill` (a process of its own, as on another host, prefilling on a
 dp=2 mesh) serves a decode engine here that links to it by address. Outputs equal a single engine's, symmetric and
-with V4.1's asymmetric split; a link with
-the wrong key, the wrong split or another model is refused with a reason, as is a second decode engine while one
-is served; the server outlives a decode engine's link, closed or cut mid-prompt, and serves the next (a `Server`
-with `prefill_address`); killed mid-prompt, it leaves its requests to the decode engine, which finishes them alike."""
+with V4.1's asymmetric split; a link with the wrong key, the wrong split or another model is refused with a
+reason, as is a second decode engine while one is served; the server outlives a decode engine's link, closed or
+cut mid-prompt, and serves the next (a `Server` with `prefill_address`); killed mid-prompt, it leaves its requests
+to the decode engine, which finishes them alike."""
 
 import contextlib
 import dataclasses
