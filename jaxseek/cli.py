@@ -227,7 +227,7 @@ BENCHMARKS = {  # `jaxseek bench NAME`: the module whose main(argv) runs it
     "grammar": "benchmarks.grammar", "kernels": "benchmarks.kernels", "serving": "benchmarks.serving",
     "startup": "benchmarks.startup", "context": "benchmarks.context", "quant": "benchmarks.quant",
     "layer-programs": "benchmarks.layer_forms", "multiprocess": "benchmarks.multiprocess",
-    "pd-split": "benchmarks.pd_split"}
+    "pd-split": "benchmarks.pd_split", "cp-prefill": "benchmarks.cp_prefill"}
 
 
 def cmd_bench(args) -> int:
