@@ -12,6 +12,9 @@ and XLA's count of its FLOPs read per device (`cost_analysis`, summed over its p
 - `flops_per_device_<chunk>_<context>_cp<C>`, and `..._over_cp1`: the share of the cp=1 FLOPs a device computes.
   The engine splits the attention cores, the indexer's scores and the routed experts over `cp` and keeps the
   projections, compressors and the shared expert replicated, so the share lies between 1/C and 1;
+- XLA also counts the branch that only a step with a prompt-logprobs request takes: the head over every token of
+  the chunk, `scored_head_flops_<chunk>` (2 x hidden x vocab per token, replicated); `..._over_cp1_unscored` is
+  the share without it, what an ordinary prefill step costs a device;
 - `tokens_equal_cp<C>`: whether a prompt of the longest context (several chunks) decodes the cp=1 tokens;
 - `prefill_seconds_<chunk>_cp<C>`: the median of `--repeats` prefills of that prompt (after one that compiles). On a
   CPU the emulated devices share its cores, so this time is no speed-up figure: it is for a GPU host.
@@ -75,7 +78,9 @@ def main(argv=None) -> dict:
     result: dict = {"load_avg_1m_start": round(os.getloadavg()[0], 2), "model": "bundled", "base_mesh": "dp=2",
                     "chunks": args.chunks, "contexts": args.contexts, "cp": args.cp}
     tokens: dict[int, list] = {}
+    rows = SLOTS // 2  # request rows per device of dp=2
     for chunk in args.chunks:
+        result[f"scored_head_flops_{chunk}"] = 2.0 * model.config.hidden_size * model.config.vocab_size * chunk * rows
         for context in args.contexts:
             prompt = ids[:context - 8]
             for cp in [1, *args.cp]:
@@ -84,10 +89,12 @@ def main(argv=None) -> dict:
                 engine = Engine(model, mesh=mesh, max_slots=SLOTS, max_len=context, prefill_chunk=chunk,
                                 prefix_cache=False)
                 flops = step_flops(engine, chunk)
-                result[f"flops_per_device_{chunk}_{context}_cp{cp}"] = flops
+                key = f"flops_per_device_{chunk}_{context}"
+                result[f"{key}_cp{cp}"] = flops
                 if cp > 1:
-                    result[f"flops_per_device_{chunk}_{context}_cp{cp}_over_cp1"] = round(
-                        flops / result[f"flops_per_device_{chunk}_{context}_cp1"], 3)
+                    base, head = result[f"{key}_cp1"], result[f"scored_head_flops_{chunk}"]
+                    result[f"{key}_cp{cp}_over_cp1"] = round(flops / base, 3)
+                    result[f"{key}_cp{cp}_over_cp1_unscored"] = round((flops - head) / (base - head), 3)
                 if context == max(args.contexts):
                     seconds, out = prefill_seconds(engine, prompt, params, args.repeats)
                     result[f"prefill_seconds_{chunk}_cp{cp}"] = round(seconds, 3)
