@@ -8,6 +8,7 @@ to the decode engine, which finishes them alike."""
 import contextlib
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -96,6 +97,9 @@ def test_a_prefill_server_refuses_what_it_cannot_serve(setup, prefill_server, mo
     monkeypatch.setenv(KEY_ENV, KEY)
     with pytest.raises(RuntimeError, match="no prefill server answers at 127.0.0.1:1"):
         connect("127.0.0.1:1")
+    with socket.create_server(("127.0.0.1", 0)) as mute:  # takes the connection, never sends the challenge
+        with pytest.raises(RuntimeError, match="no prefill server took the link at .* within 0.5 s"):
+            connect("127.0.0.1:%d" % mute.getsockname()[1], timeout=0.5)
     assert hello(address, "asymmetric", model.config) == (
         "failed", "ValueError: the decode engine asks for a asymmetric P/D split; this prefill server loaded its "
                   "checkpoint for a symmetric one (--pd-split)")

@@ -19,6 +19,7 @@ import threading
 from multiprocessing.connection import Client, Connection
 
 KEY_ENV = "JAXSEEK_PD_KEY"
+CONNECT_SECONDS = 30.0  # how long a decode engine waits for a prefill server to take its link
 # keep-alive: idle seconds before the first probe, seconds between probes, probes unanswered before the link ends
 KEEP_ALIVE = (10, 5, 3)
 
@@ -53,17 +54,31 @@ def keep_alive(link: Connection) -> None:
         sock.close()
 
 
-def connect(address: str) -> Connection:
-    """An authenticated link to the prefill server at `address`; raises RuntimeError saying why there is none."""
+def connect(address: str, timeout: float = CONNECT_SECONDS) -> Connection:
+    """An authenticated link to the prefill server at `address`, within `timeout` seconds (`Client` itself waits
+    as long as the host's TCP stack and the peer let it); raises RuntimeError saying why there is none."""
     host, port = parse_address(address)
     key = link_key()
-    try:
-        link = Client((host, port), authkey=key)
-    except OSError as e:
-        raise RuntimeError(f"no prefill server answers at {address}: {e}") from e
-    except Exception as e:  # multiprocessing.AuthenticationError and the like
-        raise RuntimeError(f"the prefill server at {address} refused the link ({type(e).__name__}: {e}): is "
-                           f"${KEY_ENV} the same on both hosts?") from e
+    outcome: dict = {}
+
+    def attempt() -> None:
+        try:
+            outcome["link"] = Client((host, port), authkey=key)
+        except Exception as e:
+            outcome["error"] = e
+
+    opening = threading.Thread(target=attempt, daemon=True, name="prefill-connect")
+    opening.start()
+    opening.join(timeout)
+    if opening.is_alive():  # a late link finds no hello and the prefill server drops it
+        raise RuntimeError(f"no prefill server took the link at {address} within {timeout:g} s")
+    error = outcome.get("error")
+    if isinstance(error, OSError):
+        raise RuntimeError(f"no prefill server answers at {address}: {error}") from error
+    if error is not None:  # multiprocessing.AuthenticationError and the like
+        raise RuntimeError(f"the prefill server at {address} refused the link ({type(error).__name__}: {error}): "
+                           f"is ${KEY_ENV} the same on both hosts?") from error
+    link = outcome["link"]
     keep_alive(link)
     return link
 
