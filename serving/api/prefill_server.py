@@ -51,8 +51,7 @@ class PrefillServer:
             if self.session is not None:
                 self.session.join(ENDING_SECONDS)
             if self.session is not None and self.session.is_alive():
-                link.send(("failed", f"the prefill server at {self.address} serves another decode engine"))
-                link.close()
+                _refuse(link, f"the prefill server at {self.address} serves another decode engine")
                 continue
             self.session = threading.Thread(target=self._serve, args=(link,), daemon=True, name="prefill-session")
             self.session.start()
@@ -74,13 +73,15 @@ class PrefillServer:
             link.send(ready(self.engine, self.model))
         except Exception as e:  # the decode side says why; this server waits for the next link
             LOG.warning("a decode engine's link failed: %s", e)
-            try:
-                link.send(("failed", f"{type(e).__name__}: {e}"))
-            finally:
-                link.close()
+            _refuse(link, f"{type(e).__name__}: {e}")
             return
         LOG.info("prefilling for a decode engine")
-        prefill_loop(link, self.engine, split)
+        try:
+            prefill_loop(link, self.engine, split)
+        except Exception:  # a failed step: the link is closed, so the decode engine prefills its requests itself
+            LOG.exception("the prefill engine failed; the next link gets a new one")
+            self.engine, self.settings = None, None
+            return
         LOG.info("the decode engine's link ended")
 
     def _check(self, split: str, model_config) -> None:
@@ -95,6 +96,16 @@ class PrefillServer:
 
     def close(self) -> None:
         self.listener.close()
+
+
+def _refuse(link: Connection, why: str) -> None:
+    """Tell a link's decode engine why it is not served (if it still listens), and close the link."""
+    try:
+        link.send(("failed", why))
+    except OSError:
+        pass
+    finally:
+        link.close()
 
 
 def serve_prefill(args) -> int:

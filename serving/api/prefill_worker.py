@@ -72,9 +72,11 @@ def prefill_loop(link: Connection, engine: Engine, split: str) -> None:
     except (EOFError, OSError):  # the decode side is gone mid-reply
         return
     finally:
-        engine.abort()
-        engine.requests.clear()
-        inbox.close()
+        try:
+            engine.abort()
+            engine.requests.clear()
+        finally:  # the decode side sees the link end even if the engine is broken
+            inbox.close()
 
 
 def _step(link: Connection, engine: Engine, split: str, pending: set[str]) -> None:
