@@ -4,6 +4,7 @@ default model's recipe (`train`), benchmarks (`bench`), layout studies of a mode
 checkpoint conversion (`convert`)."""
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -247,6 +248,16 @@ def cmd_study(args) -> int:
     return run(args)
 
 
+def unused_by_a_prefill_server(args) -> list[str]:
+    """The engine settings given on a `jaxseek serve --role prefill` command line (other than the mesh), which it
+    does not use: it takes the settings of the decode engine that links to it."""
+    from serving.base.engine_config import EngineConfig
+
+    given, default = engine_config(args), EngineConfig(seed=args.seed)
+    return [f.name for f in dataclasses.fields(EngineConfig)
+            if f.name != "mesh" and getattr(given, f.name) != getattr(default, f.name)]
+
+
 def _serve_prefill(args) -> int:
     """`jaxseek serve --role prefill`: a prefill server for a decode engine on another host."""
     from serving.api.prefill_server import serve_prefill
@@ -256,6 +267,9 @@ def _serve_prefill(args) -> int:
     if args.disaggregate or args.prefill_address:
         args.parser.error("--role prefill is the prefill side: --disaggregate and --prefill-address are the decode "
                           "side's")
+    if unused := unused_by_a_prefill_server(args):
+        print(f"jaxseek serve: warning: a prefill server runs the engine settings of the decode engine that links "
+              f"to it, so it does not use {', '.join(unused)}", file=sys.stderr)
     return serve_prefill(args)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxseek.cli import BENCHMARKS, build_parser, main
+from jaxseek.cli import BENCHMARKS, build_parser, main, unused_by_a_prefill_server
 from jaxseek.flags import byte_size, engine_config, package_version
 
 VLLM = ["--max-model-len", "256", "--max-num-seqs", "4", "--no-enable-prefix-caching", "--chat-template", "plain",
@@ -40,6 +40,14 @@ def test_kv_cache_memory_is_a_size_and_excludes_a_page_count():
     _, args = settings(["serve", "--kv-cache-memory", "8GiB", "--num-kv-pages", "64"])
     with pytest.raises(ValueError, match="kv_cache_memory or num_pages, not both"):
         engine_config(args)
+
+
+def test_a_prefill_server_names_the_engine_flags_it_does_not_use():
+    _, args = settings(["serve", "--role", "prefill", "--mesh", "dp=2", "--seed", "3"])
+    assert unused_by_a_prefill_server(args) == []
+    _, args = settings(["serve", "--role", "prefill", "--mesh", "dp=2", "--max-num-seqs", "64", "--max-model-len",
+                        "4096"])
+    assert unused_by_a_prefill_server(args) == ["max_slots", "max_len"]
 
 
 def engine_options(command: list[str]) -> dict[str, str]:
