@@ -197,6 +197,14 @@ def killed_mid_prompt(pd, kill, prompts, reference) -> None:
         pd.close()
 
 
+def test_a_prefill_process_that_cannot_start_says_why(setup, tmp_path):
+    from serving.api.disagg import DisaggregatedEngine
+
+    model = setup[0]
+    with spawn_env(), pytest.raises(RuntimeError, match="the prefill process did not start: .*Error: .*missing"):
+        DisaggregatedEngine(Engine(model, **ENGINE), model_path=tmp_path / "missing")
+
+
 def test_prefill_and_decode_on_meshes_of_different_shapes(setup):
     """Prefill on dp=2 (each rank holds every expert), decode on dp=2,ep=2 (experts split over the ranks): a
     hand-off leaves a rank of the prefill mesh for the decode engine's least loaded rank; tokens, logprobs and text

@@ -110,10 +110,11 @@ class DisaggregatedEngine:
         if kind == "gone":
             why = self._exit()
         if kind != "ready":
-            if self.process is not None:
-                self.process.kill()
             self.link.close()
-            raise RuntimeError(f"the prefill {'process' if self.process else 'server'} did not start: {why}")
+            if self.process is None:
+                raise RuntimeError(f"the prefill server at {prefill_address} did not take this decode engine: {why}")
+            self.process.kill()
+            raise RuntimeError(f"the prefill process did not start: {why}")
         # how the prefill engine is laid out and the bytes of its resident weights, as it reported
         self.prefill_layout, self.prefill_weight_bytes = why
         self.waiting: list[SlotState] = []  # hand-offs waiting for a slot / pages here
