@@ -57,8 +57,10 @@ def _start(thread: threading.Thread) -> threading.Thread:
 def finish(timeout: float = 60.0) -> None:
     """End the job once every process has got here (a recoverable job's shutdown waits for no one): the leader
     shuts the coordination service down; every other process exits at once, with status 0, since a shutdown
-    handshake with a service that may be gone already would fail."""
-    _finishing.set()  # the others stop their pulses from here on: not a loss
+    handshake with a service that may be gone already would fail. A process here says so before its pulse
+    stops, so the others' `watch` does not take a process waiting for them for a lost one."""
+    _client().key_value_set(f"finished/{jax.process_index()}", "1")
+    _finishing.set()  # this process's pulse and watch stop from here on
     for thread in _threads:  # out of the client's calls before it goes (a thread inside one at exit aborts)
         thread.join(timeout=5 * PULSE_SECONDS)
     _client().wait_at_barrier("finish", int(timeout * 1000))
@@ -101,25 +103,34 @@ def watch(on_lost: Callable[[str], None], timeout: float = LOST_SECONDS) -> thre
             on_lost(why)
 
     def run():
-        seen = {i: (None, time.monotonic()) for i in others}
-        while not _finishing.is_set():
+        seen = {i: (None, time.monotonic()) for i in others}  # the processes watched: last beat, when it changed
+        while seen and not _finishing.is_set():
             time.sleep(PULSE_SECONDS)
             now = time.monotonic()
-            for i in others:
+            for i in list(seen):
                 try:
-                    beat = client.key_value_try_get(f"pulse/{i}")
+                    beat = _try_get(client, f"pulse/{i}")  # None: not started yet
+                    if beat != seen[i][0]:
+                        seen[i] = (beat, now)
+                    elif now - seen[i][1] > timeout:
+                        if _try_get(client, f"finished/{i}") is None:
+                            return lose(f"process {i} of the {len(others) + 1}-process job stopped ({timeout:.0f} "
+                                        f"s without a sign of life)")
+                        del seen[i]  # it waits for this one in `finish`
                 except jax.errors.JaxRuntimeError as e:
-                    if "NOT_FOUND" in str(e):
-                        beat = None  # not started yet
-                    else:
-                        return lose(f"the job's coordination service (process 0) cannot be reached ({e})")
-                if beat != seen[i][0]:
-                    seen[i] = (beat, now)
-                elif now - seen[i][1] > timeout:
-                    return lose(f"process {i} of the {len(others) + 1}-process job stopped ({timeout:.0f} s "
-                                   f"without a sign of life)")
+                    return lose(f"the job's coordination service (process 0) cannot be reached ({e})")
 
     return _start(threading.Thread(target=run, name="watch", daemon=True))
+
+
+def _try_get(client, key: str) -> str | None:
+    """The job's value at `key`, or None where none was set."""
+    try:
+        return client.key_value_try_get(key)
+    except jax.errors.JaxRuntimeError as e:
+        if "NOT_FOUND" in str(e):
+            return None
+        raise
 
 
 def leader() -> bool:

@@ -17,6 +17,7 @@ the requests in flight with an error naming it, and every process exits non-zero
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 from jax.sharding import Mesh
@@ -24,6 +25,7 @@ from jax.sharding import Mesh
 from serving.base.engine_config import EngineConfig
 from serving.base.host_choices import Channel
 from sharding.mesh import MeshSpec
+from sharding.multihost import LOST_SECONDS, PULSE_SECONDS
 
 # the calls that change an engine, repeated on every process; the ones run after the leader's own call succeeds
 # (a bad request is refused once, on the leader) take no `HostChoices` values. The leader alone compiles in the
@@ -35,6 +37,14 @@ AFTER_LEADER = ("add_request", "cancel")
 
 class ProcessFailed(RuntimeError):
     """A step of the multi-process engine failed: a process of the job failed or lost touch."""
+
+
+def _failed(message: str, error: jax.errors.JaxRuntimeError) -> ProcessFailed:
+    """`ProcessFailed(message)`, after the time `sharding.multihost.watch` takes to see a lost process: a step's
+    collective fails at once when a peer dies, but only the watch can say which one was lost (it ends this process
+    with that reason); a failure it does not explain is raised as is."""
+    time.sleep(LOST_SECONDS + 4 * PULSE_SECONDS)
+    return ProcessFailed(f"{message}: a process of the job failed or lost touch ({error})")
 
 
 class Leader:
@@ -67,8 +77,7 @@ class Leader:
             try:
                 return value(*args, **kwargs)
             except jax.errors.JaxRuntimeError as e:
-                raise ProcessFailed(f"the {self.processes}-process engine failed in {name}: a process of the job "
-                                    f"failed or lost touch ({e})") from e
+                raise _failed(f"the {self.processes}-process engine failed in {name}", e) from e
 
         return repeated
 
@@ -78,9 +87,11 @@ class Leader:
         self.channel.send(("calls", calls))
 
     def close(self) -> None:
-        """Stop the other processes (after the calls run here so far); once."""
+        """Stop the other processes (after the calls run here so far), once: after this process's background
+        compilation ends (`Engine.close`), so the job's processes reach `sharding.multihost.finish` together."""
         if not self._closed:
             object.__setattr__(self, "_closed", True)
+            self.engine.close()
             self._send(("stop", (), {}))
 
 
@@ -131,8 +142,8 @@ def follow(engine, channel: Channel) -> None:
             try:
                 result = getattr(engine, name)(*args, **kwargs)
             except jax.errors.JaxRuntimeError as e:
-                raise ProcessFailed(f"process {jax.process_index()} of the {jax.process_count()}-process engine "
-                                    f"failed in {name}: a process of the job failed or lost touch ({e})") from e
+                raise _failed(f"process {jax.process_index()} of the {jax.process_count()}-process engine failed "
+                              f"in {name}", e) from e
             if name in ("step", "abort"):
                 for output in result:
                     engine.requests.pop(output.request_id, None)
