@@ -43,6 +43,10 @@ def initialize(coordinator: str, num_processes: int, process_id: int, local_devi
         if local_devices:
             jax.config.update("jax_num_cpu_devices", local_devices)
     jax.config.update("jax_enable_recoverability", True)
+    # The processes trace the same programs from different call sites (the leader's code and `follow`'s), and
+    # under jax 0.12.1 a program whose HLO locations differ between the processes never completes its collectives:
+    # locations keep no Python frames, so every process compiles the same HLO.
+    jax.config.update("jax_traceback_in_locations_limit", 0)
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
                                heartbeat_timeout_seconds=HEARTBEAT_SECONDS, shutdown_timeout_seconds=30)
     _start(threading.Thread(target=_pulse, args=(_client(), process_id), name="pulse", daemon=True))
