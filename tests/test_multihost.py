@@ -2,23 +2,17 @@
 same logits and greedy tokens as one process; a process waiting in `finish` is not taken for a lost one."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.serving import free_port
 from model.initialize import init_model
 from model.config import preset
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -28,7 +22,7 @@ def _env() -> dict:
 
 
 def test_two_processes_equal_one(tmp_path):
-    port, out, env = _port(), tmp_path / "logits.npy", _env()
+    port, out, env = free_port(), tmp_path / "logits.npy", _env()
     procs = [subprocess.Popen([sys.executable, "-m", "sharding.multihost", "--process-id", str(i),
                                "--num-processes", "2", "--port", str(port), "--out", str(out)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -45,18 +39,18 @@ def test_two_processes_equal_one(tmp_path):
 # process 1 ends its part at once; process 0 watches it, then works on for three times `watch`'s limit before it
 # ends too (a leader finishing its last compilation after the others stopped)
 LATE_FINISH = """
-import sys, time
+import os, sys, time
 from sharding import multihost
 multihost.initialize(f"localhost:{sys.argv[1]}", 2, int(sys.argv[2]), 1)
 if multihost.leader():
-    multihost.watch(lambda why: (print("lost:", why, flush=True), multihost.os._exit(3)))
+    multihost.watch(lambda why: (print("lost:", why, flush=True), os._exit(3)))
     time.sleep(3 * multihost.LOST_SECONDS)
 multihost.finish()
 """
 
 
 def test_a_process_waiting_in_finish_is_not_lost():
-    port = _port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", LATE_FINISH, str(port), str(i)], cwd=ROOT, env=_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = [p.communicate(timeout=120)[0] for p in procs]
